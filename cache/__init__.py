@@ -1,0 +1,25 @@
+"""vlaunch.cache: per-rank weight caches and the engine-side loader.
+
+Importing this package is light (no torch): the launcher imports its protocol, fingerprint
+and exit-status modules. `load` and `CacheClient` are imported on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .version import __version__
+
+__all__ = ["CacheClient", "Weights", "__version__", "load"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("load", "Weights"):
+        from . import loader
+
+        return getattr(loader, name)
+    if name == "CacheClient":
+        from .client import CacheClient
+
+        return CacheClient
+    raise AttributeError(name)

@@ -1,0 +1,271 @@
+"""Open a safetensors checkpoint: find its files, validate every header, list its tensors.
+
+Only headers are read (with os.pread); no tensor byte is touched here. A header is trusted only
+after every entry passed validation: a known dtype, a sane shape, data_offsets whose length
+matches shape and dtype, that lie inside the file and that overlap no other tensor. Each
+failure raises CheckpointError naming the file, the tensor and what is wrong.
+
+The identity of a checkpoint is a sha256 over, in file order, each file's name (relative to
+the root), a NUL byte and the file's first 8 + N bytes (the header length and the header),
+then, if there is one, "index" NUL and the index file's bytes. It covers names, dtypes, shapes
+and offsets but not the tensor data, and it does not depend on where the checkpoint lies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .dtypes import DTYPES
+from .errors import CheckpointError, ModelNotFoundError
+
+INDEX_NAME = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100 * 1000 * 1000
+MAX_RANK = 16
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a checkpoint: where its bytes lie in which file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+    begin: int  # absolute byte offset in `file`: 8 + header length + data_offsets[0]
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        """Absolute byte offset just past the tensor's data."""
+        return self.begin + self.nbytes
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A validated checkpoint: its files in order and its tensors in file-then-offset order."""
+
+    root: Path  # the directory holding the files (a single file's parent)
+    files: tuple[Path, ...]
+    tensors: dict[str, TensorEntry]
+    index_file: Path | None
+    identity: str
+    metadata: dict[Path, dict[str, str]]  # every file's __metadata__, {} where it has none
+
+    @property
+    def nbytes(self) -> int:
+        """Total size of all tensors' data."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Find and validate the checkpoint at `path` (a directory or a .safetensors file)."""
+    root, files, index_file = _locate(Path(path).absolute())
+    weight_map: dict[str, str] = {}
+    index_bytes = b""
+    if index_file is not None:
+        index_bytes = index_file.read_bytes()
+        weight_map = _parse_index(index_file, index_bytes)
+        files = _index_files(index_file, weight_map)
+    digest = hashlib.sha256()
+    tensors: dict[str, TensorEntry] = {}
+    metadata: dict[Path, dict[str, str]] = {}
+    for file in files:
+        raw, entries, meta = _read_file(file)
+        digest.update(file.relative_to(root).as_posix().encode() + b"\0" + raw)
+        metadata[file] = meta
+        for entry in entries:
+            if entry.name in tensors:
+                other = tensors[entry.name].file.name
+                raise CheckpointError(file, f"tensor is also in {other}", tensor=entry.name)
+            tensors[entry.name] = entry
+    if index_file is not None:
+        _check_index(index_file, weight_map, tensors)
+        digest.update(b"index\0" + index_bytes)
+    return Checkpoint(root=root, files=files, tensors=tensors, index_file=index_file,
+                      identity=digest.hexdigest(), metadata=metadata)
+
+
+def _locate(path: Path) -> tuple[Path, tuple[Path, ...], Path | None]:
+    """Return the root, the files (unless an index names them) and the index file of `path`."""
+    if not path.exists():
+        raise ModelNotFoundError(f"model path {path} does not exist; pass the directory that "
+                                 "holds the model's .safetensors files, or one such file")
+    if path.is_file():
+        if not path.name.endswith(".safetensors"):
+            raise ModelNotFoundError(f"model path {path} is not a .safetensors file; pass the "
+                                     "directory that holds the model's .safetensors files")
+        return path.parent, (path,), None
+    if (path / INDEX_NAME).is_file():
+        return path, (), path / INDEX_NAME
+    files = tuple(sorted(p for p in path.iterdir()
+                         if p.name.endswith(".safetensors") and not p.is_dir()))
+    if not files:
+        raise ModelNotFoundError(f"model path {path} holds no .safetensors file; download the "
+                                 "model's safetensors weights there, or pass the directory "
+                                 "that holds them (for a Hugging Face cache: snapshots/<rev>)")
+    return path, files, None
+
+
+def _index_files(index_file: Path, weight_map: dict[str, str]) -> tuple[Path, ...]:
+    """Return the files a weight map names, sorted; each must exist."""
+    files = sorted(set(weight_map.values()))
+    for file in files:
+        if not (index_file.parent / file).is_file():
+            tensor = next(t for t, f in weight_map.items() if f == file)
+            raise CheckpointError(index_file, f"weight_map names {file}, which does not exist "
+                                  "(an incomplete download?)", tensor=tensor)
+    return tuple(index_file.parent / f for f in files)
+
+
+def _parse_index(index_file: Path, data: bytes) -> dict[str, str]:
+    """Return the weight_map of an index file: tensor name -> relative file name."""
+    try:
+        index = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(index_file, f"index is not valid JSON: {e}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(index_file, "index has no weight_map object")
+    for tensor, file in weight_map.items():
+        if not isinstance(file, str) or not file.endswith(".safetensors"):
+            raise CheckpointError(index_file, f"weight_map value {file!r} is not a .safetensors "
+                                  "file name", tensor=tensor)
+        if Path(file).is_absolute() or ".." in Path(file).parts:
+            raise CheckpointError(index_file, f"weight_map value {file!r} points outside the "
+                                  "model directory", tensor=tensor)
+    return weight_map
+
+
+def _check_index(index_file: Path, weight_map: dict[str, str],
+                 tensors: dict[str, TensorEntry]) -> None:
+    """Check that every tensor of the weight map lies in the file the map names."""
+    for tensor, file in weight_map.items():
+        entry = tensors.get(tensor)
+        if entry is None:
+            raise CheckpointError(index_file, f"weight_map puts the tensor in {file}, but no "
+                                  "file holds it", tensor=tensor)
+        root = index_file.parent
+        if entry.file != root / file:
+            raise CheckpointError(index_file, f"weight_map puts the tensor in {file}, but it is "
+                                  f"in {entry.file.relative_to(root).as_posix()}", tensor=tensor)
+
+
+def _read_file(file: Path) -> tuple[bytes, list[TensorEntry], dict[str, str]]:
+    """Read and validate one file's header; return its raw bytes, entries and metadata."""
+    try:
+        fd = os.open(file, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CheckpointError(file, "file does not exist (a broken link?)") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < 8:
+            raise CheckpointError(file, f"file is truncated: {size} bytes, fewer than the 8 of "
+                                  "the header length")
+        (hlen,) = struct.unpack("<Q", _pread(fd, 8, 0))
+        if hlen > MAX_HEADER_BYTES:
+            raise CheckpointError(file, f"header length {hlen} exceeds the limit of "
+                                  f"{MAX_HEADER_BYTES} bytes")
+        if hlen > size - 8:
+            raise CheckpointError(file, f"file is truncated: header length {hlen} exceeds file "
+                                  f"size {size}")
+        header = _pread(fd, hlen, 8)
+    finally:
+        os.close(fd)
+    entries, meta = _parse_header(file, header, size)
+    return struct.pack("<Q", hlen) + header, entries, meta
+
+
+def _pread(fd: int, n: int, offset: int) -> bytes:
+    """Read exactly `n` bytes at `offset`."""
+    parts = []
+    while n > 0:
+        chunk = os.pread(fd, n, offset)
+        if not chunk:
+            raise OSError(f"unexpected end of file at offset {offset}")
+        parts.append(chunk)
+        n -= len(chunk)
+        offset += len(chunk)
+    return b"".join(parts)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Build a JSON object, refusing duplicate keys (json.loads would keep the last)."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"key {key!r} appears twice")
+        seen.add(key)
+    return dict(pairs)
+
+
+def _parse_header(file: Path, header: bytes, size: int
+                  ) -> tuple[list[TensorEntry], dict[str, str]]:
+    """Validate a header's JSON; return its entries in offset order and its metadata."""
+    try:
+        obj = json.loads(header.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except UnicodeDecodeError as e:
+        raise CheckpointError(file, f"header is not valid UTF-8: {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(file, f"header is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(file, "header is not a JSON object")
+    meta = obj.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CheckpointError(file, "__metadata__ is not an object of strings")
+    data_start = 8 + len(header)
+    entries = [_entry(file, name, info, data_start, size) for name, info in obj.items()]
+    entries.sort(key=lambda e: (e.begin, e.nbytes))
+    _check_overlaps(file, entries)
+    return entries, meta
+
+
+def _entry(file: Path, name: str, info: object, data_start: int, size: int) -> TensorEntry:
+    """Validate one header entry and return it as a TensorEntry."""
+    if not isinstance(info, dict):
+        raise CheckpointError(file, "entry is not a JSON object", tensor=name)
+    dtype = info.get("dtype")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise CheckpointError(file, f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})",
+                              tensor=name)
+    shape = info.get("shape")
+    if (not isinstance(shape, list) or len(shape) > MAX_RANK
+            or not all(type(d) is int and d >= 0 for d in shape)):
+        raise CheckpointError(file, f"shape {shape!r} is not a list of at most {MAX_RANK} "
+                              "non-negative integers", tensor=name)
+    offsets = info.get("data_offsets")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(type(o) is int for o in offsets) or not 0 <= offsets[0] <= offsets[1]):
+        raise CheckpointError(file, f"data_offsets {offsets!r} is not [begin, end] with "
+                              "0 <= begin <= end", tensor=name)
+    begin, end = offsets
+    need = math.prod(shape) * DTYPES[dtype].itemsize
+    if end - begin != need:
+        dims = ",".join(map(str, shape))
+        raise CheckpointError(file, f"{dtype} tensor of shape [{dims}] needs {need} bytes, "
+                              f"data_offsets give {end - begin}", tensor=name)
+    if data_start + end > size:
+        raise CheckpointError(file, f"data_offsets [{begin}, {end}] end past the end of the "
+                              f"file (size {size})", tensor=name)
+    return TensorEntry(name=name, dtype=dtype, shape=tuple(shape), file=file,
+                       begin=data_start + begin, nbytes=need)
+
+
+def _check_overlaps(file: Path, entries: list[TensorEntry]) -> None:
+    """Raise if two non-empty tensors share a byte; `entries` is sorted by begin."""
+    last: TensorEntry | None = None  # the non-empty tensor that ends furthest
+    for entry in entries:
+        if entry.nbytes == 0:
+            continue
+        if last is not None and entry.begin < last.end:
+            raise CheckpointError(file, f"overlaps tensor {last.name!r} (bytes {entry.begin}.."
+                                  f"{entry.end} and {last.begin}..{last.end} of the file)",
+                                  tensor=entry.name)
+        if last is None or entry.end > last.end:
+            last = entry

@@ -1,0 +1,194 @@
+"""The per-rank cache server: holds a rank's slabs and hands them out as file descriptors.
+
+It serves many clients at once on one Unix socket (asyncio on uvloop). Each connection is a
+lease: the cache knows who mapped what, and a client notices when the cache goes away. A
+client that stalls or sends garbage loses its own connection and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import fingerprint as fp
+from . import protocol, wire
+from .errors import ProtocolError
+from .manifest import Manifest
+from .sockdir import check_peer
+
+log = logging.getLogger("vlaunch.cache")
+FRAME_TIMEOUT = 10.0
+
+
+@dataclass
+class Lease:
+    """One connected client and what it has mapped."""
+
+    pid: int
+    client: str = ""
+    mode: str = ""
+    bytes: int = 0
+    since: float = field(default_factory=time.time)
+
+
+class CacheServer:
+    """Serves one rank's manifest and slab fds on a Unix socket."""
+
+    def __init__(self, *, rank: int, fingerprint: fp.Fingerprint, manifest: Manifest,
+                 fds: list[int], device: str, release: Any = None,
+                 allowed_uids: frozenset[int] | None = None) -> None:
+        self.rank, self.fingerprint, self.manifest = rank, fingerprint, manifest
+        self.fds, self.device = fds, device
+        self.allowed_uids = allowed_uids
+        self.state = "serving"
+        self.leases: dict[int, Lease] = {}
+        self.started = time.time()
+        self._release = release
+        self._next = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def serve(self, path: Path, stop: asyncio.Event) -> None:
+        """Bind `path` (mode 0600), accept clients until `stop` is set, then clean up."""
+        loop = asyncio.get_running_loop()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            listener.bind(str(path))
+        finally:
+            os.umask(old)
+        listener.listen(128)
+        listener.setblocking(False)
+        accept = asyncio.ensure_future(self._accept_loop(loop, listener))
+        await stop.wait()
+        accept.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(accept, *self._tasks, return_exceptions=True)
+        listener.close()
+
+    async def _accept_loop(self, loop: asyncio.AbstractEventLoop, lst: socket.socket) -> None:
+        while True:
+            conn, _ = await loop.sock_accept(lst)
+            conn.setblocking(False)
+            task = asyncio.ensure_future(self._client(loop, conn))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _client(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+        cid = self._next = self._next + 1
+        try:
+            try:
+                pid = check_peer(conn, self.allowed_uids)
+            except ProtocolError as exc:
+                log.warning("rank %d: %s", self.rank, exc)
+                await wire.write_frame(loop, conn, protocol.error("forbidden", str(exc)))
+                return
+            self.leases[cid] = Lease(pid)
+            while True:
+                msg = await wire.read_frame(loop, conn, max_body=protocol.MAX_REQUEST_BODY,
+                                            frame_timeout=FRAME_TIMEOUT)
+                op, fields = protocol.validate_request(msg)
+                reply, fds = self._dispatch(cid, op, fields)
+                await wire.write_frame(loop, conn, reply, fds)
+        except (EOFError, ConnectionError, asyncio.CancelledError):
+            pass
+        except (ProtocolError, TimeoutError, asyncio.TimeoutError) as exc:
+            reason = str(exc) or "stalled in the middle of a frame"
+            log.warning("rank %d: dropping client %s: %s", self.rank, self._who(cid), reason)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    wire.write_frame(loop, conn, protocol.error("protocol", reason)), 1.0)
+        finally:
+            self.leases.pop(cid, None)
+            conn.close()
+
+    def _who(self, cid: int) -> str:
+        lease = self.leases.get(cid)
+        return f"pid {lease.pid}" if lease else f"#{cid}"
+
+    def _dispatch(self, cid: int, op: str, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        if self.state == "released" and op in ("hello", "manifest", "open"):
+            return protocol.error("released", "the cache released its copy after a copy-release "
+                                  "handoff; restart the cache to serve again"), []
+        return getattr(self, f"handle_{op}")(self.leases[cid], f)
+
+    def handle_hello(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """hello: compare the client's fingerprint with ours."""
+        lease.client = f.get("client", "")
+        diff = fp.compare(self.fingerprint, f["fingerprint"])
+        if diff:
+            return protocol.error("mismatch", "fingerprint mismatch",
+                                  mismatch=[list(d) for d in diff]), []
+        return {"ok": True, "fingerprint": self.fingerprint, "rank": self.rank}, []
+
+    def handle_manifest(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """manifest: every tensor's place in the slabs."""
+        return {"ok": True, "manifest": self.manifest.to_wire()}, []
+
+    def handle_open(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """open: send the slab fds (SCM_RIGHTS)."""
+        lease.mode = f["mode"]
+        return {"ok": True, "slabs": len(self.fds)}, list(self.fds)
+
+    def handle_mapped(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """mapped: the client reports what it holds."""
+        lease.mode, lease.bytes = f["mode"], f["bytes"]
+        return {"ok": True}, []
+
+    def handle_drop(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """drop: after a copy-release handoff, free our copy."""
+        if lease.mode != "copy-release":
+            return protocol.error("refused", "drop is only allowed after open(copy-release)"), []
+        log.info("rank %d: copy-release by pid %d: dropping the cache's copy", self.rank,
+                 lease.pid)
+        self.drop()
+        return {"ok": True}, []
+
+    def handle_release(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """release: the client unmapped everything."""
+        lease.bytes, lease.mode = 0, ""
+        return {"ok": True}, []
+
+    def handle_status(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """status: state, memory, leases, fingerprint."""
+        return {"ok": True, "status": self.status()}, []
+
+    def handle_memory(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """memory: bytes held per device."""
+        return {"ok": True, "bytes_held": self.bytes_held()}, []
+
+    def handle_artifact_get(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any],
+                                                                           list[int]]:
+        """artifact_get: not held by this cache (artifacts are a later feature)."""
+        return protocol.error("miss", "no such artifact"), []
+
+    handle_artifact_put = handle_artifact_get
+
+    def bytes_held(self) -> dict[str, int]:
+        """Slab bytes held, keyed by device."""
+        return {self.device: 0 if self.state == "released" else self.manifest.nbytes}
+
+    def status(self) -> dict[str, Any]:
+        """A JSON-able status snapshot."""
+        return {"rank": self.rank, "pid": os.getpid(), "state": self.state,
+                "device": self.device, "backend": self.manifest.backend,
+                "bytes_held": self.bytes_held(), "tensors": len(self.manifest.tensors),
+                "slabs": len(self.manifest.slab_sizes), "uptime": time.time() - self.started,
+                "leases": [vars(x) for x in self.leases.values()],
+                "fingerprint": self.fingerprint}
+
+    def drop(self) -> None:
+        """Close our fds and mappings; memory goes once every client has unmapped."""
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        if self._release:
+            self._release()
+        self.state = "released"

@@ -1,0 +1,82 @@
+"""One error type per failure a user can act on; each carries its process exit status."""
+
+from __future__ import annotations
+
+from .exitcodes import ExitStatus
+
+
+class VlaunchError(Exception):
+    """Base of vlaunch's errors; `status` is the exit status a process ends with."""
+
+    status: ExitStatus = ExitStatus.INTERNAL
+
+
+class UsageError(VlaunchError):
+    """A bad option, environment variable or config value."""
+
+    status = ExitStatus.USAGE
+
+
+class ModelNotFoundError(VlaunchError):
+    """The model path does not exist or holds no safetensors file."""
+
+    status = ExitStatus.NO_MODEL
+
+
+class CheckpointError(VlaunchError):
+    """A checkpoint file failed validation; names the file and, where known, the tensor."""
+
+    status = ExitStatus.BAD_CHECKPOINT
+
+    def __init__(self, file: object, reason: str, tensor: str | None = None) -> None:
+        where = f"{file}" + (f", tensor {tensor!r}" if tensor else "")
+        super().__init__(f"bad checkpoint: {where}: {reason}; re-download or re-save the file")
+        self.file = str(file)
+        self.tensor = tensor
+        self.reason = reason
+
+
+class PlanError(VlaunchError):
+    """The shard plan does not fit the checkpoint or the rank layout."""
+
+    status = ExitStatus.BAD_PLAN
+
+
+class DeviceError(VlaunchError):
+    """The requested device is missing or unusable."""
+
+    status = ExitStatus.NO_DEVICE
+
+
+class SocketDirError(VlaunchError):
+    """The socket directory is unsafe or cannot be used."""
+
+    status = ExitStatus.SOCKET_DIR
+
+
+class CacheBusyError(VlaunchError):
+    """Another cache process holds this rank's lock."""
+
+    status = ExitStatus.CACHE_BUSY
+
+
+class ProtocolError(VlaunchError):
+    """A frame or message broke the wire protocol; the connection is dropped."""
+
+
+class CacheUnavailableError(VlaunchError):
+    """No cache answered on the rank's socket in time."""
+
+
+class CacheBrokenError(VlaunchError):
+    """The cache answered, but with an error or with data that failed validation."""
+
+
+class FingerprintMismatchError(VlaunchError):
+    """The cache holds weights for a different configuration; lists every differing field."""
+
+    def __init__(self, mismatches: list[tuple[str, object, object]]) -> None:
+        fields = "; ".join(f"{f}: cache={c!r} engine={e!r}" for f, c, e in mismatches)
+        super().__init__(f"fingerprint mismatch: {fields}; restart the cache with the engine's "
+                         "model and layout, or start the engine with the cache's")
+        self.mismatches = mismatches

@@ -1,0 +1,93 @@
+"""Exit statuses of every vlaunch process: the launcher and the cache ranks.
+
+The numbers are stable and documented (`vlaunch exit-codes`, docs/exit-codes.md). They avoid
+the codes that already mean something to a shell or to systemd: 1-2 (generic errors, click's
+usage error), 126-127 (exec failures), 128+N (death by signal N) and 200-243 (systemd's own).
+Where a sysexits.h code fits, it is used.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class ExitStatus(enum.IntEnum):
+    """Exit statuses; `EXIT_TABLE` holds what each means and what to do."""
+
+    OK = 0
+    USAGE = 64
+    BAD_CHECKPOINT = 65
+    NO_MODEL = 66
+    RANK_START_FAILED = 68
+    RANK_EXITED = 69
+    INTERNAL = 70
+    NO_DEVICE = 71
+    SOCKET_DIR = 73
+    IO_ERROR = 74
+    CACHE_BUSY = 75
+    SEED_FAILED = 76
+    BAD_PLAN = 78
+    ENGINE_BUDGET = 80
+    ENGINE_CONFIG = 81
+    STOP_TIMEOUT = 82
+
+
+@dataclass(frozen=True)
+class ExitInfo:
+    """One row of the exit-status table."""
+
+    status: ExitStatus
+    who: str
+    meaning: str
+    retry: bool  # would an unchanged restart (systemd Restart=on-failure) help?
+
+
+EXIT_TABLE: tuple[ExitInfo, ...] = (
+    ExitInfo(ExitStatus.OK, "launcher, cache",
+             "Stopped on request (SIGTERM/SIGINT, or the engine finished with "
+             "--stop-on-engine-success); every child exited within the stop timeout.", False),
+    ExitInfo(ExitStatus.USAGE, "launcher, cache",
+             "Bad command line, environment variable or config file.", False),
+    ExitInfo(ExitStatus.BAD_CHECKPOINT, "launcher, cache",
+             "A checkpoint file failed validation (truncated, bad header, overlapping or "
+             "out-of-range tensors, wrong dtype size).", False),
+    ExitInfo(ExitStatus.NO_MODEL, "launcher, cache",
+             "The model path does not exist or holds no .safetensors file.", False),
+    ExitInfo(ExitStatus.RANK_START_FAILED, "launcher",
+             "A cache rank exited before it was ready, with a status that is not in this "
+             "table (a crash, a signal, the OOM killer).", True),
+    ExitInfo(ExitStatus.RANK_EXITED, "launcher",
+             "A cache rank exited while serving; the launcher stopped the engine and the "
+             "other ranks.", True),
+    ExitInfo(ExitStatus.INTERNAL, "launcher, cache", "Internal error (a bug: please report).", True),
+    ExitInfo(ExitStatus.NO_DEVICE, "launcher, cache",
+             "The requested device is missing: no CUDA GPU, an index out of range, or "
+             "cuda-bindings not installed.", False),
+    ExitInfo(ExitStatus.SOCKET_DIR, "launcher, cache",
+             "The socket directory is unsafe or unusable (a symlink, owned by another user, "
+             "group/other permissions, not creatable).", False),
+    ExitInfo(ExitStatus.IO_ERROR, "launcher, cache", "Reading the checkpoint failed (I/O error).",
+             True),
+    ExitInfo(ExitStatus.CACHE_BUSY, "launcher, cache",
+             "Another cache process already holds this rank's lock in the socket directory.",
+             True),
+    ExitInfo(ExitStatus.SEED_FAILED, "launcher, cache",
+             "Seeding from a running replica failed (unreachable, wrong token, fingerprint "
+             "mismatch, truncated stream).", True),
+    ExitInfo(ExitStatus.BAD_PLAN, "launcher, cache",
+             "The shard plan does not fit the checkpoint (a split dimension does not divide "
+             "evenly, a bad plan file or hook, more pipeline stages than layers).", False),
+    ExitInfo(ExitStatus.ENGINE_BUDGET, "launcher",
+             "The engine kept exiting: its restart budget was exhausted.", True),
+    ExitInfo(ExitStatus.ENGINE_CONFIG, "launcher",
+             "The engine exited with a status listed in --engine-config-error-status: a "
+             "configuration error that a restart cannot fix.", False),
+    ExitInfo(ExitStatus.STOP_TIMEOUT, "launcher",
+             "A graceful stop ran past --stop-timeout and children had to be killed with "
+             "SIGKILL.", True),
+)
+
+CONFIG_ERROR_STATUSES: tuple[int, ...] = tuple(int(i.status) for i in EXIT_TABLE
+                                               if not i.retry and i.status != ExitStatus.OK)
+"""Statuses that a restart cannot fix (systemd's RestartPreventExitStatus=)."""

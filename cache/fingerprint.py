@@ -1,0 +1,44 @@
+"""The fingerprint: every field that must match before an engine reuses a cache."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .protocol import VERSION
+from .version import __version__
+
+FIELDS = (
+    "protocol", "vlaunch", "checkpoint", "plan", "tp_size", "tp_rank", "pp_size", "pp_rank",
+    "dp_size", "dp_rank", "dtype", "backend", "device_uuid", "compute_capability", "driver",
+    "torch", "cuda", "kernel_backends", "loader",
+)
+"""Field order as reported; a mismatch lists every differing field."""
+
+Fingerprint = dict[str, str]
+
+
+def build(*, checkpoint: str, plan: str, layout: Mapping[str, int], dtype: str, backend: str,
+          device: Mapping[str, str], kernel_backends: str = "", loader: str = "vlaunch",
+          torch_version: str | None = None) -> Fingerprint:
+    """Assemble a fingerprint from its parts (all values as strings)."""
+    if torch_version is None:
+        import torch
+
+        torch_version = torch.__version__
+    fields: dict[str, Any] = {
+        "protocol": VERSION, "vlaunch": __version__, "checkpoint": checkpoint, "plan": plan,
+        **{k: layout[k] for k in ("tp_size", "tp_rank", "pp_size", "pp_rank", "dp_size",
+                                  "dp_rank")},
+        "dtype": dtype, "backend": backend, "device_uuid": device.get("device_uuid", ""),
+        "compute_capability": device.get("compute_capability", ""),
+        "driver": device.get("driver", ""), "torch": torch_version,
+        "cuda": device.get("cuda", ""), "kernel_backends": kernel_backends, "loader": loader,
+    }
+    return {k: str(fields[k]) for k in FIELDS}
+
+
+def compare(cache: Mapping[str, Any], engine: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Every field whose values differ, as (field, cache value, engine value)."""
+    keys = list(FIELDS) + sorted((set(cache) | set(engine)) - set(FIELDS))
+    return [(k, cache.get(k), engine.get(k)) for k in keys if cache.get(k) != engine.get(k)]

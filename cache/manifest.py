@@ -1,0 +1,152 @@
+"""The manifest: where each tensor of a rank lives in its slabs; packing and views."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import CacheBrokenError
+
+if TYPE_CHECKING:
+    import torch
+
+MAX_TENSORS = 1_000_000
+MAX_NAME = 1024
+MAX_DIMS = 16
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor: its dtype, shape and stride, and the byte range in its slab."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    slab: int
+    offset: int
+    nbytes: int
+    checksum: int | None = None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A rank's slabs (their sizes) and every tensor in them."""
+
+    backend: str
+    slab_sizes: tuple[int, ...]
+    tensors: tuple[TensorRecord, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in slabs."""
+        return sum(self.slab_sizes)
+
+    def to_wire(self) -> dict[str, Any]:
+        """A JSON-able form; tensors as compact rows."""
+        return {"backend": self.backend, "slab_sizes": list(self.slab_sizes),
+                "tensors": [[t.name, t.dtype, list(t.shape), list(t.stride), t.slab, t.offset,
+                             t.nbytes, t.checksum] for t in self.tensors]}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Manifest:
+        """Validate a manifest received from a cache; every field is checked before use."""
+        try:
+            return _parse(obj)
+        except (TypeError, ValueError, KeyError, IndexError) as exc:
+            raise CacheBrokenError(f"invalid manifest from cache: {exc}") from exc
+
+
+def _parse(obj: Any) -> Manifest:
+    from .dtypes import DTYPES
+
+    sizes = tuple(_int(s, "slab size") for s in obj["slab_sizes"])
+    rows = obj["tensors"]
+    if not isinstance(rows, list) or len(rows) > MAX_TENSORS or len(sizes) > 4096:
+        raise ValueError("too many tensors or slabs")
+    tensors = []
+    for row in rows:
+        name, dtype, shape, stride, slab, offset, nbytes, checksum = row
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or dtype not in DTYPES:
+            raise ValueError(f"bad tensor name or dtype in row {row[:2]!r}")
+        if len(shape) > MAX_DIMS or len(stride) != len(shape):
+            raise ValueError(f"{name}: bad rank")
+        shape_t = tuple(_int(d, "dim") for d in shape)
+        stride_t = tuple(_int(d, "stride") for d in stride)
+        slab, offset, nbytes = _int(slab, "slab"), _int(offset, "offset"), _int(nbytes, "nbytes")
+        item = DTYPES[dtype].itemsize
+        if nbytes != math.prod(shape_t) * item or slab >= len(sizes) or offset % item:
+            raise ValueError(f"{name}: size, slab or alignment inconsistent")
+        if nbytes and offset + _span(shape_t, stride_t) * item > sizes[slab]:
+            raise ValueError(f"{name}: extends past the end of slab {slab}")
+        if checksum is not None:
+            _int(checksum, "checksum")
+        tensors.append(TensorRecord(name, dtype, shape_t, stride_t, slab, offset, nbytes,
+                                    checksum))
+    return Manifest(str(obj["backend"]), sizes, tuple(tensors))
+
+
+def _int(value: Any, what: str) -> int:
+    if type(value) is not int or value < 0 or value > 1 << 50:
+        raise ValueError(f"{what} {value!r} is not a bounded non-negative integer")
+    return value
+
+
+def _span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements from the first to one past the last element a strided view touches."""
+    return 1 + sum((d - 1) * s for d, s in zip(shape, stride)) if all(shape) else 0
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides for `shape`."""
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(stride))
+
+
+def pack(items: list[tuple[str, str, tuple[int, ...]]], *, backend: str, alignment: int,
+         max_slab: int) -> Manifest:
+    """Lay (name, dtype, shape) out in as few slabs as `max_slab` allows, aligned."""
+    from .dtypes import DTYPES
+
+    sizes: list[int] = [0]
+    records = []
+    for name, dtype, shape in items:
+        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        offset = -(-sizes[-1] // alignment) * alignment
+        if offset + nbytes > max_slab and sizes[-1] > 0:
+            sizes.append(0)
+            offset = 0
+        records.append(TensorRecord(name, dtype, tuple(shape), contiguous_stride(tuple(shape)),
+                                    len(sizes) - 1, offset, nbytes))
+        sizes[-1] = offset + nbytes
+    sizes = [-(-s // alignment) * alignment or alignment for s in sizes]
+    return Manifest(backend, tuple(sizes), tuple(records))
+
+
+def views(manifest: Manifest, slabs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Named tensors that view the slabs (zero copy): one as_strided per tensor."""
+    import torch
+
+    from .dtypes import to_torch
+
+    typed: dict[tuple[int, str], torch.Tensor] = {}
+    out = {}
+    for t in manifest.tensors:
+        base = typed.get((t.slab, t.dtype))
+        if base is None:
+            base = slabs[t.slab].view(to_torch(t.dtype))
+            typed[(t.slab, t.dtype)] = base
+        item = base.element_size()
+        out[t.name] = torch.as_strided(base, t.shape, t.stride, t.offset // item)
+    return out
+
+
+def with_checksums(manifest: Manifest, checksums: dict[str, int]) -> Manifest:
+    """The same manifest with each tensor's checksum filled in."""
+    tensors = tuple(TensorRecord(**{**asdict(t), "checksum": checksums.get(t.name)})
+                    for t in manifest.tensors)
+    return Manifest(manifest.backend, manifest.slab_sizes, tensors)

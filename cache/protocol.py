@@ -1,0 +1,138 @@
+"""Wire protocol v1: framing and message validation as pure functions over bytes.
+
+A frame is a 16-byte header followed by a JSON body:
+
+    magic  b"VLCH" | version u16 | codec u8 (0 = JSON) | flags u8 | nfds u16 | reserved u16
+    | length u32                                                       (network byte order)
+
+File descriptors ride on the frame whose header announces how many it carries (`nfds`);
+they are attached with SCM_RIGHTS to the header's bytes. Nothing here touches a socket, and
+nothing is ever unpickled: a body is a JSON object whose fields are checked against the
+request's schema, with every length, count and string bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ProtocolError
+
+MAGIC = b"VLCH"
+VERSION = 1
+CODEC_JSON = 0
+HEADER = struct.Struct("!4sHBBHHI")
+HEADER_SIZE = HEADER.size
+MAX_BODY = 64 << 20  # a manifest of a million tensors fits; nothing legitimate is larger
+MAX_REQUEST_BODY = 1 << 20  # requests are small; artifacts are capped separately
+MAX_FDS = 64
+MAX_STRING = 4096
+
+
+@dataclass(frozen=True)
+class Header:
+    """A decoded, validated frame header."""
+
+    nfds: int
+    length: int
+
+
+def encode(message: dict[str, Any], nfds: int = 0) -> bytes:
+    """Serialise one message into a frame (header + JSON body)."""
+    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    if len(body) > MAX_BODY or not 0 <= nfds <= MAX_FDS:
+        raise ProtocolError(f"frame too large: {len(body)} bytes, {nfds} fds")
+    return HEADER.pack(MAGIC, VERSION, CODEC_JSON, 0, nfds, 0, len(body)) + body
+
+
+def decode_header(data: bytes, *, max_body: int = MAX_BODY) -> Header:
+    """Parse and bound-check a frame header."""
+    if len(data) != HEADER_SIZE:
+        raise ProtocolError(f"short header: {len(data)} of {HEADER_SIZE} bytes")
+    magic, version, codec, flags, nfds, reserved, length = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError("bad magic: the peer does not speak the vlaunch protocol")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version} is not supported (this is "
+                            f"version {VERSION}); run the same vlaunch version on both sides")
+    if codec != CODEC_JSON or flags or reserved:
+        raise ProtocolError(f"unknown codec {codec} or flags {flags}/{reserved}")
+    if nfds > MAX_FDS or length > max_body:
+        raise ProtocolError(f"frame too large: {length} bytes (limit {max_body}), {nfds} fds")
+    return Header(nfds, length)
+
+
+def decode_body(data: bytes) -> dict[str, Any]:
+    """Parse a JSON body; it must be an object."""
+    try:
+        obj = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ProtocolError(f"body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("body is not a JSON object")
+    return obj
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not allowed")
+
+
+# Request schemas: field -> (type, required). Unknown fields are refused.
+_STR, _INT, _BOOL, _DICT, _LIST = str, int, bool, dict, list
+REQUESTS: dict[str, dict[str, tuple[type, bool]]] = {
+    "hello": {"fingerprint": (_DICT, True), "client": (_STR, False), "pid": (_INT, False)},
+    "manifest": {},
+    "open": {"mode": (_STR, True)},
+    "mapped": {"bytes": (_INT, True), "mode": (_STR, True)},
+    "drop": {},
+    "release": {},
+    "status": {},
+    "memory": {},
+    "artifact_get": {"kind": (_STR, True), "key": (_STR, True)},
+    "artifact_put": {"kind": (_STR, True), "key": (_STR, True), "data": (_STR, True)},
+}
+MODES = ("share", "copy", "copy-release")
+
+
+def validate_request(msg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Check a request against its schema; returns (op, fields)."""
+    op = msg.get("op")
+    if not isinstance(op, str) or op not in REQUESTS:
+        raise ProtocolError(f"unknown request {str(op)[:64]!r}")
+    schema = REQUESTS[op]
+    fields = {k: v for k, v in msg.items() if k != "op"}
+    for key, value in fields.items():
+        if key not in schema:
+            raise ProtocolError(f"{op}: unknown field {key[:64]!r}")
+        _check_value(f"{op}.{key}", value, schema[key][0])
+    missing = [k for k, (_, required) in schema.items() if required and k not in fields]
+    if missing:
+        raise ProtocolError(f"{op}: missing field(s) {', '.join(missing)}")
+    if op in ("open", "mapped") and fields["mode"] not in MODES:
+        raise ProtocolError(f"{op}: mode must be one of {', '.join(MODES)}")
+    return op, fields
+
+
+def _check_value(where: str, value: Any, kind: type) -> None:
+    if type(value) is not kind:
+        raise ProtocolError(f"{where}: expected {kind.__name__}, got {type(value).__name__}")
+    if kind is str and len(value) > (MAX_REQUEST_BODY if where.endswith(".data")
+                                     else MAX_STRING):
+        raise ProtocolError(f"{where}: string too long")
+    if kind is int and not 0 <= value < 1 << 62:
+        raise ProtocolError(f"{where}: integer out of range")
+    if kind is dict:
+        if len(value) > 256:
+            raise ProtocolError(f"{where}: too many fields")
+        for k, v in value.items():
+            if len(k) > 128 or not isinstance(v, (str, int, float, bool, type(None))):
+                raise ProtocolError(f"{where}: field {k[:64]!r} must be a short scalar")
+            if isinstance(v, str) and len(v) > MAX_STRING:
+                raise ProtocolError(f"{where}.{k[:64]}: string too long")
+
+
+def error(code: str, message: str, **extra: Any) -> dict[str, Any]:
+    """An error reply."""
+    return {"ok": False, "error": code, "message": message, **extra}

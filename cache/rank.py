@@ -1,0 +1,169 @@
+"""The cache rank process: lock, load (or adopt escrowed slabs), bind, report ready, serve."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import fingerprint as fp
+from . import wire
+from .errors import ProtocolError, VlaunchError
+from .exitcodes import ExitStatus
+from .manifest import Manifest
+from .plan import Layout
+from .sockdir import RankLock, ensure_socket_dir
+
+log = logging.getLogger("vlaunch.cache")
+
+
+@dataclass(frozen=True)
+class RankOptions:
+    """Everything a cache rank needs to know."""
+
+    model: str
+    layout: Layout
+    device: str = "cpu"
+    socket_dir: str = ""
+    plan: str = "llama"
+    threads: int = 8
+    checksum: bool | None = None  # None: on for CPU, off for CUDA (it costs a host pass)
+    kernel_backends: str = ""
+    loader: str = "vlaunch"
+    ready_fd: int = -1
+    adopt_fd: int = -1
+
+
+def main(opts: RankOptions) -> int:
+    """Run a cache rank to completion; returns its exit status."""
+    rank = opts.layout.global_rank
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s vlaunch-cache[rank {rank} pid {os.getpid()}] "
+                               "%(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, _exit_quietly)  # while loading; the loop takes over later
+    try:
+        return _run(opts, rank)
+    except VlaunchError as exc:
+        log.error("%s", exc)
+        return int(exc.status)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _exit_quietly(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _run(opts: RankOptions, rank: int) -> int:
+    from .slabs import get_backend
+    from .sockdir import default_socket_dir
+
+    directory = ensure_socket_dir(opts.socket_dir or default_socket_dir())
+    lock = RankLock(directory, rank)
+    lock.acquire()
+    try:
+        backend = get_backend(opts.device)
+        if opts.adopt_fd >= 0:
+            manifest, fds, fingerprint, release = _adopt(opts.adopt_fd)
+        else:
+            manifest, fds, fingerprint, release = _load(opts, backend, rank)
+        from .daemon import CacheServer
+
+        server = CacheServer(rank=rank, fingerprint=fingerprint, manifest=manifest, fds=fds,
+                             device=backend.device, release=release)
+        asyncio_run(_serve(server, lock, opts))
+        log.info("stopped; socket and lock removed")
+        return int(ExitStatus.OK)
+    finally:
+        lock.release()
+
+
+def _load(opts: RankOptions, backend: Any, rank: int) -> tuple[Manifest, list[int],
+                                                               fp.Fingerprint, Any]:
+    from .manifest import with_checksums
+    from .reader import checksums
+    from .shard import load_shard
+
+    shard = load_shard(opts.model, opts.plan, opts.layout, backend, threads=opts.threads,
+                       label=f"rank {rank} loading")
+    manifest = shard.manifest
+    if opts.checksum if opts.checksum is not None else backend.name == "cpu":
+        manifest = with_checksums(manifest, checksums(manifest, shard.tensors, opts.threads))
+    for slab in shard.slabs:
+        slab.seal()
+    fds = [slab.export_fd() for slab in shard.slabs]
+    log.info("loaded %d tensors, %.2f GB in %d slab(s) on %s in %.2fs (%.2f GB/s)",
+             len(manifest.tensors), manifest.nbytes / 1e9, len(fds), backend.device,
+             shard.seconds, manifest.nbytes / 1e9 / max(shard.seconds, 1e-9))
+    fingerprint = fp.build(checkpoint=shard.checkpoint.identity, plan=shard.plan_identity,
+                           layout=opts.layout.as_dict(), dtype="checkpoint",
+                           backend=backend.name, device=backend.device_info(),
+                           kernel_backends=opts.kernel_backends, loader=opts.loader)
+
+    def release() -> None:
+        shard.tensors.clear()
+        for slab in shard.slabs:
+            slab.release()
+
+    return manifest, fds, fingerprint, release
+
+
+def _adopt(fd: int) -> tuple[Manifest, list[int], fp.Fingerprint, Any]:
+    """Take over escrowed slabs (fds + manifest) from the launcher instead of loading."""
+    with socket.socket(fileno=fd) as sock:
+        msg, fds = wire.recv_frame(sock)
+    if msg.get("event") != "escrow" or not isinstance(msg.get("fingerprint"), dict):
+        raise ProtocolError("adopt channel did not carry an escrow frame")
+    manifest = Manifest.from_wire(msg["manifest"])
+    if len(fds) != len(manifest.slab_sizes):
+        raise ProtocolError(f"escrow carries {len(fds)} fds for {len(manifest.slab_sizes)} slabs")
+    log.info("adopted %d escrowed slab(s), %.2f GB, without reading the checkpoint",
+             len(fds), manifest.nbytes / 1e9)
+    return manifest, fds, {str(k): str(v) for k, v in msg["fingerprint"].items()}, None
+
+
+def asyncio_run(coro: Any) -> None:
+    """Run a coroutine on uvloop."""
+    import uvloop
+
+    uvloop.run(coro)
+
+
+async def _serve(server: Any, lock: RankLock, opts: RankOptions) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    task = asyncio.ensure_future(server.serve(lock.socket, stop))
+    while not lock.socket.exists() and not task.done():
+        await asyncio.sleep(0.001)
+    if not task.done():
+        _report_ready(server, lock, opts)
+    await task
+
+
+def _report_ready(server: Any, lock: RankLock, opts: RankOptions) -> None:
+    """Tell whoever waits: the launcher (ready fd, with escrow), systemd, and the log."""
+    rank = server.rank
+    log.info("ready: serving %.2f GB on %s", server.manifest.nbytes / 1e9, lock.socket)
+    if opts.ready_fd >= 0:
+        with socket.socket(fileno=opts.ready_fd) as sock:
+            wire.send_frame(sock, {"event": "ready", "rank": rank, "pid": os.getpid(),
+                                   "socket": str(lock.socket), "at": time.time(),
+                                   "bytes": server.manifest.nbytes,
+                                   "device": server.device,
+                                   "manifest": server.manifest.to_wire(),
+                                   "fingerprint": server.fingerprint}, server.fds)
+    if os.environ.get("NOTIFY_SOCKET"):
+        import sdnotify
+
+        with contextlib.suppress(OSError):
+            sdnotify.SystemdNotifier().notify(f"READY=1\nSTATUS=rank {rank} serving")

@@ -1,0 +1,94 @@
+"""A rank's shard: plan it, pack it into slabs, read it; shared by the cache and the fallback."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .checkpoint import Checkpoint, open_checkpoint
+from .manifest import Manifest, pack, views
+from .plan import HookPlan, Layout, load_plan, plan_rank
+
+if TYPE_CHECKING:
+    import torch
+
+    from .slabs import Backend
+
+MAX_SLAB = 64 << 30
+
+
+@dataclass
+class Shard:
+    """What a rank holds: manifest, slab tensors and the objects that own the memory."""
+
+    manifest: Manifest
+    slabs: list[Any]
+    tensors: list[torch.Tensor]
+    checkpoint: Checkpoint
+    plan_identity: str
+    seconds: float
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """Named zero-copy views over the slabs."""
+        return views(self.manifest, self.tensors)
+
+
+def load_shard(model: str, plan_spec: str, layout: Layout, backend: Backend, *,
+               threads: int = 8, label: str = "loading") -> Shard:
+    """Plan, allocate and read a rank's shard into fresh slabs of `backend`."""
+    from .reader import fill
+
+    start = time.perf_counter()
+    ckpt = open_checkpoint(model)
+    plan = load_plan(plan_spec)
+    if isinstance(plan, HookPlan):
+        return _from_hook(ckpt, plan, layout, backend, start)
+    specs = plan_rank(ckpt, plan, layout)
+    manifest = pack([(s.name, s.dtype, s.shape) for s in specs], backend=backend.name,
+                    alignment=backend.alignment, max_slab=MAX_SLAB)
+    slabs = [backend.allocate(size) for size in manifest.slab_sizes]
+    tensors = [s.tensor() for s in slabs]
+    fill(specs, manifest, tensors, threads=threads, label=label)
+    return Shard(manifest, slabs, tensors, ckpt, plan.identity, time.perf_counter() - start)
+
+
+def _from_hook(ckpt: Checkpoint, plan: HookPlan, layout: Layout, backend: Backend,
+               start: float) -> Shard:
+    """Let an engine's hook build the rank's tensors, then pack them into slabs."""
+    from .dtypes import from_torch
+
+    built = plan.build(ckpt, layout)
+    items = [(name, from_torch(t.dtype), tuple(t.shape)) for name, t in built.items()]
+    manifest = pack(items, backend=backend.name, alignment=backend.alignment,
+                    max_slab=MAX_SLAB)
+    slabs = [backend.allocate(size) for size in manifest.slab_sizes]
+    tensors = [s.tensor() for s in slabs]
+    for name, view in views(manifest, tensors).items():
+        view.copy_(built[name])
+    return Shard(manifest, slabs, tensors, ckpt, plan.identity, time.perf_counter() - start)
+
+
+class PlainBackend:
+    """Ordinary tensors as slabs: the disk fallback reads into the engine's own memory."""
+
+    name = "plain"
+    alignment = 256
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def allocate(self, size: int) -> _PlainSlab:
+        """A plain uint8 tensor on the device."""
+        return _PlainSlab(size, self.device)
+
+
+class _PlainSlab:
+    def __init__(self, size: int, device: str) -> None:
+        import torch
+
+        self.size = size
+        self._t = torch.empty(size, dtype=torch.uint8, device=device)
+
+    def tensor(self) -> torch.Tensor:
+        return self._t

@@ -1,0 +1,138 @@
+"""Slabs: few large allocations that hold a rank's tensors, exported as file descriptors.
+
+One interface, two backends. The CPU backend lives here (memfd_create + mmap); the CUDA
+backend (VMM allocations with the POSIX-fd handle type) lives in `slabs_cuda`. Either way a
+slab is a file descriptor: it crosses a Unix socket with SCM_RIGHTS, and an open fd or a live
+mapping keeps the memory alive after the process that allocated it has died.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import warnings
+from typing import TYPE_CHECKING, Protocol
+
+from .errors import CacheBrokenError, DeviceError
+
+if TYPE_CHECKING:
+    import torch
+
+# F_SEAL_FUTURE_WRITE (Linux 5.1): no new writable mapping, while the cache's own stays.
+F_SEAL_FUTURE_WRITE = 0x0010
+
+
+class Slab(Protocol):
+    """An allocation owned by this process."""
+
+    size: int
+
+    def export_fd(self) -> int:
+        """Return a new file descriptor for the slab; the caller closes it."""
+
+    def tensor(self) -> torch.Tensor:
+        """A uint8 tensor over the whole slab (the mapping lives as long as it does)."""
+
+    def seal(self) -> None:
+        """Make later imports read-only where the backend can enforce it."""
+
+    def release(self) -> None:
+        """Drop this process's handle; the memory goes when the last fd and mapping do."""
+
+
+class Backend(Protocol):
+    """Allocates slabs and maps slabs that other processes exported."""
+
+    name: str
+    device: str
+    alignment: int
+
+    def allocate(self, size: int) -> Slab:
+        """Allocate a slab of at least `size` bytes."""
+
+    def import_fd(self, fd: int, size: int, *, readonly: bool) -> torch.Tensor:
+        """Map an exported slab; returns a uint8 tensor that owns the mapping."""
+
+
+class CpuSlab:
+    """A memfd with a shared mapping: the CPU backend's slab."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._fd = os.memfd_create("vlaunch-slab", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(self._fd, max(size, 1))
+        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        self._map: mmap.mmap | None = mmap.mmap(self._fd, max(size, 1))
+        self._tensor: torch.Tensor | None = None
+
+    def export_fd(self) -> int:
+        """Return a duplicate of the memfd."""
+        return os.dup(self._fd)
+
+    def tensor(self) -> torch.Tensor:
+        """A writable uint8 tensor over the mapping."""
+        if self._tensor is None:
+            self._tensor = _tensor_over(self._map, self.size)
+        return self._tensor
+
+    def seal(self) -> None:
+        """Forbid new writable mappings (clients map read-only in share mode)."""
+        with contextlib.suppress(OSError):  # kernels before 5.1 lack FUTURE_WRITE
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
+
+    def release(self) -> None:
+        """Close the fd and drop the cache's own mapping reference."""
+        self._tensor = None
+        self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class CpuBackend:
+    """memfd_create + mmap: the same protocol as CUDA, on any Linux machine."""
+
+    name = "cpu"
+    device = "cpu"
+    alignment = 256
+
+    def allocate(self, size: int) -> CpuSlab:
+        """Allocate a sealed-size memfd slab."""
+        return CpuSlab(size)
+
+    def import_fd(self, fd: int, size: int, *, readonly: bool) -> torch.Tensor:
+        """Map a memfd another process sent; refuses one smaller than announced."""
+        actual = os.fstat(fd).st_size
+        if actual < size:
+            raise CacheBrokenError(f"slab fd holds {actual} bytes, manifest says {size}")
+        prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
+        return _tensor_over(mmap.mmap(fd, max(size, 1), prot=prot), size)
+
+    def device_info(self) -> dict[str, str]:
+        """Fingerprint fields of the device."""
+        return {"device_uuid": "cpu", "compute_capability": "", "driver": ""}
+
+
+def _tensor_over(buf: mmap.mmap | None, size: int) -> torch.Tensor:
+    """A uint8 tensor over a mapping; the tensor holds the mapping alive."""
+    import torch
+
+    if buf is None:
+        raise CacheBrokenError("slab was released")
+    with warnings.catch_warnings():  # read-only share mappings are intended
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=torch.uint8, count=max(size, 1))[:size]
+
+
+def get_backend(device: str) -> Backend:
+    """The backend for `cpu`, `cuda` or `cuda:N`."""
+    if device == "cpu":
+        return CpuBackend()
+    if device == "cuda" or device.startswith("cuda:"):
+        from .slabs_cuda import CudaBackend
+
+        index = int(device.partition(":")[2] or 0)
+        return CudaBackend(index)
+    raise DeviceError(f"unknown device {device!r}; use cpu, cuda or cuda:N")

@@ -1,0 +1,105 @@
+"""The socket directory: where each rank's socket lives, who may use it, one cache per rank."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import stat
+import struct
+from pathlib import Path
+
+from .errors import CacheBusyError, ProtocolError, SocketDirError
+
+MAX_SUN_PATH = 107
+
+
+def default_socket_dir() -> Path:
+    """$VLAUNCH_SOCKET_DIR, else $XDG_RUNTIME_DIR/vlaunch, else /tmp/vlaunch-<uid>."""
+    if os.environ.get("VLAUNCH_SOCKET_DIR"):
+        return Path(os.environ["VLAUNCH_SOCKET_DIR"])
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "vlaunch"
+    return Path(f"/tmp/vlaunch-{os.geteuid()}")
+
+
+def ensure_socket_dir(path: Path | str, *, create: bool = True) -> Path:
+    """Create (0700) or check the directory: a real directory, ours, no group/other access."""
+    path = Path(path)
+    if create:
+        with contextlib.suppress(FileExistsError):
+            path.mkdir(mode=0o700, parents=True)
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise SocketDirError(f"socket directory {path} is not usable: {exc.strerror}; create it "
+                             "or pass --socket-dir") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise SocketDirError(f"socket directory {path} is a symlink or not a directory; "
+                             "point --socket-dir at a real directory")
+    if st.st_uid != os.geteuid():
+        raise SocketDirError(f"socket directory {path} is owned by uid {st.st_uid}, not "
+                             f"{os.geteuid()}; use a directory of your own")
+    if st.st_mode & 0o077:
+        raise SocketDirError(f"socket directory {path} has mode {stat.S_IMODE(st.st_mode):04o}; "
+                             f"run chmod 700 {path}")
+    return path
+
+
+def socket_path(directory: Path | str, rank: int) -> Path:
+    """The socket of global rank `rank`."""
+    path = Path(directory) / f"rank-{rank}.sock"
+    if len(os.fsencode(path)) > MAX_SUN_PATH:
+        raise SocketDirError(f"socket path {path} is longer than {MAX_SUN_PATH} bytes; use a "
+                             "shorter --socket-dir")
+    return path
+
+
+class RankLock:
+    """An exclusive flock per rank: one cache per rank; the holder removes stale sockets."""
+
+    def __init__(self, directory: Path, rank: int) -> None:
+        self.path = directory / f"rank-{rank}.lock"
+        self.socket = socket_path(directory, rank)
+        self._fd = -1
+
+    def acquire(self) -> None:
+        """Take the lock or raise CacheBusyError; then clear a stale socket file."""
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                           0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            self._fd = -1
+            raise CacheBusyError(f"another cache process holds {self.path}; stop it first or "
+                                 "use another --socket-dir") from None
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(self.socket).st_mode):
+                os.unlink(self.socket)
+
+    def release(self) -> None:
+        """Remove the socket and the lock file, then drop the lock."""
+        if self._fd < 0:
+            return
+        for p in (self.socket, self.path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+        os.close(self._fd)
+        self._fd = -1
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", raw)
+
+
+def check_peer(sock: socket.socket, allowed_uids: frozenset[int] | None = None) -> int:
+    """Refuse a peer that runs as another user; returns its pid."""
+    pid, uid, _ = peer_credentials(sock)
+    if uid not in (allowed_uids or {os.geteuid()}):
+        raise ProtocolError(f"peer pid {pid} runs as uid {uid}, not {os.geteuid()}: refused; "
+                            "run the engine and the cache as the same user")
+    return pid

@@ -1,0 +1,125 @@
+"""Frames on real sockets: blocking helpers for clients, asyncio helpers for the daemon."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import os
+import socket
+from typing import Any
+
+from . import protocol
+from .errors import ProtocolError
+
+_CMSG_SPACE = socket.CMSG_SPACE(protocol.MAX_FDS * 4)
+
+
+def _ancillary(fds: list[int]) -> list[tuple[int, int, bytes]]:
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+
+
+def send_frame(sock: socket.socket, message: dict[str, Any], fds: list[int] = ()) -> None:  # type: ignore[assignment]
+    """Send one frame; fds ride on its first byte."""
+    data = protocol.encode(message, len(fds))
+    sent = sock.sendmsg([data], _ancillary(list(fds)))
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def recv_frame(sock: socket.socket, *, max_body: int = protocol.MAX_BODY,
+               ) -> tuple[dict[str, Any], list[int]]:
+    """Receive one frame and the fds it announces (close-on-exec); EOF raises EOFError."""
+    head = bytearray()
+    fds: list[int] = []
+    while len(head) < protocol.HEADER_SIZE:
+        data, anc, flags, _ = sock.recvmsg(protocol.HEADER_SIZE - len(head), _CMSG_SPACE,
+                                           socket.MSG_CMSG_CLOEXEC)
+        fds.extend(_fds_from(anc))
+        if flags & socket.MSG_CTRUNC:
+            _close(fds)
+            raise ProtocolError("too many file descriptors in one frame")
+        if not data:
+            _close(fds)
+            raise EOFError("connection closed")
+        head += data
+    try:
+        header = protocol.decode_header(bytes(head), max_body=max_body)
+        if header.nfds != len(fds):
+            raise ProtocolError(f"frame announces {header.nfds} fds but carries {len(fds)}")
+        return protocol.decode_body(_recv_exact(sock, header.length)), fds
+    except BaseException:
+        _close(fds)
+        raise
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if not k:
+            raise EOFError("connection closed in the middle of a frame")
+        got += k
+    return bytes(buf)
+
+
+def _fds_from(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[: len(data) - len(data) % arr.itemsize])
+            fds.extend(arr)
+    return fds
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+async def read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, *,
+                     max_body: int, frame_timeout: float) -> dict[str, Any]:
+    """Read one fd-less frame; a peer that stalls mid-frame is cut off after frame_timeout."""
+    head = await _read_exact(loop, sock, protocol.HEADER_SIZE, None)
+    header = protocol.decode_header(head, max_body=max_body)
+    if header.nfds:
+        raise ProtocolError("requests may not carry file descriptors")
+    body = await _read_exact(loop, sock, header.length, frame_timeout)
+    return protocol.decode_body(body)
+
+
+async def _read_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int,
+                      timeout: float | None) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await asyncio.wait_for(loop.sock_recv(sock, n - len(buf)), timeout)
+        if not chunk:
+            raise EOFError("connection closed")
+        buf += chunk
+        timeout = timeout or 10.0  # once a frame has started, it must finish promptly
+    return bytes(buf)
+
+
+async def write_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                      message: dict[str, Any], fds: list[int] = ()) -> None:  # type: ignore[assignment]
+    """Send one frame (with fds) on a non-blocking socket."""
+    data = protocol.encode(message, len(fds))
+    while True:
+        try:
+            sent = sock.sendmsg([data], _ancillary(list(fds)))
+            break
+        except BlockingIOError:
+            await _writable(loop, sock)
+    if sent < len(data):
+        await loop.sock_sendall(sock, data[sent:])
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    fut = loop.create_future()
+    loop.add_writer(sock.fileno(), lambda: fut.done() or fut.set_result(None))
+    try:
+        await fut
+    finally:
+        loop.remove_writer(sock.fileno())

@@ -1,0 +1,1 @@
+"""vlaunch.launcher: the `vlaunch` command and the supervisor. Never imports torch."""

@@ -1,0 +1,891 @@
+"""The supervisor's decisions: a pure state machine that takes events and returns actions.
+
+Nothing here touches a process, a clock, a socket or a logger (the h11 shape). The asyncio
+executor feeds `Supervisor.handle` one event at a time (a child exited, a signal arrived, a
+tick) and executes the actions it returns, in order: spawn, signal, notify, log, exit. Time
+arrives inside the events (`now`, monotonic seconds), so a test replays a whole history in
+microseconds.
+
+Contract with the executor:
+
+- `Started` comes first, exactly once; any other event before it, or a second `Started`, or a
+  rank that is not in `SupervisorConfig.ranks`, raises `SupervisorProtocolError` (a bug).
+- Every `SpawnCache`/`SpawnEngine` is answered by `Spawned` (with the pid) and later by one
+  `ChildExited`. A spawn that fails outright (exec error) is reported as a `ChildExited` with
+  the status the executor chose (127 for a missing program, like a shell), no `Spawned` needed.
+- `SignalChild` and `KillAll` address a child's process group: children run in their own.
+- `Tick` arrives often (every 0.1-0.25 s is plenty): backoff, stop timeout, the SIGHUP kill
+  deadline, `WATCHDOG=1` and `EXTEND_TIMEOUT_USEC` all fire on the first tick at or after
+  their time.
+- Engine readiness, by `SupervisorConfig.engine_readiness`: "notify": the executor relays the
+  engine's own sd_notify `READY=1` as `EngineReady`; "http": it polls the health URL and sends
+  `EngineReady` when it first answers, then `EngineHealth` for each later probe; "none": the
+  engine's `Spawned` counts as ready (an `EngineReady` sent anyway is ignored).
+- `Exit` is the last action ever returned; later events return nothing. The executor exits
+  with `Exit.status` after its sweep (psutil) of anything left.
+- `Notify` fields are sd_notify assignments in order; the executor adds `MONOTONIC_USEC` to
+  a message that carries `RELOADING=1`.
+- `Log.level` is a `logging` level name ("INFO", "WARNING", "ERROR").
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import signal
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any, Literal
+
+from vlaunch.cache.exitcodes import EXIT_TABLE, ExitStatus
+
+Role = Literal["cache", "engine"]
+RankPolicy = Literal["shutdown", "respawn"]
+Readiness = Literal["notify", "http", "none"]
+
+EXTEND_EVERY = 10.0
+"""Seconds between two `EXTEND_TIMEOUT_USEC` messages until the first `READY=1`."""
+EXTEND_BY = 3 * EXTEND_EVERY
+"""Seconds each `EXTEND_TIMEOUT_USEC` grants: three missed ticks before systemd gives up."""
+
+CACHE_STATUSES: frozenset[int] = frozenset(
+    int(row.status) for row in EXIT_TABLE if "cache" in row.who and row.status != ExitStatus.OK)
+"""Documented statuses a cache rank exits with; the launcher passes them on unchanged."""
+
+_SIGNAL_HINTS = {
+    # Nobody sends SIGKILL to a cache rank by accident; the kernel's OOM killer (or a cgroup's
+    # memory limit) does, and it leaves no trace in the rank's own log.
+    signal.SIGKILL: "the OOM killer?",
+    # SIGBUS on an mmap'd checkpoint means the file shrank or its disk failed under the reader.
+    signal.SIGBUS: "a checkpoint file truncated or unreadable while mapped?",
+}
+
+
+class SupervisorProtocolError(RuntimeError):
+    """The executor fed an event that cannot happen: a bug in the executor, not in a child."""
+
+
+# --------------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    """What this node runs and the supervisor's policies; validated on construction."""
+
+    ranks: tuple[int, ...]
+    has_engine: bool
+    restart_max: int = 5
+    restart_window: float = 300.0
+    stable_after: float = 60.0
+    backoff_initial: float = 0.5
+    backoff_max: float = 30.0
+    backoff_factor: float = 2.0
+    stop_timeout: float = 30.0
+    engine_config_error_statuses: frozenset[int] = frozenset({78})
+    on_rank_exit: RankPolicy = "shutdown"
+    engine_readiness: Readiness = "none"
+    stop_on_engine_success: bool = False
+    watchdog_interval: float | None = None
+
+    def __post_init__(self) -> None:
+        """Normalise the collections and raise ValueError naming every invalid field."""
+        object.__setattr__(self, "ranks", tuple(self.ranks))
+        statuses = frozenset(self.engine_config_error_statuses)
+        object.__setattr__(self, "engine_config_error_statuses", statuses)
+        problems = list(_config_problems(self))
+        if problems:
+            raise ValueError("invalid supervisor config: " + "; ".join(problems))
+
+
+def _config_problems(c: SupervisorConfig) -> Iterator[str]:
+    """Yield one message per invalid field of `c`."""
+    if not c.ranks or len(set(c.ranks)) != len(c.ranks) or not all(_is_count(r) for r in c.ranks):
+        yield f"ranks must be distinct non-negative integers, at least one (got {c.ranks!r})"
+    if not _is_count(c.restart_max):
+        yield f"restart_max must be an integer >= 0 (got {c.restart_max!r})"
+    for name in ("restart_window", "stop_timeout"):
+        if not _finite(getattr(c, name)) or getattr(c, name) <= 0:
+            yield f"{name} must be a finite number > 0 (got {getattr(c, name)!r})"
+    for name in ("stable_after", "backoff_initial"):
+        if not _finite(getattr(c, name)) or getattr(c, name) < 0:
+            yield f"{name} must be a finite number >= 0 (got {getattr(c, name)!r})"
+    if not _finite(c.backoff_max) or c.backoff_max < c.backoff_initial:
+        yield f"backoff_max must be finite and >= backoff_initial (got {c.backoff_max!r})"
+    if not _finite(c.backoff_factor) or c.backoff_factor < 1:
+        yield f"backoff_factor must be a finite number >= 1 (got {c.backoff_factor!r})"
+    if not all(_is_count(s) and 0 < s < 256 for s in c.engine_config_error_statuses):
+        yield "engine_config_error_statuses must be exit codes 1-255"
+    if c.on_rank_exit not in ("shutdown", "respawn"):
+        yield f"on_rank_exit must be 'shutdown' or 'respawn' (got {c.on_rank_exit!r})"
+    if c.engine_readiness not in ("notify", "http", "none"):
+        yield f"engine_readiness must be 'notify', 'http' or 'none' (got {c.engine_readiness!r})"
+    if c.watchdog_interval is not None and not (_finite(c.watchdog_interval)
+                                                and c.watchdog_interval > 0):
+        yield f"watchdog_interval must be None or > 0 (got {c.watchdog_interval!r})"
+
+
+def _is_count(value: object) -> bool:
+    """Whether `value` is a plain non-negative int (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _finite(value: object) -> bool:
+    """Whether `value` is a real, finite number."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# --------------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Started:
+    """The executor's loop began; the first event, exactly once."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class CacheReady:
+    """A cache rank bound its socket: its whole shard is loaded and served."""
+
+    rank: int
+    now: float
+
+
+@dataclass(frozen=True)
+class ChildExited:
+    """A child was reaped; `status` >= 0 is its exit code, < 0 the signal that killed it."""
+
+    role: Role
+    rank: int | None
+    pid: int
+    status: int
+    now: float
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    """The engine said it is ready (sd_notify READY=1, or its health URL first answered)."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    """One health probe of a running engine answered (`ok`) or failed."""
+
+    ok: bool
+    now: float
+
+
+@dataclass(frozen=True)
+class SignalReceived:
+    """The launcher received `sig` (SIGTERM/SIGINT: stop; SIGHUP: restart the engine)."""
+
+    sig: int
+    now: float
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed: fires due backoffs, timeouts, watchdog and start-timeout extensions."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class Spawned:
+    """A spawn action succeeded: the child runs as `pid` (rank is None for the engine)."""
+
+    role: Role
+    rank: int | None
+    pid: int
+    now: float
+
+
+Event = (Started | CacheReady | ChildExited | EngineReady | EngineHealth | SignalReceived
+         | Tick | Spawned)
+
+
+# -------------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class SpawnCache:
+    """Start the cache process of `rank`; `adopt`: from the escrowed slabs, not the disk."""
+
+    rank: int
+    adopt: bool
+
+
+@dataclass(frozen=True)
+class SpawnEngine:
+    """Start the engine command; `attempt` counts from 1 over the launcher's life."""
+
+    attempt: int
+
+
+@dataclass(frozen=True)
+class SignalChild:
+    """Send `sig` to a child's process group (`rank` is None for the engine)."""
+
+    role: Role
+    rank: int | None
+    sig: int
+
+
+@dataclass(frozen=True)
+class KillAll:
+    """SIGKILL every remaining child and its process group, then sweep what is left."""
+
+
+@dataclass(frozen=True)
+class Notify:
+    """Send one sd_notify message made of these assignments, in order."""
+
+    fields: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Log:
+    """Write one log line at `level` (a logging level name)."""
+
+    level: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Exit:
+    """End the launcher with `status`; always the last action."""
+
+    status: int
+    reason: str
+
+
+Action = SpawnCache | SpawnEngine | SignalChild | KillAll | Notify | Log | Exit
+
+
+# --------------------------------------------------------------------------------- states
+
+
+class Phase(enum.Enum):
+    """Where the launcher stands as a whole; derived from the children, never stored.
+
+    ===============  ==========================================================  ==========
+    phase            means                                                       next
+    ===============  ==========================================================  ==========
+    loading          cache ranks are loading their shards; STATUS counts them     starting_
+                     and EXTEND_TIMEOUT_USEC keeps systemd waiting                engine,
+                                                                                  serving,
+                                                                                  stopping
+    starting_engine  every rank was ready once; the engine runs (or waits out     serving,
+                     a backoff) but has never been ready: no READY=1 sent yet     stopping
+    serving          READY=1 sent; the engine is ready (or there is none). A      restarting,
+                     rank respawning from escrow (on_rank_exit=respawn) keeps     stopping
+                     this phase: the engine still serves from its mappings
+    restarting       READY=1 was sent, then RELOADING=1: the engine crashed or    serving,
+                     got SIGHUP, and is stopping, in backoff, or not ready yet    stopping
+    stopping         STOPPING=1 sent: engine first, then the ranks, get SIGTERM;  stopped
+                     the first cause fixes the exit status
+    stopped          Exit was returned; every later event is ignored              (final)
+    ===============  ==========================================================  ==========
+    """
+
+    LOADING = "loading"
+    STARTING_ENGINE = "starting_engine"
+    SERVING = "serving"
+    RESTARTING = "restarting"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class RankState(enum.Enum):
+    """One cache rank: loading -> ready -> (respawning -> ready)* -> stopping -> exited."""
+
+    LOADING = "loading"
+    READY = "ready"
+    RESPAWNING = "respawning"
+    STOPPING = "stopping"
+    EXITED = "exited"
+
+
+class EngineState(enum.Enum):
+    """The engine: pending -> starting -> ready, then backoff/stopping -> starting, or exited."""
+
+    PENDING = "pending"
+    STARTING = "starting"
+    READY = "ready"
+    BACKOFF = "backoff"
+    STOPPING = "stopping"
+    EXITED = "exited"
+
+
+_ENGINE_ALIVE = (EngineState.STARTING, EngineState.READY, EngineState.STOPPING)
+_RANK_RUNNING = (RankState.LOADING, RankState.READY, RankState.RESPAWNING)
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """One cache rank as the status surface shows it."""
+
+    rank: int
+    state: RankState = RankState.LOADING
+    pid: int | None = None
+    last_exit: int | None = None
+    respawns: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """The engine as the status surface shows it; `restarts` counts every respawn."""
+
+    state: EngineState = EngineState.PENDING
+    pid: int | None = None
+    attempt: int = 0
+    restarts: int = 0
+    last_exit: int | None = None
+    healthy: bool = True
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The first cache rank that failed, as logged and reported."""
+
+    rank: int
+    pid: int
+    status: int
+
+
+@dataclass(frozen=True)
+class _Stop:
+    """A stop in progress: its first cause (the exit status) and its deadline."""
+
+    cause: ExitStatus
+    reason: str
+    deadline: float
+    signals: int
+
+
+# ----------------------------------------------------------------------------- supervisor
+
+
+class Supervisor:
+    """The launcher's decisions: `handle(event)` returns the actions to execute, in order."""
+
+    def __init__(self, config: SupervisorConfig) -> None:
+        """Start in phase loading with nothing spawned; `Started` spawns the ranks."""
+        self.config = config
+        self._ranks = {r: RankStatus(r) for r in config.ranks}
+        self._engine = EngineStatus() if config.has_engine else None
+        self._started = False
+        self._caches_loaded = False  # every rank was ready once: startup is past loading
+        self._ready_sent = False
+        self._reloading = False  # RELOADING=1 sent, READY=1 not yet again
+        self._first_failure: Failure | None = None
+        self._stop: _Stop | None = None
+        self._exit: Exit | None = None
+        self._restart_times: list[float] = []
+        self._next_backoff = config.backoff_initial
+        self._respawn_due: float | None = None
+        self._ready_since: float | None = None
+        self._reload_deadline: float | None = None  # SIGHUP asked the engine to stop
+        self._next_extend = -math.inf
+        self._next_watchdog = -math.inf
+        self._handlers: dict[type, Callable[[Any], list[Action]]] = {
+            Started: self._on_started, CacheReady: self._on_cache_ready,
+            ChildExited: self._on_child_exited, EngineReady: self._on_engine_ready,
+            EngineHealth: self._on_engine_health, SignalReceived: self._on_signal,
+            Tick: self._on_tick, Spawned: self._on_spawned,
+        }
+
+    def handle(self, event: Event) -> list[Action]:
+        """Consume one event; return the actions to execute, in order."""
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise TypeError(f"not a supervisor event: {event!r}")
+        if self._exit is not None:
+            return []
+        if isinstance(event, Started) == self._started:
+            raise SupervisorProtocolError(f"{event!r}: Started must come first, exactly once")
+        return handler(event)
+
+    # ------------------------------------------------------------------ status surface
+
+    @property
+    def phase(self) -> Phase:
+        """The launcher's phase (see `Phase` for the table)."""
+        if self._exit is not None:
+            return Phase.STOPPED
+        if self._stop is not None:
+            return Phase.STOPPING
+        if not self._caches_loaded:
+            return Phase.LOADING
+        if self._engine is None or self._engine.state is EngineState.READY:
+            return Phase.SERVING
+        return Phase.RESTARTING if self._ready_sent else Phase.STARTING_ENGINE
+
+    @property
+    def ranks(self) -> Mapping[int, RankStatus]:
+        """Every cache rank's status, by rank number."""
+        return MappingProxyType(self._ranks)
+
+    @property
+    def engine(self) -> EngineStatus | None:
+        """The engine's status; None in the caches-only layout."""
+        return self._engine
+
+    @property
+    def first_failure(self) -> Failure | None:
+        """The first cache rank that exited unasked (start failure or while serving)."""
+        return self._first_failure
+
+    @property
+    def started_ok(self) -> bool:
+        """Liveness: started, and not on its way out with a failure status."""
+        return self._started and (self._stop is None or self._stop.cause is ExitStatus.OK)
+
+    @property
+    def caches_ready(self) -> bool:
+        """Startup probe: every cache rank is ready now."""
+        return all(r.state is RankState.READY for r in self._ranks.values())
+
+    @property
+    def engine_ready(self) -> bool:
+        """Readiness probe: engine ready, healthy, not restarting (caches-only: caches ready)."""
+        if self._stop is not None or self._exit is not None:
+            return False
+        if self._engine is None:
+            return self._caches_loaded and self.caches_ready
+        return self._engine.state is EngineState.READY and self._engine.healthy
+
+    @property
+    def exit_status(self) -> int | None:
+        """The status of the returned `Exit`, or None while running."""
+        return None if self._exit is None else self._exit.status
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything above as JSON-able data, for the HTTP status endpoint."""
+        stop = self._stop
+        return {
+            "phase": self.phase.value,
+            "started_ok": self.started_ok,
+            "caches_ready": self.caches_ready,
+            "engine_ready": self.engine_ready,
+            "ranks": [_jsonable(r) for r in self._ranks.values()],
+            "engine": None if self._engine is None else _jsonable(self._engine),
+            "first_failure": None if self._first_failure is None else {
+                **_jsonable(self._first_failure),
+                "description": describe_exit(self._first_failure.status)},
+            "stop": None if stop is None else {"cause": int(stop.cause), "reason": stop.reason},
+            "exit_status": self.exit_status,
+        }
+
+    # ------------------------------------------------------------------------- events
+
+    def _on_started(self, e: Started) -> list[Action]:
+        """Spawn every cache rank from disk and report loading."""
+        self._started = True
+        self._next_extend = e.now + EXTEND_EVERY
+        ranks = ", ".join(map(str, self.config.ranks))
+        return [Log("INFO", f"starting cache ranks {ranks}"),
+                *(SpawnCache(r, adopt=False) for r in self.config.ranks),
+                Notify({"STATUS": self._status_line(), "EXTEND_TIMEOUT_USEC": _usec(EXTEND_BY)})]
+
+    def _on_spawned(self, e: Spawned) -> list[Action]:
+        """Record a child's pid; with readiness "none" a spawned engine is ready."""
+        if e.role == "cache":
+            self._ranks[self._rank(e.rank).rank] = replace(self._rank(e.rank), pid=e.pid)
+            return []
+        engine = self._engine = replace(self._require_engine(), pid=e.pid)
+        actions: list[Action] = [Log("INFO", f"engine started (pid {e.pid}, attempt "
+                                             f"{engine.attempt})")]
+        if self.config.engine_readiness == "none":
+            actions += self._engine_became_ready(e.now)
+        return actions
+
+    def _on_cache_ready(self, e: CacheReady) -> list[Action]:
+        """Mark a rank ready; the last one of the startup starts the engine (or READY=1)."""
+        rank = self._rank(e.rank)
+        if rank.state not in (RankState.LOADING, RankState.RESPAWNING):
+            return []
+        self._ranks[rank.rank] = replace(rank, state=RankState.READY)
+        again = " again, from the escrowed slabs" if rank.state is RankState.RESPAWNING else ""
+        actions: list[Action] = [Log("INFO", f"cache rank {rank.rank} (pid {rank.pid}) "
+                                             f"ready{again}")]
+        if self._stop is not None:
+            return actions
+        if not self._caches_loaded and self.caches_ready:
+            return actions + self._caches_loaded_now(e.now)
+        return [*actions, Notify({"STATUS": self._status_line()})]
+
+    def _on_engine_ready(self, e: EngineReady) -> list[Action]:
+        """The engine reported ready: READY=1 (again after a restart) and STATUS=serving."""
+        return self._engine_became_ready(e.now)
+
+    def _on_engine_health(self, e: EngineHealth) -> list[Action]:
+        """Track a ready engine's health; log and update STATUS when it changes."""
+        engine = self._engine
+        if engine is None or engine.state is not EngineState.READY or engine.healthy == e.ok:
+            return []
+        self._engine = replace(engine, healthy=e.ok)
+        level, word = ("INFO", "passes again") if e.ok else ("WARNING", "fails: not ready")
+        return [Log(level, f"engine (pid {engine.pid}) health check {word}"),
+                Notify({"STATUS": self._status_line()})]
+
+    def _on_signal(self, e: SignalReceived) -> list[Action]:
+        """Dispatch a signal: SIGTERM/SIGINT stop, SIGHUP restarts the engine."""
+        if e.sig in (signal.SIGTERM, signal.SIGINT):
+            return self._on_stop_signal(e)
+        if e.sig == signal.SIGHUP:
+            return self._on_sighup(e)
+        return [Log("WARNING", f"{_signal_name(e.sig)} ignored")]
+
+    def _on_tick(self, e: Tick) -> list[Action]:
+        """Fire whatever is due: watchdog, timeout extension, backoff, kill deadlines."""
+        return [*self._watchdog(e.now), *self._extend(e.now), *self._respawn_if_due(e.now),
+                *self._reload_timeout(e.now), *self._stop_timeout(e.now)]
+
+    def _on_child_exited(self, e: ChildExited) -> list[Action]:
+        """Dispatch a reaped child to the engine or the rank handler."""
+        if e.role == "engine":
+            return self._on_engine_exited(e)
+        return self._on_rank_exited(e)
+
+    # -------------------------------------------------------------------------- ranks
+
+    def _on_rank_exited(self, e: ChildExited) -> list[Action]:
+        """A cache rank is gone: finish a stop, fail the start, respawn, or shut down."""
+        rank = self._rank(e.rank)
+        if rank.state is RankState.EXITED or _stale(rank.pid, e.pid):
+            return []
+        self._ranks[rank.rank] = replace(rank, state=RankState.EXITED, pid=None,
+                                         last_exit=e.status)
+        if self._stop is not None:
+            return self._rank_gone_while_stopping(rank, e)
+        if rank.state is RankState.LOADING:
+            return self._rank_start_failed(e)
+        if rank.state is RankState.READY and self.config.on_rank_exit == "respawn":
+            return self._respawn_rank(rank, e)
+        return self._rank_failed(rank, e)
+
+    def _rank_gone_while_stopping(self, rank: RankStatus, e: ChildExited) -> list[Action]:
+        """Note a rank's exit during a stop (the first cause stands) and maybe finish."""
+        asked = rank.state is RankState.STOPPING
+        level, when = ("INFO", "") if asked else ("WARNING", " during the stop, unasked")
+        return [Log(level, f"cache rank {e.rank} (pid {e.pid}) exited{when}: "
+                           f"{describe_exit(e.status)}"), *self._finish_if_done()]
+
+    def _rank_start_failed(self, e: ChildExited) -> list[Action]:
+        """A rank died before its first ready: pass its documented status on, else 68."""
+        status = (ExitStatus(e.status) if e.status in CACHE_STATUSES
+                  else ExitStatus.RANK_START_FAILED)
+        what = f"cache rank {e.rank} (pid {e.pid}) exited before ready: {_rank_exit(e.status)}"
+        return self._fail(e, status, what)
+
+    def _rank_failed(self, rank: RankStatus, e: ChildExited) -> list[Action]:
+        """A serving (or respawning) rank died: shut everything down with RANK_EXITED."""
+        when = " before it was ready again" if rank.state is RankState.RESPAWNING else ""
+        what = f"cache rank {e.rank} (pid {e.pid}) exited{when}: {_rank_exit(e.status)}"
+        return self._fail(e, ExitStatus.RANK_EXITED, what)
+
+    def _fail(self, e: ChildExited, status: ExitStatus, what: str) -> list[Action]:
+        """Record the first failing rank and begin the stop it causes."""
+        assert e.rank is not None
+        self._first_failure = Failure(e.rank, e.pid, e.status)
+        return [Log("ERROR", what), *self._begin_stop(status, what, e.now)]
+
+    def _respawn_rank(self, rank: RankStatus, e: ChildExited) -> list[Action]:
+        """Respawn a serving rank from the escrowed slabs; the engine keeps serving."""
+        self._ranks[rank.rank] = replace(self._ranks[rank.rank], state=RankState.RESPAWNING,
+                                         respawns=rank.respawns + 1)
+        return [Log("WARNING", f"cache rank {e.rank} (pid {e.pid}) exited: "
+                               f"{_rank_exit(e.status)}; respawning it from the escrowed slabs"),
+                SpawnCache(rank.rank, adopt=True), Notify({"STATUS": self._status_line()})]
+
+    def _caches_loaded_now(self, now: float) -> list[Action]:
+        """Every rank is ready for the first time: start the engine, or READY=1 without one."""
+        self._caches_loaded = True
+        if self._engine is not None:
+            return self._spawn_engine()
+        self._ready_sent = True
+        return [Log("INFO", "every cache rank is ready (no engine)"),
+                Notify({"READY": "1", "STATUS": self._status_line()})]
+
+    # ------------------------------------------------------------------------- engine
+
+    def _spawn_engine(self) -> list[Action]:
+        """Start the engine's next attempt now."""
+        engine = self._require_engine()
+        attempt = engine.attempt + 1
+        self._engine = replace(engine, state=EngineState.STARTING, pid=None, attempt=attempt,
+                               restarts=engine.restarts + (attempt > 1), healthy=True)
+        self._respawn_due = None
+        return [Log("INFO", f"starting the engine (attempt {attempt})"),
+                Notify({"STATUS": self._status_line()}), SpawnEngine(attempt)]
+
+    def _engine_became_ready(self, now: float) -> list[Action]:
+        """Mark a starting engine ready: READY=1 every time (first start or after RELOADING)."""
+        engine = self._engine
+        if engine is None or engine.state is not EngineState.STARTING or self._stop is not None:
+            return []
+        self._engine = replace(engine, state=EngineState.READY, healthy=True)
+        self._ready_since, self._ready_sent, self._reloading = now, True, False
+        return [Log("INFO", f"engine ready (pid {engine.pid}, attempt {engine.attempt})"),
+                Notify({"READY": "1", "STATUS": self._status_line()})]
+
+    def _on_engine_exited(self, e: ChildExited) -> list[Action]:
+        """The engine is gone: finish a stop, respawn after SIGHUP, stop, or restart it."""
+        engine = self._require_engine()
+        if engine.state not in _ENGINE_ALIVE or _stale(engine.pid, e.pid):
+            return []
+        self._reset_budget_if_stable(e.now)
+        self._engine = replace(engine, state=EngineState.EXITED, pid=None, last_exit=e.status)
+        what = f"engine (pid {e.pid}) exited: {describe_exit(e.status)}"
+        if self._stop is not None:
+            return [Log("INFO", what), *self._stop_ranks(), *self._finish_if_done()]
+        if self._reload_deadline is not None:
+            self._reload_deadline = None
+            return [Log("INFO", f"{what}; restarting it (SIGHUP)"), *self._spawn_engine()]
+        return self._engine_crashed(e, what)
+
+    def _engine_crashed(self, e: ChildExited, what: str) -> list[Action]:
+        """Decide an unrequested engine exit: config error, success, or a restart."""
+        if e.status in self.config.engine_config_error_statuses:
+            why = f"{what}, a configuration error (engine_config_error_statuses): not restarting"
+            return [Log("ERROR", why), *self._begin_stop(ExitStatus.ENGINE_CONFIG, why, e.now)]
+        if e.status == 0 and self.config.stop_on_engine_success:
+            why = f"{what}: finished (stop_on_engine_success)"
+            return [Log("INFO", why), *self._begin_stop(ExitStatus.OK, why, e.now)]
+        return self._schedule_restart(what, e.now)
+
+    def _reset_budget_if_stable(self, now: float) -> None:
+        """Forget restarts and backoff when the engine stayed ready for `stable_after`."""
+        if self._ready_since is not None and now - self._ready_since >= self.config.stable_after:
+            self._restart_times.clear()
+            self._next_backoff = self.config.backoff_initial
+        self._ready_since = None
+
+    def _schedule_restart(self, what: str, now: float) -> list[Action]:
+        """Count the restart against the budget, then respawn after the backoff."""
+        c = self.config
+        self._restart_times = [t for t in self._restart_times if t > now - c.restart_window]
+        self._restart_times.append(now)
+        count = len(self._restart_times)
+        if count > c.restart_max:
+            why = (f"{what}; restart budget exhausted ({count} exits in {c.restart_window:g} s, "
+                   f"at most {c.restart_max} restarts allowed)")
+            return [Log("ERROR", why), *self._begin_stop(ExitStatus.ENGINE_BUDGET, why, now)]
+        delay, self._next_backoff = self._next_backoff, min(self._next_backoff * c.backoff_factor,
+                                                            c.backoff_max)
+        self._engine = replace(self._require_engine(), state=EngineState.BACKOFF)
+        self._respawn_due = now + delay
+        attempt = self._require_engine().attempt + 1
+        status = f"restarting engine (attempt {attempt}, in {delay:g} s)"
+        return [Log("WARNING", f"{what}; restarting it in {delay:g} s ({count} of at most "
+                               f"{c.restart_max} restarts in {c.restart_window:g} s)"),
+                Notify({**self._reloading_field(), "STATUS": status}), *self._respawn_if_due(now)]
+
+    def _reloading_field(self) -> dict[str, str]:
+        """RELOADING=1 once per restart, and only after READY=1 (systemd's reload state)."""
+        if not self._ready_sent or self._reloading:
+            return {}
+        self._reloading = True
+        return {"RELOADING": "1"}
+
+    def _on_sighup(self, e: SignalReceived) -> list[Action]:
+        """SIGHUP: restart the engine now, outside the restart budget."""
+        engine = self._engine
+        if engine is None or self._stop is not None:
+            why = "no engine to restart (caches only)" if engine is None else "stopping"
+            return [Log("INFO", f"SIGHUP ignored: {why}")]
+        if engine.state is EngineState.BACKOFF:
+            return [Log("INFO", "SIGHUP: restarting the engine now, skipping its backoff"),
+                    Notify({**self._reloading_field()}), *self._spawn_engine()]
+        if engine.state not in (EngineState.STARTING, EngineState.READY):
+            return [Log("INFO", f"SIGHUP ignored: the engine is {engine.state.value}")]
+        self._engine = replace(engine, state=EngineState.STOPPING)
+        self._reload_deadline = e.now + self.config.stop_timeout
+        return [Log("INFO", f"SIGHUP: restarting the engine (pid {engine.pid})"),
+                Notify({**self._reloading_field(), "STATUS": "restarting engine (SIGHUP)"}),
+                SignalChild("engine", None, signal.SIGTERM)]
+
+    # --------------------------------------------------------------------------- stop
+
+    def _on_stop_signal(self, e: SignalReceived) -> list[Action]:
+        """SIGTERM/SIGINT: stop gracefully; a second one during a stop kills everything."""
+        name = _signal_name(e.sig)
+        if self._stop is None:
+            return [Log("INFO", f"{name} received: stopping"),
+                    *self._begin_stop(ExitStatus.OK, f"{name} received", e.now, signals=1)]
+        stop = self._stop = replace(self._stop, signals=self._stop.signals + 1)
+        if stop.signals < 2:
+            return [Log("WARNING", f"{name} received while stopping ({stop.reason}); "
+                                   "send it again to kill every child now")]
+        return self._kill_all(f"second {name} received")
+
+    def _begin_stop(self, cause: ExitStatus, reason: str, now: float,
+                    signals: int = 0) -> list[Action]:
+        """Start the one stop path: STOPPING=1, SIGTERM the engine, then the ranks."""
+        self._stop = _Stop(cause, reason, now + self.config.stop_timeout, signals)
+        self._respawn_due = self._reload_deadline = None
+        actions: list[Action] = [Notify({"STOPPING": "1", "STATUS": f"stopping: {reason}"})]
+        engine = self._engine
+        if engine is not None and engine.state is EngineState.BACKOFF:
+            self._engine = replace(engine, state=EngineState.EXITED)
+        if engine is not None and engine.state in (EngineState.STARTING, EngineState.READY):
+            self._engine = replace(engine, state=EngineState.STOPPING)
+            return [*actions, SignalChild("engine", None, signal.SIGTERM)]
+        if self._engine_alive():  # a SIGHUP restart already sent it SIGTERM
+            return actions
+        return [*actions, *self._stop_ranks(), *self._finish_if_done()]
+
+    def _stop_ranks(self) -> list[Action]:
+        """SIGTERM every rank still running (the engine is gone)."""
+        running = [r for r in self._ranks.values() if r.state in _RANK_RUNNING]
+        for r in running:
+            self._ranks[r.rank] = replace(r, state=RankState.STOPPING)
+        return [SignalChild("cache", r.rank, signal.SIGTERM) for r in running]
+
+    def _finish_if_done(self) -> list[Action]:
+        """Exit with the stop's cause once no child is left."""
+        if self._stop is None or self._engine_alive() or any(
+                r.state is not RankState.EXITED for r in self._ranks.values()):
+            return []
+        return self._halt(self._stop.cause, self._stop.reason)
+
+    def _kill_all(self, why: str) -> list[Action]:
+        """SIGKILL what is left and exit: the first failure's status, else STOP_TIMEOUT."""
+        assert self._stop is not None
+        left = ", ".join(self._live_children())
+        status = self._stop.cause or ExitStatus.STOP_TIMEOUT
+        return [Log("ERROR", f"{why}: killing {left} with SIGKILL"), KillAll(),
+                *self._halt(status, f"{self._stop.reason}; {why}: children killed")]
+
+    def _halt(self, status: ExitStatus, reason: str) -> list[Action]:
+        """The single way out: log and return the final Exit."""
+        self._exit = Exit(int(status), reason)
+        level = "INFO" if status is ExitStatus.OK else "ERROR"
+        return [Log(level, f"exiting with status {int(status)} ({status.name}): {reason}"),
+                self._exit]
+
+    # -------------------------------------------------------------------------- timers
+
+    def _watchdog(self, now: float) -> list[Action]:
+        """WATCHDOG=1 at most every half interval, while not stopping."""
+        interval = self.config.watchdog_interval
+        if interval is None or self._stop is not None or now < self._next_watchdog:
+            return []
+        self._next_watchdog = now + interval / 2
+        return [Notify({"WATCHDOG": "1"})]
+
+    def _extend(self, now: float) -> list[Action]:
+        """EXTEND_TIMEOUT_USEC every EXTEND_EVERY seconds until the first READY=1."""
+        if self._ready_sent or self._stop is not None or now < self._next_extend:
+            return []
+        self._next_extend = now + EXTEND_EVERY
+        return [Notify({"EXTEND_TIMEOUT_USEC": _usec(EXTEND_BY)})]
+
+    def _respawn_if_due(self, now: float) -> list[Action]:
+        """Respawn the engine once its backoff has passed."""
+        if self._respawn_due is None or now < self._respawn_due:
+            return []
+        return self._spawn_engine()
+
+    def _reload_timeout(self, now: float) -> list[Action]:
+        """SIGKILL an engine that ignored a SIGHUP restart's SIGTERM for stop_timeout."""
+        if self._reload_deadline is None or now < self._reload_deadline:
+            return []
+        self._reload_deadline = math.inf  # still a reload, killed once
+        return [Log("WARNING", f"the engine ignored SIGTERM for {self.config.stop_timeout:g} s: "
+                               "killing it"), SignalChild("engine", None, signal.SIGKILL)]
+
+    def _stop_timeout(self, now: float) -> list[Action]:
+        """Kill everything once a stop has run past stop_timeout."""
+        if self._stop is None or now < self._stop.deadline:
+            return []
+        return self._kill_all(f"stop timed out after {self.config.stop_timeout:g} s")
+
+    # ------------------------------------------------------------------------- helpers
+
+    def _status_line(self) -> str:
+        """The STATUS= text for the current phase, with respawning ranks and bad health."""
+        phase, engine = self.phase, self._engine
+        ready = sum(r.state is RankState.READY for r in self._ranks.values())
+        if phase is Phase.LOADING:
+            line = f"loading: {ready}/{len(self._ranks)} cache ranks ready"
+        elif phase is Phase.SERVING:
+            line = "serving" + ("" if engine is None or engine.healthy else
+                                " (engine health check failing)")
+        else:
+            assert engine is not None
+            line = f"{'starting' if phase is Phase.STARTING_ENGINE else 'restarting'} " \
+                   f"engine (attempt {engine.attempt})"
+        respawning = [r.rank for r in self._ranks.values() if r.state is RankState.RESPAWNING]
+        return line + "".join(f"; cache rank {r} respawning" for r in respawning)
+
+    def _rank(self, rank: int | None) -> RankStatus:
+        """The status of `rank`; an unknown rank is an executor bug."""
+        if rank not in self._ranks:
+            raise SupervisorProtocolError(f"cache rank {rank!r} is not one of "
+                                          f"{self.config.ranks}")
+        return self._ranks[rank]
+
+    def _require_engine(self) -> EngineStatus:
+        """The engine's status; an engine event in the caches-only layout is a bug."""
+        if self._engine is None:
+            raise SupervisorProtocolError("engine event, but this launcher runs no engine")
+        return self._engine
+
+    def _engine_alive(self) -> bool:
+        """Whether an engine process may still exist."""
+        return self._engine is not None and self._engine.state in _ENGINE_ALIVE
+
+    def _live_children(self) -> list[str]:
+        """Names of the children not yet reaped, for log lines."""
+        names = ["the engine"] if self._engine_alive() else []
+        return names + [f"cache rank {r.rank}" for r in self._ranks.values()
+                        if r.state is not RankState.EXITED]
+
+
+# ---------------------------------------------------------------------------- functions
+
+
+def describe_exit(status: int) -> str:
+    """Say how a child ended, from its raw status (negative: killed by signal -status)."""
+    if status >= 0:
+        name = _signal_name(status - 128) if status > 128 else None
+        return f"status {status}" + (f" (128+{name}?)" if name and name[:3] == "SIG" else "")
+    name = _signal_name(-status)
+    hint = _SIGNAL_HINTS.get(-status)  # type: ignore[call-overload]
+    return f"killed by signal {-status} ({name}{': ' + hint if hint else ''})"
+
+
+def _rank_exit(status: int) -> str:
+    """`describe_exit`, naming a documented vlaunch status of a cache rank."""
+    if status in CACHE_STATUSES:
+        return f"status {status} ({ExitStatus(status).name})"
+    return describe_exit(status)
+
+
+def _signal_name(sig: int) -> str:
+    """SIGTERM for 15; "signal 99" for a number the platform does not name."""
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def _stale(known_pid: int | None, pid: int) -> bool:
+    """Whether an exit reports a pid other than the child's current one."""
+    return known_pid is not None and known_pid != pid
+
+
+def _usec(seconds: float) -> str:
+    """Seconds as the integer microseconds sd_notify expects."""
+    return str(round(seconds * 1_000_000))
+
+
+def _jsonable(record: RankStatus | EngineStatus | Failure) -> dict[str, Any]:
+    """A status record as a flat JSON-able dict (enums by value)."""
+    return {k: v.value if isinstance(v, enum.Enum) else v for k, v in vars(record).items()}

@@ -1,0 +1,219 @@
+"""CUDA slab backend: VMM slabs exported as fds, imported here and in other processes."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import weakref
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("cuda.bindings.driver")
+
+from vlaunch.cache import slabs_cuda  # noqa: E402
+from vlaunch.cache.errors import CacheBrokenError, DeviceError  # noqa: E402
+from vlaunch.cache.slabs import get_backend  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+MiB = 1 << 20
+SIZE = 64 * MiB
+DEVICE = "cuda:0"
+
+# A child that receives one fd and a size over a Unix socket, maps it read-only and prints
+# the sha256 of its bytes.
+IMPORTER = textwrap.dedent("""
+    import hashlib, os, socket, sys
+    from vlaunch.cache.slabs import get_backend
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    msg, fds, _, _ = socket.recv_fds(sock, 64, 1)
+    t = get_backend(sys.argv[2]).import_fd(fds[0], int(msg), readonly=True)
+    os.close(fds[0])
+    print(hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest(), flush=True)
+""")
+
+# A child that allocates and fills a slab, exports it, releases its own handle and mapping,
+# sends the fd with the data's sha256, then waits to be killed.
+EXPORTER = textwrap.dedent("""
+    import hashlib, socket, sys, time
+    import torch
+    from vlaunch.cache.slabs import get_backend
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    size = int(sys.argv[3])
+    slab = get_backend(sys.argv[2]).allocate(size)
+    g = torch.Generator(sys.argv[2]).manual_seed(7)
+    slab.tensor().copy_(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g,
+                                      device=sys.argv[2]))
+    digest = hashlib.sha256(slab.tensor().cpu().numpy().tobytes()).hexdigest()
+    fd = slab.export_fd()
+    slab.release()
+    socket.send_fds(sock, [f"{size} {digest}".encode()], [fd])
+    time.sleep(600)
+""")
+
+
+def _fill(t: torch.Tensor, seed: int) -> None:
+    """Fill a uint8 CUDA tensor with seeded random bytes."""
+    g = torch.Generator(t.device).manual_seed(seed)
+    t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g, device=t.device))
+
+
+def _sha256(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes."""
+    return hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()
+
+
+def _child(code: str, sock: socket.socket, *args: str) -> subprocess.Popen[str]:
+    """Start `python -c code` with `sock` inherited; argv is (sock fd, device, *args)."""
+    return subprocess.Popen([sys.executable, "-c", code, str(sock.fileno()), DEVICE, *args],
+                            pass_fds=[sock.fileno()], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def backend() -> slabs_cuda.CudaBackend:
+    """The backend of device 0."""
+    b = get_backend(DEVICE)
+    assert isinstance(b, slabs_cuda.CudaBackend)
+    return b
+
+
+@pytest.mark.parametrize("size", [SIZE, SIZE + 12345, 1 << 30], ids=["64MiB", "odd", "1GiB"])
+def test_roundtrip_same_process(backend: slabs_cuda.CudaBackend, size: int) -> None:
+    slab = backend.allocate(size)
+    t = slab.tensor()
+    assert (t.dtype, t.shape, t.device) == (torch.uint8, (size,), torch.device(DEVICE))
+    assert slab.tensor() is t
+    assert t.data_ptr() % backend.alignment == 0
+    _fill(t, seed=1)
+    fd = slab.export_fd()
+    try:
+        other = slab.export_fd()
+        assert other != fd
+        os.close(other)
+        view = backend.import_fd(fd, size, readonly=False)
+    finally:
+        os.close(fd)  # the mapping, not the fd, keeps the memory from here on
+    assert view.data_ptr() != t.data_ptr()
+    assert view.shape == (size,)
+    assert torch.equal(view, t)
+    view[:4096].fill_(0xA5)  # same physical memory: writes through one show in the other
+    torch.cuda.synchronize()
+    assert bool((t[:4096] == 0xA5).all())
+    del view
+    slab.release()
+    slab.release()
+    with pytest.raises(CacheBrokenError):
+        slab.export_fd()
+
+
+def test_import_in_another_process(backend: slabs_cuda.CudaBackend) -> None:
+    slab = backend.allocate(SIZE)
+    _fill(slab.tensor(), seed=2)
+    expected = _sha256(slab.tensor())
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        proc = _child(IMPORTER, theirs)
+        fd = slab.export_fd()
+        try:
+            socket.send_fds(ours, [str(SIZE).encode()], [fd])
+        finally:
+            os.close(fd)
+        out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err
+    assert out.strip() == expected
+    slab.release()
+
+
+def test_memory_survives_exporter_sigkill(backend: slabs_cuda.CudaBackend) -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        proc = _child(EXPORTER, theirs, str(SIZE))
+        try:
+            ours.settimeout(90)
+            msg, fds, _, _ = socket.recv_fds(ours, 256, 1)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            _, err = proc.communicate(timeout=30)
+        assert fds, f"exporter sent no fd: {err}"
+    assert proc.returncode == -signal.SIGKILL
+    size, digest = msg.decode().split()
+    try:
+        t = backend.import_fd(fds[0], int(size), readonly=True)
+    finally:
+        os.close(fds[0])
+    assert _sha256(t) == digest
+
+
+def test_mapping_lives_exactly_as_long_as_its_tensors(backend: slabs_cuda.CudaBackend) -> None:
+    slab = backend.allocate(SIZE)
+    _fill(slab.tensor(), seed=3)
+    tail_sum = int(slab.tensor()[SIZE // 2:].sum())
+    fd = slab.export_fd()
+    t = backend.import_fd(fd, SIZE, readonly=True)
+    os.close(fd)
+    slab.release()  # from here the import's mapping alone holds the memory
+    ptr = t.data_ptr()
+    owner = slabs_cuda._mappings[ptr]
+    finalizer, ref = owner.finalizer, weakref.ref(owner)
+    del owner
+    tail = t[SIZE // 2:].view(torch.int16)
+    del t
+    gc.collect()
+    assert ref() is not None and finalizer.alive, "a view is alive: the mapping must be too"
+    assert int(tail.view(torch.uint8).sum()) == tail_sum
+    del tail
+    gc.collect()
+    assert ref() is None and not finalizer.alive
+    assert ptr not in slabs_cuda._mappings
+    d = slabs_cuda._driver()
+    err, *_ = d.cuMemGetAddressRange(ptr)
+    assert int(err) != 0, "the address range should be unmapped and freed"
+
+
+def test_import_smaller_than_announced(backend: slabs_cuda.CudaBackend) -> None:
+    slab = backend.allocate(SIZE)
+    fd = slab.export_fd()
+    try:
+        with pytest.raises(CacheBrokenError, match="fewer than"):
+            backend.import_fd(fd, SIZE + backend.granularity, readonly=True)
+        assert torch.equal(backend.import_fd(fd, SIZE, readonly=True), slab.tensor())
+    finally:
+        os.close(fd)
+        slab.release()
+
+
+def test_import_of_a_non_cuda_fd(backend: slabs_cuda.CudaBackend) -> None:
+    fd = os.memfd_create("not-cuda")
+    try:
+        os.ftruncate(fd, SIZE)
+        with pytest.raises(CacheBrokenError):
+            backend.import_fd(fd, SIZE, readonly=True)
+    finally:
+        os.close(fd)
+
+
+def test_device_info_and_uuids(backend: slabs_cuda.CudaBackend) -> None:
+    info = backend.device_info()
+    assert set(info) >= {"device_uuid", "compute_capability", "driver", "cuda"}
+    assert all(info.values()), info
+    assert info["device_uuid"].startswith("GPU-") and len(info["device_uuid"]) == 40
+    major, minor = torch.cuda.get_device_capability(0)
+    assert info["compute_capability"] == f"{major}.{minor}"
+    assert slabs_cuda.uuid_to_index()[info["device_uuid"]] == 0
+    assert backend.granularity % backend.min_granularity == 0
+
+
+def test_missing_device_is_a_clear_error() -> None:
+    with pytest.raises(DeviceError, match="no CUDA device 99: torch sees"):
+        get_backend("cuda:99")

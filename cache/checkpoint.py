@@ -9,6 +9,10 @@ The identity of a checkpoint is a sha256 over, in file order, each file's name (
 the root), a NUL byte and the file's first 8 + N bytes (the header length and the header),
 then, if there is one, "index" NUL and the index file's bytes. It covers names, dtypes, shapes
 and offsets but not the tensor data, and it does not depend on where the checkpoint lies.
+
+With an index file only the files its weight_map names are read (a stray consolidated file
+beside the shards is ignored); a tensor in those files that the map does not name is still
+listed. OSErrors other than a missing file (permissions, EIO) propagate unchanged.
 """
 
 from __future__ import annotations
@@ -115,13 +119,13 @@ def _locate(path: Path) -> tuple[Path, tuple[Path, ...], Path | None]:
 
 def _index_files(index_file: Path, weight_map: dict[str, str]) -> tuple[Path, ...]:
     """Return the files a weight map names, sorted; each must exist."""
-    files = sorted(set(weight_map.values()))
-    for file in files:
-        if not (index_file.parent / file).is_file():
+    root = index_file.parent
+    for file in sorted(set(weight_map.values())):
+        if not (root / file).is_file():
             tensor = next(t for t, f in weight_map.items() if f == file)
             raise CheckpointError(index_file, f"weight_map names {file}, which does not exist "
                                   "(an incomplete download?)", tensor=tensor)
-    return tuple(index_file.parent / f for f in files)
+    return tuple(sorted({root / f for f in weight_map.values()}))
 
 
 def _parse_index(index_file: Path, data: bytes) -> dict[str, str]:

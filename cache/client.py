@@ -73,14 +73,14 @@ class CacheClient:
         """Map the slabs (share) or copy them into our own memory (copy, copy-release)."""
         from .slabs import get_backend
 
-        reply, fds = self.request({"op": "open", "mode": mode})
+        _, fds = self.request({"op": "open", "mode": mode})
         try:
             if len(fds) != len(manifest.slab_sizes):
                 raise CacheBrokenError(f"cache sent {len(fds)} fds for "
                                        f"{len(manifest.slab_sizes)} slabs")
             backend = get_backend(device)
-            slabs = [backend.import_fd(fd, size, readonly=mode == "share")
-                     for fd, size in zip(fds, manifest.slab_sizes)]
+            slabs = [backend.import_fd(fd, size, readonly=True)
+                     for fd, size in zip(fds, manifest.slab_sizes, strict=True)]
         finally:
             for fd in fds:
                 os.close(fd)

@@ -60,7 +60,8 @@ EXIT_TABLE: tuple[ExitInfo, ...] = (
     ExitInfo(ExitStatus.RANK_EXITED, "launcher",
              "A cache rank exited while serving; the launcher stopped the engine and the "
              "other ranks.", True),
-    ExitInfo(ExitStatus.INTERNAL, "launcher, cache", "Internal error (a bug: please report).", True),
+    ExitInfo(ExitStatus.INTERNAL, "launcher, cache",
+             "Internal error (a bug: please report).", True),
     ExitInfo(ExitStatus.NO_DEVICE, "launcher, cache",
              "The requested device is missing: no CUDA GPU, an index out of range, or "
              "cuda-bindings not installed.", False),

@@ -14,7 +14,7 @@ from .protocol import MODES
 from .sockdir import default_socket_dir, socket_path
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 log = logging.getLogger("vlaunch.cache")
 

@@ -1,4 +1,4 @@
-"""Decide which bytes of a checkpoint each rank holds: rank layouts, shard plans, slices.
+r"""Decide which bytes of a checkpoint each rank holds: rank layouts, shard plans, slices.
 
 A shard plan is a list of rules `(regex, dim)`. For each tensor the first rule whose regex
 matches the tensor's name (re.search) gives the dimension split evenly across the
@@ -9,15 +9,15 @@ tensor-parallel ranks; `None` means replicated, and a tensor no rule matches is 
 - a built-in name: "llama" (also fits Mistral and Qwen2 names) or "replicate";
 - a plan file, JSON or TOML (by suffix: .toml is TOML, anything else JSON)::
 
-      {"name": "mymodel", "rules": [{"pattern": "\\\\.qkv\\\\.weight$", "dim": 0},
-                                    {"pattern": "\\\\.norm\\\\.", "dim": null}]}
+      {"name": "mymodel", "rules": [{"pattern": "\\.qkv\\.weight$", "dim": 0},
+                                    {"pattern": "\\.norm\\.", "dim": null}]}
 
       name = "mymodel"
       [[rules]]
-      pattern = '\\.qkv\\.weight$'
+      pattern = '\.qkv\.weight$'
       dim = 0
       [[rules]]
-      pattern = '\\.norm\\.'      # no dim: replicated
+      pattern = '\.norm\.'      # no dim: replicated
 
   `name` is optional (default: the file's stem); a rule without `dim`, or with `"dim": null`,
   replicates; dims are non-negative integers; other keys are refused (they are likely typos);
@@ -32,6 +32,7 @@ norm (`model.norm.`) to the last; other tensors without a layer index are on eve
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import importlib
 import json
@@ -185,6 +186,28 @@ class SliceSpec:
         return blocks
 
 
+def _compile(pattern: re.Pattern[str] | str, plan: str) -> re.Pattern[str]:
+    """Compile a rule's regex; PlanError if it is not one."""
+    if isinstance(pattern, re.Pattern):
+        return pattern
+    if not isinstance(pattern, str):
+        raise PlanError(f"plan {plan}: pattern {pattern!r} is not a string; write the regex "
+                        "as a string")
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise PlanError(f"plan {plan}: pattern {pattern!r} is not a valid regex ({e}); fix "
+                        "the rule") from None
+
+
+def _check_dim(dim: object, pattern: object, plan: str) -> int | None:
+    """Return a rule's dim if it is None or a non-negative integer; PlanError otherwise."""
+    if dim is None or (type(dim) is int and dim >= 0):
+        return dim  # type: ignore[return-value]
+    raise PlanError(f"plan {plan}: rule {getattr(pattern, 'pattern', pattern)!r} has dim "
+                    f"{dim!r}; use a non-negative integer, or no dim to replicate")
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """Name rules that give each tensor its split dimension; the first match wins."""
@@ -333,8 +356,7 @@ def _stage_filter(ckpt: Checkpoint, pp_size: int) -> Callable[[str], int | None]
 
     def stage_of(name: str) -> int | None:
         if m := _LAYER.search(name):
-            index = int(m.group(1))
-            return max(s for s in range(pp_size) if starts[s] <= index)
+            return bisect.bisect_right(starts, int(m.group(1))) - 1
         if "embed_tokens" in name:
             return 0
         if "lm_head" in name or "model.norm." in name:
@@ -344,31 +366,13 @@ def _stage_filter(ckpt: Checkpoint, pp_size: int) -> Callable[[str], int | None]
     return stage_of
 
 
-def _compile(pattern: re.Pattern[str] | str, plan: str) -> re.Pattern[str]:
-    """Compile a rule's regex; PlanError if it is not one."""
-    if isinstance(pattern, re.Pattern):
-        return pattern
-    if not isinstance(pattern, str):
-        raise PlanError(f"plan {plan}: pattern {pattern!r} is not a string; write the regex "
-                        "as a string")
-    try:
-        return re.compile(pattern)
-    except re.error as e:
-        raise PlanError(f"plan {plan}: pattern {pattern!r} is not a valid regex ({e}); fix "
-                        "the rule") from None
-
-
-def _check_dim(dim: object, pattern: object, plan: str) -> int | None:
-    """Return a rule's dim if it is None or a non-negative integer; PlanError otherwise."""
-    if dim is None or (type(dim) is int and dim >= 0):
-        return dim  # type: ignore[return-value]
-    raise PlanError(f"plan {plan}: rule {getattr(pattern, 'pattern', pattern)!r} has dim "
-                    f"{dim!r}; use a non-negative integer, or no dim to replicate")
-
-
 def _load_plan_file(path: Path) -> ShardPlan:
     """Read a JSON or TOML plan file."""
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise PlanError(f"plan file {path} cannot be read: {e.strerror}; check the path and "
+                        "its permissions") from None
     try:
         if path.suffix == ".toml":
             obj: Any = _toml().loads(data.decode("utf-8"))
@@ -378,7 +382,7 @@ def _load_plan_file(path: Path) -> ShardPlan:
         raise PlanError(f"plan file {path} cannot be parsed: {e}; fix its syntax") from None
     if not isinstance(obj, dict) or not set(obj) <= {"name", "rules"}:
         raise PlanError(f"plan file {path} must be an object with keys 'name' and 'rules' "
-                        f"only; fix the file")
+                        "only; fix the file")
     rules = obj.get("rules")
     name = obj.get("name", path.stem)
     if not isinstance(rules, list) or not isinstance(name, str):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _drv: Any = None
+# cuMemMap's answers to a mapping longer than the imported allocation.
+_TOO_SMALL = ("CUDA_ERROR_INVALID_VALUE", "CUDA_ERROR_NOT_SUPPORTED")
 # ptr -> live mapping owner, weakly: what this process has mapped (tests and diagnostics).
 _mappings: weakref.WeakValueDictionary[int, _Mapping] = weakref.WeakValueDictionary()
 
@@ -43,11 +46,10 @@ def _driver() -> Any:
         except ImportError as e:
             raise DeviceError("cuda-bindings is not installed; pip install 'vlaunch[cuda]'") from e
         try:
-            result = driver.cuInit(0)
+            _check("cuInit", driver.cuInit(0))
         except RuntimeError as e:  # cuda-bindings raises when libcuda.so is missing
             raise DeviceError(f"the NVIDIA driver library cannot be loaded: {e}") from e
         _drv = driver
-        _check("cuInit", result)
     return _drv
 
 
@@ -55,12 +57,10 @@ def _check(call: str, result: tuple[Any, ...]) -> Any:
     """Raise DriverError unless `result[0]` is CUDA_SUCCESS; return the call's one output."""
     err, *values = result
     if int(err) != 0:
-        try:
-            res, name = _drv.cuGetErrorName(err)
-            error = name.decode() if int(res) == 0 else repr(err)
-        except Exception:
-            error = repr(err)
-        raise DriverError(call, error)
+        from cuda.bindings import driver
+
+        res, name = driver.cuGetErrorName(err)
+        raise DriverError(call, name.decode() if int(res) == 0 else repr(err))
     return values[0] if len(values) == 1 else None
 
 
@@ -82,6 +82,13 @@ def _current(ctx: Any) -> Iterator[Any]:
 def _round_up(n: int, multiple: int) -> int:
     """`n` rounded up to a multiple of `multiple`."""
     return -(-n // multiple) * multiple
+
+
+def _granularity(d: Any, prop: Any, which: str) -> int:
+    """cuMemGetAllocationGranularity with CU_MEM_ALLOC_GRANULARITY_{which}."""
+    flag = getattr(d.CUmemAllocationGranularity_flags, f"CU_MEM_ALLOC_GRANULARITY_{which}")
+    return int(_check("cuMemGetAllocationGranularity",
+                      d.cuMemGetAllocationGranularity(prop, flag)))
 
 
 def _uuid(d: Any, dev: Any) -> str:
@@ -204,15 +211,9 @@ class CudaBackend:
         # torch's runtime uses this same primary context; retained for the process's life.
         self.ctx = _check("cuDevicePrimaryCtxRetain", d.cuDevicePrimaryCtxRetain(self.dev))
         self._prop = self._allocation_prop(d)
-        flags = d.CUmemAllocationGranularity_flags
-        self.min_granularity: int = _check("cuMemGetAllocationGranularity",
-                                           d.cuMemGetAllocationGranularity(
-                                               self._prop, flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+        self.min_granularity = _granularity(d, self._prop, "MINIMUM")
         try:
-            self.granularity: int = _check("cuMemGetAllocationGranularity",
-                                           d.cuMemGetAllocationGranularity(
-                                               self._prop,
-                                               flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+            self.granularity = _granularity(d, self._prop, "RECOMMENDED")
         except DriverError:
             self.granularity = self.min_granularity
 
@@ -253,7 +254,11 @@ class CudaBackend:
             raise ValueError(f"slab size must be >= 0, got {size}")
         length = _round_up(max(size, 1), self.granularity)
         with _current(self.ctx) as d:
-            handle = _check("cuMemCreate", d.cuMemCreate(length, self._prop, 0))
+            try:
+                handle = _check("cuMemCreate", d.cuMemCreate(length, self._prop, 0))
+            except DriverError as e:
+                raise DeviceError(f"cannot allocate a {length}-byte slab on {self.device}: "
+                                  f"{e}") from e
             try:
                 mapping = self._map(d, handle, length, size, readonly=False)
             except DeviceError:
@@ -280,13 +285,12 @@ class CudaBackend:
                     where = f"cuda:{prop.location.id}" if on_device else str(prop.location.type)
                     raise CacheBrokenError(f"slab fd holds memory on {where}, but this backend "
                                            f"maps {self.device}; pair ranks by device UUID")
-                gran = _check("cuMemGetAllocationGranularity", d.cuMemGetAllocationGranularity(
-                    prop, d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
-                length = _round_up(max(size, 1), gran)
+                # The exporter rounded up to a multiple of at least this: mapping no more.
+                length = _round_up(max(size, 1), _granularity(d, prop, "MINIMUM"))
                 try:
                     mapping = self._map(d, handle, length, size, readonly)
-                except DriverError as e:
-                    if e.call != "cuMemMap" or e.error != "CUDA_ERROR_INVALID_VALUE":
+                except DriverError as e:  # H200, driver 580: NOT_SUPPORTED past the end
+                    if e.call != "cuMemMap" or e.error not in _TOO_SMALL:
                         raise
                     raise CacheBrokenError(f"slab fd holds fewer than the {size} bytes the "
                                            f"manifest says ({e})") from e
@@ -310,9 +314,11 @@ class CudaBackend:
 
 def _driver_version(d: Any) -> str:
     """The kernel module's version (as nvidia-smi shows it), else the driver's CUDA version."""
-    with contextlib.suppress(OSError, IndexError), open("/proc/driver/nvidia/version") as f:
-        # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 ..."
-        return f.readline().split("Kernel Module")[1].split()[0]
+    with contextlib.suppress(OSError), open("/proc/driver/nvidia/version") as f:
+        # "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build ..."
+        found = re.search(r"Kernel Module.*?\s(\d+\.\d+(?:\.\d+)?)\s", f.readline())
+        if found:
+            return found.group(1)
     version = int(_check("cuDriverGetVersion", d.cuDriverGetVersion()))
     return f"{version // 1000}.{version % 1000 // 10}"
 

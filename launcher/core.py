@@ -53,7 +53,7 @@ CACHE_STATUSES: frozenset[int] = frozenset(
     int(row.status) for row in EXIT_TABLE if "cache" in row.who and row.status != ExitStatus.OK)
 """Documented statuses a cache rank exits with; the launcher passes them on unchanged."""
 
-_SIGNAL_HINTS = {
+_SIGNAL_HINTS: dict[int, str] = {
     # Nobody sends SIGKILL to a cache rank by accident; the kernel's OOM killer (or a cgroup's
     # memory limit) does, and it leaves no trace in the rank's own log.
     signal.SIGKILL: "the OOM killer?",
@@ -272,24 +272,30 @@ Action = SpawnCache | SpawnEngine | SignalChild | KillAll | Notify | Log | Exit
 class Phase(enum.Enum):
     """Where the launcher stands as a whole; derived from the children, never stored.
 
-    ===============  ==========================================================  ==========
-    phase            means                                                       next
-    ===============  ==========================================================  ==========
-    loading          cache ranks are loading their shards; STATUS counts them     starting_
-                     and EXTEND_TIMEOUT_USEC keeps systemd waiting                engine,
-                                                                                  serving,
-                                                                                  stopping
-    starting_engine  every rank was ready once; the engine runs (or waits out     serving,
-                     a backoff) but has never been ready: no READY=1 sent yet     stopping
-    serving          READY=1 sent; the engine is ready (or there is none). A      restarting,
-                     rank respawning from escrow (on_rank_exit=respawn) keeps     stopping
-                     this phase: the engine still serves from its mappings
-    restarting       READY=1 was sent, then RELOADING=1: the engine crashed or    serving,
-                     got SIGHUP, and is stopping, in backoff, or not ready yet    stopping
-    stopping         STOPPING=1 sent: engine first, then the ranks, get SIGTERM;  stopped
-                     the first cause fixes the exit status
-    stopped          Exit was returned; every later event is ignored              (final)
-    ===============  ==========================================================  ==========
+    loading          Cache ranks load their shards; STATUS counts them and
+                     EXTEND_TIMEOUT_USEC keeps systemd waiting.
+                     -> starting_engine  the last rank is ready (with an engine)
+                     -> serving          the last rank is ready (caches only): READY=1
+                     -> stopping         a rank exits (its own status, else 68); SIGTERM/SIGINT
+    starting_engine  Every rank was ready once; the engine runs, or waits out a backoff, but
+                     has never been ready (no READY=1 yet, so no RELOADING=1 either).
+                     -> serving          EngineReady: READY=1
+                     -> stopping         budget (80), config error (81), success (0), a rank
+                                         exits (69), SIGTERM/SIGINT (0)
+    serving          READY=1 sent; the engine is ready, or there is none. A rank respawning
+                     from escrow (on_rank_exit=respawn) stays here: the engine keeps serving
+                     from its mappings.
+                     -> restarting       the engine exits or SIGHUP: RELOADING=1
+                     -> stopping         as from starting_engine
+    restarting       RELOADING=1 sent; the engine is stopping (SIGHUP), in backoff, or
+                     respawned and not ready yet.
+                     -> serving          EngineReady: READY=1 again
+                     -> stopping         as from starting_engine
+    stopping         STOPPING=1 sent; the engine gets SIGTERM, then (once it is gone) the
+                     ranks. The first cause fixes the exit status.
+                     -> stopped          every child exited, or stop_timeout / a second
+                                         SIGTERM/SIGINT: KillAll (82 unless a failure began it)
+    stopped          Exit returned; every later event is ignored.
     """
 
     LOADING = "loading"
@@ -473,7 +479,8 @@ class Supervisor:
             "caches_ready": self.caches_ready,
             "engine_ready": self.engine_ready,
             "ranks": [_jsonable(r) for r in self._ranks.values()],
-            "engine": None if self._engine is None else _jsonable(self._engine),
+            "engine": None if self._engine is None else {
+                **_jsonable(self._engine), "recent_restarts": len(self._restart_times)},
             "first_failure": None if self._first_failure is None else {
                 **_jsonable(self._first_failure),
                 "description": describe_exit(self._first_failure.status)},
@@ -495,7 +502,8 @@ class Supervisor:
     def _on_spawned(self, e: Spawned) -> list[Action]:
         """Record a child's pid; with readiness "none" a spawned engine is ready."""
         if e.role == "cache":
-            self._ranks[self._rank(e.rank).rank] = replace(self._rank(e.rank), pid=e.pid)
+            rank = self._rank(e.rank)
+            self._ranks[rank.rank] = replace(rank, pid=e.pid)
             return []
         engine = self._engine = replace(self._require_engine(), pid=e.pid)
         actions: list[Action] = [Log("INFO", f"engine started (pid {e.pid}, attempt "
@@ -516,7 +524,7 @@ class Supervisor:
         if self._stop is not None:
             return actions
         if not self._caches_loaded and self.caches_ready:
-            return actions + self._caches_loaded_now(e.now)
+            return actions + self._caches_loaded_now()
         return [*actions, Notify({"STATUS": self._status_line()})]
 
     def _on_engine_ready(self, e: EngineReady) -> list[Action]:
@@ -574,7 +582,7 @@ class Supervisor:
         asked = rank.state is RankState.STOPPING
         level, when = ("INFO", "") if asked else ("WARNING", " during the stop, unasked")
         return [Log(level, f"cache rank {e.rank} (pid {e.pid}) exited{when}: "
-                           f"{describe_exit(e.status)}"), *self._finish_if_done()]
+                           f"{_rank_exit(e.status)}"), *self._finish_if_done()]
 
     def _rank_start_failed(self, e: ChildExited) -> list[Action]:
         """A rank died before its first ready: pass its documented status on, else 68."""
@@ -603,7 +611,7 @@ class Supervisor:
                                f"{_rank_exit(e.status)}; respawning it from the escrowed slabs"),
                 SpawnCache(rank.rank, adopt=True), Notify({"STATUS": self._status_line()})]
 
-    def _caches_loaded_now(self, now: float) -> list[Action]:
+    def _caches_loaded_now(self) -> list[Action]:
         """Every rank is ready for the first time: start the engine, or READY=1 without one."""
         self._caches_loaded = True
         if self._engine is not None:
@@ -660,7 +668,7 @@ class Supervisor:
         return self._schedule_restart(what, e.now)
 
     def _reset_budget_if_stable(self, now: float) -> None:
-        """Forget restarts and backoff when the engine stayed ready for `stable_after`."""
+        """Forget restarts and backoff if the exiting engine stayed ready `stable_after`."""
         if self._ready_since is not None and now - self._ready_since >= self.config.stable_after:
             self._restart_times.clear()
             self._next_backoff = self.config.backoff_initial
@@ -699,9 +707,9 @@ class Supervisor:
         if engine is None or self._stop is not None:
             why = "no engine to restart (caches only)" if engine is None else "stopping"
             return [Log("INFO", f"SIGHUP ignored: {why}")]
-        if engine.state is EngineState.BACKOFF:
+        if engine.state is EngineState.BACKOFF:  # RELOADING=1 went out with the crash
             return [Log("INFO", "SIGHUP: restarting the engine now, skipping its backoff"),
-                    Notify({**self._reloading_field()}), *self._spawn_engine()]
+                    *self._spawn_engine()]
         if engine.state not in (EngineState.STARTING, EngineState.READY):
             return [Log("INFO", f"SIGHUP ignored: the engine is {engine.state.value}")]
         self._engine = replace(engine, state=EngineState.STOPPING)
@@ -758,7 +766,8 @@ class Supervisor:
         """SIGKILL what is left and exit: the first failure's status, else STOP_TIMEOUT."""
         assert self._stop is not None
         left = ", ".join(self._live_children())
-        status = self._stop.cause or ExitStatus.STOP_TIMEOUT
+        cause = self._stop.cause
+        status = ExitStatus.STOP_TIMEOUT if cause is ExitStatus.OK else cause
         return [Log("ERROR", f"{why}: killing {left} with SIGKILL"), KillAll(),
                 *self._halt(status, f"{self._stop.reason}; {why}: children killed")]
 
@@ -797,8 +806,10 @@ class Supervisor:
         if self._reload_deadline is None or now < self._reload_deadline:
             return []
         self._reload_deadline = math.inf  # still a reload, killed once
-        return [Log("WARNING", f"the engine ignored SIGTERM for {self.config.stop_timeout:g} s: "
-                               "killing it"), SignalChild("engine", None, signal.SIGKILL)]
+        pid = self._require_engine().pid
+        return [Log("WARNING", f"the engine (pid {pid}) ignored SIGTERM for "
+                               f"{self.config.stop_timeout:g} s: killing it"),
+                SignalChild("engine", None, signal.SIGKILL)]
 
     def _stop_timeout(self, now: float) -> list[Action]:
         """Kill everything once a stop has run past stop_timeout."""
@@ -809,20 +820,21 @@ class Supervisor:
     # ------------------------------------------------------------------------- helpers
 
     def _status_line(self) -> str:
-        """The STATUS= text for the current phase, with respawning ranks and bad health."""
-        phase, engine = self.phase, self._engine
-        ready = sum(r.state is RankState.READY for r in self._ranks.values())
-        if phase is Phase.LOADING:
-            line = f"loading: {ready}/{len(self._ranks)} cache ranks ready"
-        elif phase is Phase.SERVING:
-            line = "serving" + ("" if engine is None or engine.healthy else
-                                " (engine health check failing)")
-        else:
-            assert engine is not None
-            line = f"{'starting' if phase is Phase.STARTING_ENGINE else 'restarting'} " \
-                   f"engine (attempt {engine.attempt})"
+        """The STATUS= text for the current phase, naming respawning ranks."""
         respawning = [r.rank for r in self._ranks.values() if r.state is RankState.RESPAWNING]
-        return line + "".join(f"; cache rank {r} respawning" for r in respawning)
+        return self._phase_line() + "".join(f"; cache rank {r} respawning" for r in respawning)
+
+    def _phase_line(self) -> str:
+        """The phase part of STATUS= (a stop sets its own STATUS once, and no other)."""
+        phase, engine = self.phase, self._engine
+        if phase is Phase.LOADING:
+            ready = sum(r.state is RankState.READY for r in self._ranks.values())
+            return f"loading: {ready}/{len(self._ranks)} cache ranks ready"
+        if engine is None or phase is Phase.SERVING:
+            sick = engine is not None and not engine.healthy
+            return "serving" + (" (engine health check failing)" if sick else "")
+        verb = "starting" if phase is Phase.STARTING_ENGINE else "restarting"
+        return f"{verb} engine (attempt {engine.attempt})"
 
     def _rank(self, rank: int | None) -> RankStatus:
         """The status of `rank`; an unknown rank is an executor bug."""
@@ -853,12 +865,14 @@ class Supervisor:
 
 def describe_exit(status: int) -> str:
     """Say how a child ended, from its raw status (negative: killed by signal -status)."""
-    if status >= 0:
-        name = _signal_name(status - 128) if status > 128 else None
-        return f"status {status}" + (f" (128+{name}?)" if name and name[:3] == "SIG" else "")
-    name = _signal_name(-status)
-    hint = _SIGNAL_HINTS.get(-status)  # type: ignore[call-overload]
-    return f"killed by signal {-status} ({name}{': ' + hint if hint else ''})"
+    if status < 0:
+        if not _known_signal(-status):
+            return f"killed by signal {-status}"
+        hint = _SIGNAL_HINTS.get(-status)
+        return f"killed by signal {-status} ({_signal_name(-status)}{': ' + hint if hint else ''})"
+    # A shell between the launcher and the program reports a signal death as 128+N.
+    shell = 128 < status < 256 and _known_signal(status - 128)
+    return f"status {status}" + (f" (128+{_signal_name(status - 128)}?)" if shell else "")
 
 
 def _rank_exit(status: int) -> str:
@@ -870,10 +884,16 @@ def _rank_exit(status: int) -> str:
 
 def _signal_name(sig: int) -> str:
     """SIGTERM for 15; "signal 99" for a number the platform does not name."""
+    return signal.Signals(sig).name if _known_signal(sig) else f"signal {sig}"
+
+
+def _known_signal(sig: int) -> bool:
+    """Whether the platform names signal number `sig`."""
     try:
-        return signal.Signals(sig).name
+        signal.Signals(sig)
     except ValueError:
-        return f"signal {sig}"
+        return False
+    return True
 
 
 def _stale(known_pid: int | None, pid: int) -> bool:

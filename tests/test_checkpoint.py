@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
@@ -104,8 +105,8 @@ def test_index_only_files_it_names_are_read(tmp_path: Path) -> None:
 def test_index_naming_a_missing_file(tmp_path: Path) -> None:
     shards(tmp_path)
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors, which does not "
-                       "exist") as e:
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00002\.safetensors, which does "
+                       "not exist") as e:
         open_checkpoint(tmp_path)
     assert e.value.file.endswith("model.safetensors.index.json") and e.value.tensor == "c.weight"
 
@@ -152,13 +153,13 @@ def test_missing_path(tmp_path: Path) -> None:
 
 def test_directory_without_safetensors(tmp_path: Path) -> None:
     (tmp_path / "pytorch_model.bin").write_bytes(b"x")
-    with pytest.raises(ModelNotFoundError, match="holds no .safetensors file"):
+    with pytest.raises(ModelNotFoundError, match=r"holds no \.safetensors file"):
         open_checkpoint(tmp_path)
 
 
 def test_file_that_is_not_safetensors(tmp_path: Path) -> None:
     (tmp_path / "model.bin").write_bytes(b"x")
-    with pytest.raises(ModelNotFoundError, match="is not a .safetensors file"):
+    with pytest.raises(ModelNotFoundError, match=r"is not a \.safetensors file"):
         open_checkpoint(tmp_path / "model.bin")
 
 
@@ -345,7 +346,7 @@ def test_header_that_is_a_list(tmp_path: Path) -> None:
 
 
 def test_duplicate_names_in_one_header(tmp_path: Path) -> None:
-    raw = ('{"t": %s, "t": %s}' % (json.dumps(entry()), json.dumps(entry(offsets=(8, 16)))))
+    raw = f'{{"t": {json.dumps(entry())}, "t": {json.dumps(entry(offsets=(8, 16)))}}}'
     f = write_raw(tmp_path / "m.safetensors", raw.encode(), bytes(16))
     rejects(f, "key 't' appears twice", tensor=None)
 
@@ -353,7 +354,7 @@ def test_duplicate_names_in_one_header(tmp_path: Path) -> None:
 def test_duplicate_names_across_files(tmp_path: Path) -> None:
     save_file({"t": torch.zeros(2)}, tmp_path / "a.safetensors")
     save_file({"t": torch.zeros(2)}, tmp_path / "b.safetensors")
-    with pytest.raises(CheckpointError, match="also in a.safetensors") as e:
+    with pytest.raises(CheckpointError, match=r"also in a\.safetensors") as e:
         open_checkpoint(tmp_path)
     assert e.value.file == str(tmp_path / "b.safetensors") and e.value.tensor == "t"
 
@@ -423,5 +424,5 @@ def test_damaged_header_is_rejected_or_in_bounds(tmp_path: Path,
     for e in ckpt.tensors.values():
         assert 8 + hlen <= e.begin <= e.end <= size
         assert e.dtype in DTYPES and all(d >= 0 for d in e.shape)
-    for (_, end), (begin, _) in zip(spans, spans[1:], strict=False):
+    for (_, end), (begin, _) in itertools.pairwise(spans):
         assert end <= begin

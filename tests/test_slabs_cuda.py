@@ -5,11 +5,13 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import weakref
 
 import pytest
@@ -181,6 +183,28 @@ def test_mapping_lives_exactly_as_long_as_its_tensors(backend: slabs_cuda.CudaBa
     assert int(err) != 0, "the address range should be unmapped and freed"
 
 
+def test_finaliser_on_a_thread_without_a_context(backend: slabs_cuda.CudaBackend,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    slab = backend.allocate(SIZE)
+    fd = slab.export_fd()
+    box = [backend.import_fd(fd, SIZE, readonly=True)]
+    os.close(fd)
+    slab.release()
+    finalizer = slabs_cuda._mappings[box[0].data_ptr()].finalizer
+    worker = threading.Thread(target=box.clear)  # drops the last tensor there
+    worker.start()
+    worker.join()
+    assert not finalizer.alive
+    assert "could not unmap" not in caplog.text
+
+
+def test_allocation_too_large_is_a_device_error(backend: slabs_cuda.CudaBackend) -> None:
+    with pytest.raises(DeviceError, match="cannot allocate"):
+        backend.allocate(1 << 50)
+    slab = backend.allocate(SIZE)  # the failure left the context usable
+    slab.release()
+
+
 def test_import_smaller_than_announced(backend: slabs_cuda.CudaBackend) -> None:
     slab = backend.allocate(SIZE)
     fd = slab.export_fd()
@@ -208,6 +232,7 @@ def test_device_info_and_uuids(backend: slabs_cuda.CudaBackend) -> None:
     assert set(info) >= {"device_uuid", "compute_capability", "driver", "cuda"}
     assert all(info.values()), info
     assert info["device_uuid"].startswith("GPU-") and len(info["device_uuid"]) == 40
+    assert re.fullmatch(r"\d+\.\d+(\.\d+)?", info["driver"]), info["driver"]
     major, minor = torch.cuda.get_device_capability(0)
     assert info["compute_capability"] == f"{major}.{minor}"
     assert slabs_cuda.uuid_to_index()[info["device_uuid"]] == 0

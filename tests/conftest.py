@@ -1,0 +1,112 @@
+"""Shared fixtures: small real checkpoints and real cache processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from vlaunch.cache import wire
+
+LLAMA_SHAPES = {
+    "q_proj": (64, 32), "k_proj": (32, 32), "v_proj": (32, 32), "o_proj": (32, 64),
+    "gate_proj": (128, 32), "up_proj": (128, 32), "down_proj": (32, 128),
+}
+
+
+def llama_tensors(layers: int = 2, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Random Llama-named tensors whose split dims divide by 1, 2 and 4."""
+    g = torch.Generator().manual_seed(0)
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(256, 32, generator=g)}
+    for i in range(layers):
+        for name, shape in LLAMA_SHAPES.items():
+            mod = "self_attn" if name[0] in "qkvo" else "mlp"
+            out[f"model.layers.{i}.{mod}.{name}.weight"] = torch.randn(shape, generator=g)
+        out[f"model.layers.{i}.input_layernorm.weight"] = torch.randn(32, generator=g)
+    out["model.norm.weight"] = torch.randn(32, generator=g)
+    out["lm_head.weight"] = torch.randn(256, 32, generator=g)
+    return {k: v.to(dtype) for k, v in out.items()}
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A two-shard Llama-named checkpoint with an index file."""
+    root = tmp_path_factory.mktemp("llama")
+    tensors = llama_tensors()
+    names = sorted(tensors)
+    half = len(names) // 2
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:])):
+        fname = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, str(root / fname))
+        weight_map.update({n: fname for n in part})
+    import json
+
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return root
+
+
+@dataclass
+class CacheProc:
+    """A running cache rank started by a test."""
+
+    proc: subprocess.Popen[bytes]
+    ready: dict
+    escrow: list[int]
+    socket_dir: Path
+
+    def stop(self) -> int:
+        """SIGTERM and wait; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        for fd in self.escrow:
+            os.close(fd)
+        self.escrow = []
+        return self.proc.wait(20)
+
+
+def spawn_cache(model: Path | str, socket_dir: Path, *args: str, rank: int = 0,
+                tp: int = 1, wait: bool = True, **popen: object) -> CacheProc:
+    """Start `python -m vlaunch.cache` and wait for its ready frame on a socketpair."""
+    ours, theirs = socket.socketpair()
+    cmd = [sys.executable, "-m", "vlaunch.cache", "--model", str(model), "--socket-dir",
+           str(socket_dir), "--rank", str(rank), "--tensor-parallel-size", str(tp),
+           "--ready-fd", str(theirs.fileno()), *args]
+    proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stderr=subprocess.PIPE,
+                            **popen)  # type: ignore[call-overload]
+    theirs.close()
+    ready: dict = {}
+    fds: list[int] = []
+    if wait:
+        ours.settimeout(60)
+        try:
+            ready, fds = wire.recv_frame(ours)
+        except EOFError:
+            proc.wait(30)
+    ours.close()
+    return CacheProc(proc, ready, fds, socket_dir)
+
+
+@pytest.fixture
+def sockdir(tmp_path: Path) -> Path:
+    """A fresh 0700 socket directory."""
+    d = tmp_path / "s"
+    d.mkdir(mode=0o700)
+    return d
+
+
+@pytest.fixture
+def caches() -> Iterator[list[CacheProc]]:
+    """Collects caches started by a test and stops them afterwards."""
+    started: list[CacheProc] = []
+    yield started
+    for c in started:
+        c.stop()

@@ -1,0 +1,350 @@
+"""The cache core end to end on CPU: real processes, real sockets, real safetensors files."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vlaunch.cache import CacheClient, load
+from vlaunch.cache import fingerprint as fp
+from vlaunch.cache.errors import (
+    CacheBrokenError,
+    CacheUnavailableError,
+    FingerprintMismatchError,
+)
+from vlaunch.cache.exitcodes import ExitStatus
+from vlaunch.cache.loader import expected_fingerprint
+from vlaunch.cache.plan import LLAMA_PLAN, Layout
+from vlaunch.cache.sockdir import socket_path
+
+from .conftest import spawn_cache
+
+ALL_DTYPES = {
+    "f64": torch.float64, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
+    "f8e4m3": torch.float8_e4m3fn, "f8e5m2": torch.float8_e5m2, "i64": torch.int64,
+    "i32": torch.int32, "i16": torch.int16, "i8": torch.int8, "u8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+def _random(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    raw = torch.randint(0, 256, (max(1, torch.Size(shape).numel()) * dtype.itemsize,),
+                        dtype=torch.uint8)
+    if dtype == torch.bool:
+        return (raw[: torch.Size(shape).numel()] & 1).bool().reshape(shape)
+    return raw.view(dtype)[: torch.Size(shape).numel()].reshape(shape)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                       b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def test_every_dtype_round_trips_bit_exactly(tmp_path: Path, sockdir: Path, caches) -> None:
+    tensors = {}
+    for name, dtype in ALL_DTYPES.items():
+        tensors[f"{name}.matrix"] = _random(dtype, (7, 5))
+        tensors[f"{name}.scalar"] = _random(dtype, ())
+        tensors[f"{name}.empty"] = _random(dtype, (0, 3))
+    save_file(tensors, str(tmp_path / "all.safetensors"))
+    caches.append(spawn_cache(tmp_path / "all.safetensors", sockdir, "--plan", "replicate"))
+    for mode in ("share", "copy"):
+        got = load(str(tmp_path / "all.safetensors"), socket_dir=str(sockdir), plan="replicate",
+                   mode=mode, fallback=False, timeout=10)
+        assert got.source == "cache"
+        assert set(got) == set(tensors)
+        for key, ref in load_file(str(tmp_path / "all.safetensors")).items():
+            assert _same_bits(got[key], ref), (mode, key)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_llama_plan_parity_with_safetensors(llama_ckpt: Path, sockdir: Path, caches,
+                                            tp: int) -> None:
+    full = {}
+    for f in sorted(llama_ckpt.glob("*.safetensors")):
+        full.update(load_file(str(f)))
+    for rank in range(tp):
+        caches.append(spawn_cache(llama_ckpt, sockdir, rank=rank, tp=tp))
+    for rank in range(tp):
+        got = load(str(llama_ckpt), rank=rank, tensor_parallel_size=tp,
+                   socket_dir=str(sockdir), fallback=False, timeout=10)
+        assert got.source == "cache" and set(got) == set(full)
+        for name, ref in full.items():
+            dim = LLAMA_PLAN.split_dim(name)
+            want = ref if dim is None else ref.chunk(tp, dim=dim)[rank]
+            assert _same_bits(got[name], want), (tp, rank, name)
+
+
+def test_manifest_checksums_match_the_file_bytes(llama_ckpt: Path, sockdir: Path,
+                                                 caches) -> None:
+    import zlib
+
+    caches.append(spawn_cache(llama_ckpt, sockdir))
+    client = CacheClient(socket_path(sockdir, 0))
+    manifest = client.manifest()
+    full = {}
+    for f in sorted(llama_ckpt.glob("*.safetensors")):
+        full.update(load_file(str(f)))
+    for rec in manifest.tensors:
+        data = full[rec.name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert rec.checksum == zlib.crc32(data)
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def one_cache(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
+    d = tmp_path_factory.mktemp("one") / "s"
+    d.mkdir(mode=0o700)
+    c = spawn_cache(llama_ckpt, d)
+    yield c
+    c.stop()
+
+
+def test_every_fingerprint_field_mismatch_is_reported(llama_ckpt: Path, one_cache) -> None:
+    engine = expected_fingerprint(str(llama_ckpt), Layout(1, 0), "cpu")
+    client = CacheClient(socket_path(one_cache.socket_dir, 0))
+    assert client.hello(engine) == engine
+    for field in fp.FIELDS:
+        wrong = dict(engine, **{field: engine[field] + "-other"})
+        with pytest.raises(FingerprintMismatchError) as err:
+            client.hello(wrong)
+        assert err.value.mismatches == [(field, engine[field], engine[field] + "-other")]
+        assert field in str(err.value)
+    both = dict(engine, tp_size="2", kernel_backends="flashinfer=9")
+    with pytest.raises(FingerprintMismatchError) as err:
+        client.hello(both)
+    assert [m[0] for m in err.value.mismatches] == ["tp_size", "kernel_backends"]
+    client.close()
+
+
+def test_fallback_true_loads_from_disk_with_one_warning(llama_ckpt: Path, one_cache, sockdir,
+                                                        caplog) -> None:
+    caplog.set_level(logging.WARNING, "vlaunch.cache")
+    ref = load_file(str(sorted(llama_ckpt.glob("*.safetensors"))[0]))
+    got = load(str(llama_ckpt), socket_dir=str(sockdir))  # no cache there
+    assert got.source == "disk" and "unavailable" in got.reason
+    name = next(iter(ref))
+    assert _same_bits(got[name], ref[name])
+    got = load(str(llama_ckpt), socket_dir=str(one_cache.socket_dir), kernel_backends="x=1")
+    assert got.source == "disk" and got.reason.startswith("mismatched")
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2
+    assert "is unavailable" in warnings[0] and "is mismatched" in warnings[1]
+    assert "kernel_backends" in warnings[1]
+
+
+def test_fallback_false_waits_then_names_the_cause(llama_ckpt: Path, one_cache,
+                                                   sockdir: Path) -> None:
+    with pytest.raises(CacheUnavailableError, match="no cache is serving"):
+        load(str(llama_ckpt), socket_dir=str(sockdir), fallback=False, timeout=0.3)
+    with pytest.raises(FingerprintMismatchError, match="kernel_backends"):
+        load(str(llama_ckpt), socket_dir=str(one_cache.socket_dir), fallback=False,
+             kernel_backends="x=1")
+
+
+def test_fallback_false_waits_for_a_cache_that_comes_up(llama_ckpt: Path, sockdir: Path,
+                                                        caches) -> None:
+    threading.Timer(0.5, lambda: caches.append(spawn_cache(llama_ckpt, sockdir))).start()
+    got = load(str(llama_ckpt), socket_dir=str(sockdir), fallback=False, timeout=60)
+    assert got.source == "cache"
+
+
+def test_copy_release_drops_the_cache_copy(llama_ckpt: Path, sockdir: Path, caches,
+                                           caplog) -> None:
+    caches.append(spawn_cache(llama_ckpt, sockdir))
+    got = load(str(llama_ckpt), socket_dir=str(sockdir), mode="copy-release", fallback=False)
+    assert got.source == "cache" and got.bytes_outside == 0
+    client = CacheClient(socket_path(sockdir, 0))
+    status = client.status()
+    assert status["state"] == "released" and status["bytes_held"] == {"cpu": 0}
+    with pytest.raises(CacheBrokenError, match="released"):
+        client.manifest()
+    caplog.set_level(logging.WARNING, "vlaunch.cache")
+    again = load(str(llama_ckpt), socket_dir=str(sockdir))
+    assert again.source == "disk" and "released" in again.reason
+    ref = load_file(str(sorted(llama_ckpt.glob("*.safetensors"))[0]))
+    for name, t in ref.items():
+        assert _same_bits(got[name], t) and _same_bits(again[name], t)
+
+
+def test_share_tensors_survive_sigkill_of_the_cache(llama_ckpt: Path, sockdir: Path, caches,
+                                                    caplog) -> None:
+    caplog.set_level(logging.WARNING, "vlaunch.cache")
+    cache = spawn_cache(llama_ckpt, sockdir)
+    caches.append(cache)
+    got = load(str(llama_ckpt), socket_dir=str(sockdir), fallback=False)
+    assert got.bytes_outside > 0
+    for fd in cache.escrow:  # the escrow would keep memory alive too: drop it for this test
+        os.close(fd)
+    cache.escrow = []
+    cache.proc.send_signal(signal.SIGKILL)
+    cache.proc.wait(10)
+    ref = {}
+    for f in sorted(llama_ckpt.glob("*.safetensors")):
+        ref.update(load_file(str(f)))
+    for name, t in ref.items():
+        assert _same_bits(got[name], t), name
+    for _ in range(50):
+        if any("went away" in r.getMessage() for r in caplog.records):
+            break
+        threading.Event().wait(0.05)
+    went = [r.getMessage() for r in caplog.records if "went away" in r.getMessage()]
+    assert len(went) == 1 and "keeps serving" in went[0]
+
+
+def test_32_concurrent_clients(llama_ckpt: Path, one_cache) -> None:
+    ref = load_file(str(sorted(llama_ckpt.glob("*.safetensors"))[0]))
+    engine = expected_fingerprint(str(llama_ckpt), Layout(1, 0), "cpu")
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(32)
+    clients: list[CacheClient] = []
+
+    def one() -> None:
+        try:
+            c = CacheClient(socket_path(one_cache.socket_dir, 0))
+            clients.append(c)
+            barrier.wait(10)
+            c.hello(engine)
+            tensors = c.map(c.manifest())
+            for name, t in ref.items():
+                assert _same_bits(tensors[name], t)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[:3]
+    status = CacheClient(socket_path(one_cache.socket_dir, 0)).status()
+    assert sum(1 for lease in status["leases"] if lease["mode"] == "share") == 32
+    for c in clients:
+        c.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_client_running_as_another_uid_is_refused(one_cache) -> None:
+    """Even with the directory opened up by mistake, SO_PEERCRED refuses a foreign uid."""
+    path = socket_path(one_cache.socket_dir, 0)
+    os.chmod(one_cache.socket_dir, 0o711)
+    os.chmod(path, 0o666)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: become nobody, connect, report what the cache said
+        try:
+            import socket as so
+
+            from vlaunch.cache import wire
+
+            os.chdir(path.parent)  # as root: the parents are 0700 pytest directories
+            os.setgid(65534)
+            os.setuid(65534)
+            s = so.socket(so.AF_UNIX, so.SOCK_STREAM)
+            s.connect(path.name)
+            reply, _ = wire.recv_frame(s)
+            os.write(write, json.dumps(reply).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    reply = json.loads(os.read(read, 65536) or b"{}")
+    os.close(read)
+    os.chmod(one_cache.socket_dir, 0o700)
+    assert reply.get("ok") is False and reply["error"] == "forbidden"
+    assert "uid 65534" in reply["message"] and "refused" in reply["message"]
+
+
+def _bad_file(path: Path, header: dict, data: bytes) -> Path:
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return path
+
+
+@pytest.mark.parametrize("case", ["truncated", "past_end", "overlap", "dtype_size"])
+def test_bad_checkpoints_end_the_cache_with_status_65(tmp_path: Path, sockdir: Path,
+                                                      case: str) -> None:
+    if case == "truncated":
+        save_file({"w": torch.ones(64, 64)}, str(tmp_path / "m.safetensors"))
+        data = (tmp_path / "m.safetensors").read_bytes()
+        (tmp_path / "m.safetensors").write_bytes(data[: len(data) - 100])
+        path, words = tmp_path / "m.safetensors", ["'w'"]
+    else:
+        header = {
+            "past_end": {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                         "x": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}},
+            "overlap": {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                        "x": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}},
+            "dtype_size": {"w": {"dtype": "BF16", "shape": [4], "data_offsets": [0, 16]}},
+        }[case]
+        path = _bad_file(tmp_path / "m.safetensors", header, b"\0" * 24)
+        words = {"past_end": ["'x'", "end of the file"], "overlap": ["overlaps"],
+                 "dtype_size": ["'w'", "BF16"]}[case]
+    cache = spawn_cache(path, sockdir)
+    status = cache.proc.wait(30)
+    err = cache.proc.stderr.read().decode() if cache.proc.stderr else ""
+    assert status == ExitStatus.BAD_CHECKPOINT, err
+    assert str(path) in err and "bad checkpoint" in err
+    for w in words:
+        assert w in err
+    assert not socket_path(sockdir, 0).exists()
+
+
+def test_second_cache_for_the_same_rank_is_refused(llama_ckpt: Path, one_cache) -> None:
+    again = spawn_cache(llama_ckpt, one_cache.socket_dir)
+    assert again.proc.wait(30) == ExitStatus.CACHE_BUSY
+    assert "holds" in again.proc.stderr.read().decode()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("bad", ["symlink", "mode", "missing_model"])
+def test_unsafe_socket_dirs_and_missing_models(tmp_path: Path, llama_ckpt: Path,
+                                               bad: str) -> None:
+    target = tmp_path / "real"
+    target.mkdir(mode=0o700)
+    d, model, status = tmp_path / "s", llama_ckpt, ExitStatus.SOCKET_DIR
+    if bad == "symlink":
+        d.symlink_to(target)
+    elif bad == "mode":
+        d.mkdir(mode=0o755)
+        os.chmod(d, 0o755)
+    else:
+        d, model, status = target, tmp_path / "nope", ExitStatus.NO_MODEL
+    cache = spawn_cache(model, d)
+    assert cache.proc.wait(30) == status
+
+
+def test_sigterm_removes_socket_and_lock_and_exits_0(llama_ckpt: Path, sockdir: Path) -> None:
+    cache = spawn_cache(llama_ckpt, sockdir)
+    assert socket_path(sockdir, 0).exists()
+    assert cache.stop() == 0
+    assert list(sockdir.iterdir()) == []
+
+
+def test_share_mapping_lives_exactly_as_long_as_its_tensors(llama_ckpt: Path,
+                                                            one_cache) -> None:
+    def slab_maps() -> int:
+        return Path("/proc/self/maps").read_text().count("memfd:vlaunch-slab")
+
+    before = slab_maps()
+    c = CacheClient(socket_path(one_cache.socket_dir, 0))
+    tensors = c.map(c.manifest())
+    assert slab_maps() == before + 1
+    keep = tensors["model.norm.weight"]
+    del tensors
+    gc.collect()
+    assert slab_maps() == before + 1  # one view is still alive
+    del keep
+    gc.collect()
+    assert slab_maps() == before
+    c.close()

@@ -404,7 +404,8 @@ class Engine:
         """Start ranks 1..N-1 and the thread that watches them; returns the TCPStore."""
         import torch.distributed as dist
 
-        store = dist.TCPStore("127.0.0.1", 0, self.opts.tp_size, True, timeout=STORE_TIMEOUT)
+        store = dist.TCPStore("127.0.0.1", 0, self.opts.tp_size, True, timeout=STORE_TIMEOUT,
+                              wait_for_workers=False)
         env = dict(os.environ)
         env.pop("NOTIFY_SOCKET", None)  # only rank 0 speaks for the engine
         # started from the main thread: the parent-death signal fires when the forking thread

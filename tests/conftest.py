@@ -12,9 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 from safetensors.torch import save_file
 
 from vlaunch.cache import wire
+
+# Shared CI machines are noisy: no per-example deadline, fixed example counts.
+settings.register_profile("vlaunch", deadline=None, print_blob=True)
+settings.load_profile("vlaunch")
 
 LLAMA_SHAPES = {
     "q_proj": (64, 32), "k_proj": (32, 32), "v_proj": (32, 32), "o_proj": (32, 64),

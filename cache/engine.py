@@ -62,6 +62,7 @@ MAX_NEW_TOKENS = 64
 MAX_BODY_BYTES = 64 << 10
 OP_STOP, OP_GENERATE = 0, 1
 WORKER_STOP_TIMEOUT = 10.0
+SIGNAL_POLL_S = 0.1
 STORE_TIMEOUT = datetime.timedelta(seconds=300)
 # Workers wait in a broadcast for the next request, however long the engine idles; a dead
 # peer is caught by process monitoring (parent-death signal, rank 0's watcher), not by this.
@@ -464,13 +465,21 @@ class Engine:
 
     def serve(self, state: RankState) -> None:
         """Run queued requests in this (the main) thread until STOP."""
-        while (job := self.jobs.get()) is not STOP:
+        while (job := self.next_job()) is not STOP:
             assert job.tokens is not None
             try:
                 job.result.set_result(run_generate(state, job.tokens, job.max_new))
             except Exception as exc:
                 job.result.set_exception(exc)
                 raise  # a failed collective leaves the group unusable: exit and be restarted
+
+    def next_job(self) -> Job:
+        """The next queued job; wakes up regularly so that signal handlers get to run."""
+        while True:
+            # a signal that the kernel delivers to another thread does not interrupt this
+            # wait; Python runs the handler only once the main thread wakes up
+            with contextlib.suppress(queue.Empty):
+                return self.jobs.get(timeout=SIGNAL_POLL_S)
 
     def shutdown(self, state: RankState) -> int:
         """Refuse new requests, stop the workers through the group, wait for them."""

@@ -1,0 +1,104 @@
+"""CPU: share handoff of a 512 MB shard against safetensors.load_file from a warm page cache.
+
+On CPU, safetensors' load_file maps the file lazily: it returns before any byte is read, and
+the bytes arrive as page faults on first use. So the table has two figures: the call alone,
+and the call plus one read of every byte (tensors really usable), for both sides.
+
+    python benchmarks/bench_cpu_handoff.py [--size-mb 512] [--repeats 7]
+
+Prints one table: figure, vlaunch, baseline, ratio, target (>= 50x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from vlaunch.cache import load, wire
+
+
+def make_checkpoint(path: Path, size_mb: int) -> None:
+    """About size_mb of bf16 tensors, 8 MiB each."""
+    n = max(1, size_mb // 8)
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(2048, 2048, generator=g)
+               .to(torch.bfloat16) for i in range(n)}
+    save_file(tensors, str(path))
+
+
+def median_ms(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    """Median wall time of fn() in milliseconds."""
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def touch(tensors: dict) -> None:  # type: ignore[type-arg]
+    """Touch every page once, so lazily mapped pages are faulted in."""
+    for t in tensors.values():
+        t.reshape(-1).view(torch.uint8)[::4096].sum()
+    client = getattr(tensors, "client", None)
+    if client is not None:
+        client.close()
+
+
+def main() -> None:
+    """Run the benchmark and print the table."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size-mb", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "m.safetensors"
+        make_checkpoint(model, args.size_mb)
+        sockdir = Path(tmp) / "s"
+        sockdir.mkdir(mode=0o700)
+        ours, theirs = socket.socketpair()
+        proc = subprocess.Popen([sys.executable, "-m", "vlaunch.cache", "--model", str(model),
+                                 "--socket-dir", str(sockdir), "--plan", "replicate",
+                                 "--ready-fd", str(theirs.fileno())], pass_fds=[theirs.fileno()])
+        theirs.close()
+        ready, fds = wire.recv_frame(ours)
+        for fd in fds:
+            os.close(fd)
+        try:
+            load_file(str(model))  # warm the page cache
+            st_ms = median_ms(lambda: load_file(str(model)), args.repeats)
+            kw = {"socket_dir": str(sockdir), "plan": "replicate", "fallback": False,
+                  "device": "cpu"}
+            share_ms = median_ms(lambda: load(str(model), **kw).client.close(), args.repeats)
+            st_read_ms = median_ms(lambda: touch(load_file(str(model))), args.repeats)
+            share_read_ms = median_ms(lambda: touch(load(str(model), **kw)), args.repeats)
+            copy_ms = median_ms(lambda: load(str(model), mode="copy", **kw), args.repeats)
+        finally:
+            proc.terminate()
+            proc.wait()
+    gb = ready["bytes"] / 1e9
+    rows = [("share handoff (call returns)", f"{share_ms:.2f} ms", f"{st_ms:.2f} ms",
+             f"{st_ms / share_ms:.1f}x", ">= 50x"),
+            ("share + touch every page", f"{share_read_ms:.1f} ms", f"{st_read_ms:.1f} ms",
+             f"{st_read_ms / share_read_ms:.1f}x", "-"),
+            ("copy handoff", f"{copy_ms:.2f} ms", f"{st_ms:.2f} ms", f"{st_ms / copy_ms:.1f}x",
+             "-")]
+    print(f"\nshard {gb:.2f} GB, median of {args.repeats}, {time.strftime('%Y-%m-%d')}; "
+          "baseline: safetensors.torch.load_file, page cache warm")
+    print(f"{'figure':<30} {'vlaunch':>12} {'baseline':>12} {'ratio':>8} {'target':>8}")
+    for r in rows:
+        print(f"{r[0]:<30} {r[1]:>12} {r[2]:>12} {r[3]:>8} {r[4]:>8}")
+
+
+if __name__ == "__main__":
+    main()

@@ -26,7 +26,21 @@ from .sockdir import check_peer, ensure_socket_dir
 if TYPE_CHECKING:
     import torch
 
+    from .slabs import Backend
+
 log = logging.getLogger("vlaunch.cache.client")
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def backend_for(device: str) -> Backend:
+    """The slab backend of `device`, made once per process and reused by every handoff."""
+    backend = _BACKENDS.get(device)
+    if backend is None:
+        from .slabs import get_backend
+
+        backend = _BACKENDS[device] = get_backend(device)
+    return backend
 
 
 class CacheClient:
@@ -71,14 +85,12 @@ class CacheClient:
     def map(self, manifest: Manifest, *, mode: str = "share",
             device: str = "cpu") -> dict[str, torch.Tensor]:
         """Map the slabs (share) or copy them into our own memory (copy, copy-release)."""
-        from .slabs import get_backend
-
         _, fds = self.request({"op": "open", "mode": mode})
         try:
             if len(fds) != len(manifest.slab_sizes):
                 raise CacheBrokenError(f"cache sent {len(fds)} fds for "
                                        f"{len(manifest.slab_sizes)} slabs")
-            backend = get_backend(device)
+            backend = backend_for(device)
             slabs = [backend.import_fd(fd, size, readonly=True)
                      for fd, size in zip(fds, manifest.slab_sizes, strict=True)]
         finally:

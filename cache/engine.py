@@ -115,7 +115,8 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv: Sequence[str] | None) -> EngineOptions:
     """Parse the command line; ConfigError on a bad one."""
-    p = _Parser(prog="python -m vlaunch.cache.engine", description=__doc__.splitlines()[0])
+    p = _Parser(prog="python -m vlaunch.cache.engine",
+                description="The vlaunch reference engine: greedy generation over HTTP.")
     p.add_argument("--model", required=True, help="checkpoint directory (config.json + "
                    "safetensors)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, dest="tp_size")
@@ -354,7 +355,6 @@ class Engine:
         self.cfg.check_tp(opts.tp_size)
         device_for(opts.device, 0, opts.tp_size)
         self.started_at = psutil.Process().create_time()
-        self.ready_at: float | None = None
         self.stats: dict[str, Any] = {"weights_ms": None, "source": None,
                                       "tp_size": opts.tp_size, "bytes": None,
                                       "pid": os.getpid(), "started_at": self.started_at,
@@ -376,8 +376,8 @@ class Engine:
         """Load, serve until SIGTERM/SIGINT, stop; returns the exit status."""
         signal.signal(signal.SIGTERM, self.handle_signal)
         signal.signal(signal.SIGINT, self.handle_signal)
-        self.http = start_http(self)
         try:
+            self.http = start_http(self)
             store = self.start_workers() if self.opts.tp_size > 1 else None
             state = start_rank(self.opts, 0, self.cfg, store)
             self.became_ready(*gather_stats(state))
@@ -388,8 +388,9 @@ class Engine:
             return 0
         finally:
             self.stopping = True
-            self.http.shutdown()
-            self.http.server_close()
+            if self.http is not None:
+                self.http.shutdown()
+                self.http.server_close()
             self.reap_workers(kill=True)
 
     def handle_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -439,9 +440,8 @@ class Engine:
 
     def became_ready(self, ms: float, source: str, nbytes: int) -> None:
         """Record the stats, accept requests, log and notify readiness."""
-        self.ready_at = time.time()
-        self.stats.update(weights_ms=round(ms, 3), source=source, bytes=nbytes,
-                          ready_at=self.ready_at)
+        self.stats = {**self.stats, "weights_ms": round(ms, 3), "source": source,
+                      "bytes": nbytes, "ready_at": time.time()}
         with self._accept_lock:
             self.accepting = True
         log.info("weights ready in %.1f ms (source: %s)", ms, source)
@@ -490,7 +490,7 @@ class Engine:
             self.stopping = True
         with contextlib.suppress(queue.Empty):
             while True:
-                self.jobs.get_nowait().result.set_exception(RuntimeError("engine is stopping"))
+                self.jobs.get_nowait().result.set_exception(EngineStopping())
         if state.tp_size > 1:
             broadcast_stop(state)
             dist.destroy_process_group()
@@ -512,6 +512,13 @@ class Engine:
                             proc.pid, WORKER_STOP_TIMEOUT)
                 proc.kill()
                 proc.wait()
+
+
+class EngineStopping(Exception):
+    """A queued request that the engine will not run because it stops."""
+
+    def __init__(self) -> None:
+        super().__init__("the engine is stopping")
 
 
 class _StopRequested(BaseException):
@@ -553,6 +560,14 @@ def write_port_file(path: Path, port: int) -> None:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     engine: Engine
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Log a failed request (socketserver would print the traceback to stderr)."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, ConnectionError):  # the client hung up: nothing to fix here
+            log.debug("http %s: %s", client_address[0], exc)
+        else:
+            log.error("http %s: request failed", client_address[0], exc_info=True)
 
 
 class BadRequest(Exception):
@@ -597,9 +612,13 @@ class _Handler(BaseHTTPRequestHandler):
                                                                   "loading or the engine stops"})
             return
         try:
-            self._reply(HTTPStatus.OK, {"tokens": result.result()})
-        except Exception as exc:
+            tokens = result.result()
+        except EngineStopping as exc:
             self._reply(HTTPStatus.SERVICE_UNAVAILABLE, {"error": str(exc)})
+        except Exception as exc:
+            self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"generation failed: {exc}"})
+        else:
+            self._reply(HTTPStatus.OK, {"tokens": tokens})
 
     def _body(self) -> bytes:
         raw = self.headers.get("Content-Length")

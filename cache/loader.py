@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import logging
 import os
+import struct
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import checkpoint
 from . import fingerprint as fp
-from .client import CacheClient
+from . import slabs as _slabs  # noqa: F401  (imported here, not during the first handoff)
+from . import slabs_cuda as _slabs_cuda  # noqa: F401  (the same; it needs no torch to import)
+from .client import CacheClient, backend_for
 from .errors import CacheBrokenError, CacheUnavailableError, FingerprintMismatchError
 from .plan import Layout
 from .protocol import MODES
@@ -19,6 +27,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("vlaunch.cache")
 
 _LEASES: list[CacheClient] = []  # share-mode leases live as long as the process
+_DEVICE_INFO: dict[str, dict[str, str]] = {}  # device -> its fingerprint fields, per process
+
+# The CUDA driver bindings (and numpy, which torch.as_tensor needs to wrap a mapping) take
+# tens of milliseconds to import when torch has not already loaded them. This module is
+# imported when the engine starts; the first handoff must not pay for those imports. No driver
+# call happens here: cuInit runs on first use.
+with contextlib.suppress(Exception):
+    import cuda.bindings.driver  # noqa: F401
+with contextlib.suppress(Exception):
+    import numpy  # noqa: F401
 
 
 class Weights(dict):  # type: ignore[type-arg]
@@ -42,15 +60,53 @@ def default_device() -> str:
 def expected_fingerprint(model: str, layout: Layout, device: str, plan: str = "llama",
                          kernel_backends: str = "", loader: str = "vlaunch") -> fp.Fingerprint:
     """The fingerprint a cache must have for this engine rank."""
-    from .checkpoint import open_checkpoint
     from .plan import load_plan
-    from .slabs import get_backend
 
-    backend = get_backend(device)
-    return fp.build(checkpoint=open_checkpoint(model).identity, plan=load_plan(plan).identity,
+    backend = backend_for(device)
+    info = _DEVICE_INFO.get(device)
+    if info is None:
+        info = _DEVICE_INFO[device] = backend.device_info()
+    return fp.build(checkpoint=checkpoint_identity(model), plan=load_plan(plan).identity,
                     layout=layout.as_dict(), dtype="checkpoint", backend=backend.name,
-                    device=backend.device_info(), kernel_backends=kernel_backends,
-                    loader=loader)
+                    device=info, kernel_backends=kernel_backends, loader=loader)
+
+
+def checkpoint_identity(model: str | os.PathLike[str]) -> str:
+    """`open_checkpoint(model).identity`, from the files' raw headers alone.
+
+    The identity hashes each file's name and raw header (and the index file); it needs none of
+    the per-tensor validation that `open_checkpoint` does, which costs milliseconds for a few
+    hundred tensors on every handoff. The cache validated every header when it loaded them;
+    this side only compares. Anything unusual (a bad index, a short file, a huge header) goes
+    the validating way, which raises the precise error.
+    """
+    root, files, index = checkpoint._locate(Path(model).absolute())
+    try:
+        index_bytes = b""
+        if index is not None:
+            index_bytes = index.read_bytes()
+            names = set(json.loads(index_bytes)["weight_map"].values())
+            if not names or not all(isinstance(n, str) and n.endswith(".safetensors")
+                                    and not os.path.isabs(n) and ".." not in Path(n).parts
+                                    for n in names):
+                raise ValueError("index needs validation")
+            files = tuple(sorted({root / n for n in names}))  # as checkpoint._index_files
+        digest = hashlib.sha256()
+        for file in files:
+            with open(file, "rb") as fh:
+                head = fh.read(8)
+                (hlen,) = struct.unpack("<Q", head)
+                if hlen > checkpoint.MAX_HEADER_BYTES:
+                    raise ValueError("header too large")
+                raw = head + fh.read(hlen)
+                if len(raw) != 8 + hlen:
+                    raise ValueError("short header")
+            digest.update(file.relative_to(root).as_posix().encode() + b"\0" + raw)
+        if index is not None:
+            digest.update(b"index\0" + index_bytes)
+        return digest.hexdigest()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error):
+        return checkpoint.open_checkpoint(model).identity
 
 
 def load(model: str, *, rank: int = 0, tensor_parallel_size: int = 1,

@@ -30,10 +30,11 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from .checkpoint import INDEX_NAME
+
 log = logging.getLogger("vlaunch.cache.refmodel")
 
 CONFIG_NAME = "config.json"
-INDEX_NAME = "model.safetensors.index.json"
 MARKER_NAME = "vlaunch-refmodel.json"  # the arguments that wrote a checkpoint
 INIT_STD = 0.02
 
@@ -133,7 +134,7 @@ class ModelConfig:
                      "intermediate_size"):
             value = getattr(self, name)
             if value % tp_size:
-                fits = [n for n in range(1, value + 1) if self._fits(n)][-4:]
+                fits = [n for n in range(1, self.num_key_value_heads + 1) if self._fits(n)]
                 raise ModelConfigError(f"{name} {value} does not divide by tensor-parallel size "
                                        f"{tp_size}; use a tensor-parallel size that divides "
                                        f"it (this model fits {', '.join(map(str, fits))})")
@@ -461,3 +462,34 @@ def _random(shape: tuple[int, ...], name: str, generator: torch.Generator, dtype
 
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write a random checkpoint (`python -m vlaunch.cache.refmodel PATH`); prints its path."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m vlaunch.cache.refmodel",
+                                description="Write a random Llama checkpoint for the vlaunch "
+                                            "reference engine.")
+    p.add_argument("path")
+    p.add_argument("--llama-8b", action="store_true",
+                   help="Llama-3-8B shapes instead of the small default ones")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--target-gib", type=float, default=None,
+                   help="choose the layer count for a checkpoint of about this size")
+    p.add_argument("--shards", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu",
+                   help="where to draw the random numbers; cuda is far faster for large sizes")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    target = None if args.target_gib is None else int(args.target_gib * (1 << 30))
+    shapes: dict[str, Any] = dict(LLAMA_8B_SHAPES) if args.llama_8b else {}
+    path = make_checkpoint(args.path, **shapes, layers=args.layers, shards=args.shards,
+                           seed=args.seed, target_bytes=target, device=args.device)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 
+from vlaunch.cache.errors import VlaunchError
 from vlaunch.cache.exitcodes import EXIT_TABLE, ExitStatus
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -27,6 +33,120 @@ def exit_codes(as_json: bool) -> None:
         return
     for info in EXIT_TABLE:
         click.echo(f"{int(info.status):>3}  {info.status.name:<18} {info.meaning}")
+
+
+def _config_callback(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """--config: a TOML file's keys become defaults (command line and env vars win)."""
+    if value:
+        from .options import load_config
+
+        try:
+            ctx.default_map = {**(ctx.default_map or {}), **load_config(value)}
+        except VlaunchError as exc:
+            raise click.BadParameter(str(exc)) from None
+
+
+def _opt(name: str, env: str, **kw: Any) -> Callable[[F], F]:
+    return click.option(name, envvar=f"VLAUNCH_{env}", show_envvar=True, show_default=True, **kw)
+
+
+@cli.command("run", context_settings={"ignore_unknown_options": False})
+@click.option("--config", envvar="VLAUNCH_CONFIG", is_eager=True, expose_value=False,
+              callback=_config_callback, type=click.Path(dir_okay=False),
+              help="TOML file whose keys (option names) set defaults.")
+@_opt("--model", "MODEL", default="",
+      help="Checkpoint: a .safetensors file or a directory [default: the embedded demo model].")
+@_opt("--device", "DEVICE", default="cpu", type=click.Choice(["cpu", "cuda"]),
+      help="Where the cache ranks hold the weights.")
+@_opt("--tensor-parallel-size", "TENSOR_PARALLEL_SIZE", default=1, type=click.IntRange(1),
+      help="Tensor-parallel ranks (each holds 1/N of the split tensors).")
+@_opt("--pipeline-parallel-size", "PIPELINE_PARALLEL_SIZE", default=1, type=click.IntRange(1),
+      help="Pipeline stages (each holds its stage's layers).")
+@_opt("--data-parallel-size", "DATA_PARALLEL_SIZE", default=1, type=click.IntRange(1),
+      help="Data-parallel replicas (each holds the same shards as its peers).")
+@_opt("--devices", "DEVICES", default="",
+      help="Comma list, one per local rank: GPU index, cuda:N or a GPU UUID (GPU-...).")
+@_opt("--nnodes", "NNODES", default=1, type=click.IntRange(1), help="Nodes in the job.")
+@_opt("--node-rank", "NODE_RANK", default=0, type=click.IntRange(0),
+      help="This node's index: it serves global ranks [i*R/n, (i+1)*R/n).")
+@_opt("--socket-dir", "SOCKET_DIR", default="",
+      help="Directory of the rank sockets, mode 0700 [default: $XDG_RUNTIME_DIR/vlaunch or "
+           "/tmp/vlaunch-UID].")
+@_opt("--plan", "PLAN", default="llama",
+      help="Shard plan: llama, replicate, a plan file, or module:callable.")
+@_opt("--threads", "THREADS", default=8, type=click.IntRange(1), help="Reader threads per rank.")
+@_opt("--health-host", "HEALTH_HOST", default="127.0.0.1", help="HTTP health address.")
+@_opt("--health-port", "HEALTH_PORT", default=0, type=int,
+      help="HTTP health port (0: pick a free one, written to SOCKET_DIR/launcher.json; "
+           "-1: off).")
+@_opt("--engine-ready", "ENGINE_READY", default="auto",
+      type=click.Choice(["auto", "notify", "http", "none"]),
+      help="Engine readiness: its sd_notify READY=1, its health URL, or none (ready once "
+           "started); auto: http when --engine-health-url is set, else none.")
+@_opt("--engine-health-url", "ENGINE_HEALTH_URL", default="",
+      help="URL that answers 2xx when the engine is ready (e.g. vLLM's /health).")
+@_opt("--restart-max", "RESTART_MAX", default=5, type=click.IntRange(0),
+      help="Engine restarts allowed within --restart-window.")
+@_opt("--restart-window", "RESTART_WINDOW", default=300.0, type=click.FloatRange(0),
+      help="Seconds over which engine restarts are counted.")
+@_opt("--stable-after", "STABLE_AFTER", default=60.0, type=click.FloatRange(0),
+      help="Seconds of engine readiness that reset the budget and the backoff.")
+@_opt("--backoff-initial", "BACKOFF_INITIAL", default=0.5, type=click.FloatRange(0),
+      help="First restart delay in seconds (doubles each time).")
+@_opt("--backoff-max", "BACKOFF_MAX", default=30.0, type=click.FloatRange(0),
+      help="Longest restart delay in seconds.")
+@_opt("--stop-timeout", "STOP_TIMEOUT", default=30.0, type=click.FloatRange(0),
+      help="Seconds a graceful stop may take before SIGKILL.")
+@_opt("--engine-config-error-status", "ENGINE_CONFIG_ERROR_STATUS", default=[78],
+      multiple=True, type=int,
+      help="Engine exit statuses that mean a configuration error: no restart, exit 81.")
+@_opt("--on-rank-exit", "ON_RANK_EXIT", default="shutdown",
+      type=click.Choice(["shutdown", "respawn"]),
+      help="A cache rank exited: shut everything down (69), or respawn it from the escrowed "
+           "slabs while the engine keeps serving.")
+@_opt("--stop-on-engine-success", "STOP_ON_ENGINE_SUCCESS", is_flag=True, default=False,
+      help="An engine that exits 0 ends the launcher with 0 instead of being restarted.")
+@_opt("--kernel-backends", "KERNEL_BACKENDS", default="",
+      help="Fingerprint field for the kernel backends (set by engine integrations).")
+@_opt("--log-level", "LOG_LEVEL", default="INFO",
+      type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), help="Launcher log level.")
+@click.argument("engine", nargs=-1, type=click.UNPROCESSED)
+def run(engine: tuple[str, ...], **options: Any) -> None:
+    """Start the cache ranks, then ENGINE (after --); supervise until stopped.
+
+    Without an engine command only the cache ranks run (the two-container layout). The exit
+    status says what happened: see `vlaunch exit-codes`.
+    """
+    from .executor import run as run_executor
+    from .options import build_spec
+
+    logging.basicConfig(level=options["log_level"], stream=sys.stderr,
+                        format="%(asctime)s vlaunch[%(process)d] %(levelname)s %(message)s")
+    model = options["model"] or _embedded_model()
+    try:
+        spec = build_spec(options, engine, model)
+    except VlaunchError as exc:
+        raise click.UsageError(str(exc)) from None
+    sys.exit(run_executor(spec))
+
+
+def _embedded_model() -> str:
+    """The embedded default checkpoint, created once (in a child: the launcher has no torch)."""
+    from .demo import ensure_demo_checkpoint
+
+    return str(ensure_demo_checkpoint())
+
+
+@cli.command("status")
+@_opt("--socket-dir", "SOCKET_DIR", default="", help="The launcher's socket directory.")
+@click.option("--url", default="", help="The launcher's health URL (instead of --socket-dir).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(socket_dir: str, url: str, as_json: bool) -> None:
+    """Show a running launcher's status: phase, ranks, engine."""
+    from .status import fetch_status, format_status
+
+    snap = fetch_status(socket_dir, url)
+    click.echo(json.dumps(snap, indent=2) if as_json else format_status(snap))
 
 
 def _add_cache_command() -> None:
@@ -50,3 +170,7 @@ def main() -> None:
     except click.ClickException as exc:
         exc.show()
         sys.exit(int(ExitStatus.USAGE))
+
+
+if __name__ == "__main__":
+    main()

@@ -365,3 +365,13 @@ def test_engine_exits_when_a_worker_dies(tiny: Path, sockdir: Path, tmp_path: Pa
         worker.kill()
         assert e.wait() == 1, e.log.read_text()
     assert f"rank 1 (pid {worker.pid}) exited with status -9" in e.log.read_text()
+
+
+def test_workers_die_with_rank_0(tiny: Path, sockdir: Path, tmp_path: Path) -> None:
+    with engine(tmp_path, "e", tiny, "--socket-dir", str(sockdir),
+                "--tensor-parallel-size", "2") as e:
+        e.wait_healthy()
+        (worker,) = psutil.Process(e.proc.pid).children()
+        e.proc.kill()
+        assert e.wait() == -signal.SIGKILL
+        worker.wait(10)  # the parent-death signal, not the test's cleanup, ends it

@@ -1,0 +1,111 @@
+"""The HTTP surface: liveness, startup, readiness, JSON status and Prometheus metrics.
+
+The asyncio loop publishes a fresh status dict after every event; the server threads only
+read the latest one, so a slow scrape never holds up a decision.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+log = logging.getLogger("vlaunch.launcher")
+
+PROBES = {
+    "/livez": "started_ok",     # liveness: the launcher runs and is not failing
+    "/startupz": "caches_ready",  # startup: every cache rank has loaded its shard
+    "/readyz": "engine_ready",  # readiness: the engine is ready and not restarting
+}
+
+
+class _Collector:
+    """Turns the latest status into Prometheus gauges at scrape time."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
+        self.status = status
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        s = self.status()
+        for name, key, doc in (("vlaunch_up", "started_ok", "Launcher alive and not failing."),
+                               ("vlaunch_caches_ready", "caches_ready", "Every cache ready."),
+                               ("vlaunch_engine_ready", "engine_ready", "Engine ready.")):
+            yield GaugeMetricFamily(name, doc, value=float(bool(s.get(key))))
+        ranks = s.get("ranks", {})
+        up = GaugeMetricFamily("vlaunch_rank_ready", "Cache rank ready.", labels=["rank"])
+        held = GaugeMetricFamily("vlaunch_rank_bytes", "Bytes held by a cache rank.",
+                                 labels=["rank", "device"])
+        leases = GaugeMetricFamily("vlaunch_rank_leases", "Clients holding a lease.",
+                                   labels=["rank"])
+        for rank, r in ranks.items():
+            up.add_metric([str(rank)], float(r.get("state") == "ready"))
+            held.add_metric([str(rank), str(r.get("device", ""))], float(r.get("bytes", 0)))
+            leases.add_metric([str(rank)], float(len(r.get("leases", []))))
+        yield from (up, held, leases)
+        engine = s.get("engine") or {}
+        yield GaugeMetricFamily("vlaunch_engine_restarts", "Engine restarts so far.",
+                                value=float(engine.get("restarts", 0)))
+
+
+class HealthServer:
+    """A threaded HTTP server over the launcher's latest status."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._status: dict[str, Any] = {}
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Collector(lambda: self._status))  # type: ignore[arg-type]
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                status = owner._status
+                if path in PROBES:
+                    ok = bool(status.get(PROBES[path]))
+                    self._send(200 if ok else 503, {"ok": ok, "phase": status.get("phase")})
+                elif path == "/status":
+                    self._send(200, status)
+                elif path == "/metrics":
+                    body = generate_latest(registry)
+                    self._reply(200, body, "text/plain; version=0.0.4")
+                else:
+                    self._send(404, {"error": f"no such endpoint {path}",
+                                     "endpoints": [*PROBES, "/status", "/metrics"]})
+
+            def _send(self, code: int, obj: Any) -> None:
+                self._reply(code, json.dumps(obj, default=str).encode(), "application/json")
+
+            def _reply(self, code: int, body: bytes, ctype: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, fmt: str, *args: Any) -> None:
+                log.debug("http: " + fmt, *args)
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="vlaunch-http",
+                                        daemon=True)
+
+    def start(self) -> None:
+        """Serve in a background thread."""
+        self._thread.start()
+
+    def publish(self, status: dict[str, Any]) -> None:
+        """Replace the status the endpoints answer from."""
+        self._status = status
+
+    def close(self) -> None:
+        """Stop serving."""
+        self.httpd.shutdown()
+        self.httpd.server_close()

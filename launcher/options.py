@@ -1,0 +1,86 @@
+"""Turn `vlaunch run`'s options into a RunSpec: ranks of this node, devices, policies."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from vlaunch.cache.errors import UsageError
+from vlaunch.cache.sockdir import default_socket_dir
+
+from .core import SupervisorConfig
+from .executor import RunSpec
+from .notify import watchdog_interval
+
+
+def load_config(path: str) -> dict[str, Any]:
+    """Read a TOML config file: option names as keys (dashes or underscores), or a [run] table."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise UsageError(f"cannot read config file {path}: {exc}; fix the file or drop "
+                         "--config") from None
+    data = data.get("run", data)
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def node_ranks(tp: int, pp: int, dp: int, nnodes: int, node_rank: int) -> tuple[int, ...]:
+    """The block of global ranks this node serves."""
+    world = tp * pp * dp
+    if world % nnodes:
+        raise UsageError(f"{world} ranks (tp {tp} x pp {pp} x dp {dp}) do not divide over "
+                         f"{nnodes} nodes; change --nnodes")
+    if not 0 <= node_rank < nnodes:
+        raise UsageError(f"--node-rank {node_rank} is not in 0..{nnodes - 1}")
+    per = world // nnodes
+    return tuple(range(node_rank * per, (node_rank + 1) * per))
+
+
+def rank_devices(ranks: tuple[int, ...], device: str, devices: str) -> dict[int, str]:
+    """Each rank's device: cpu, or cuda:N / cuda:GPU-uuid from --devices, else by position."""
+    if device == "cpu":
+        if devices:
+            raise UsageError("--devices needs --device cuda")
+        return dict.fromkeys(ranks, "cpu")
+    items = [d.strip() for d in devices.split(",") if d.strip()] if devices else []
+    if items and len(items) != len(ranks):
+        raise UsageError(f"--devices lists {len(items)} devices for {len(ranks)} local ranks; "
+                         "give one per rank")
+    names = [i if i.startswith("cuda") else f"cuda:{i}" for i in items] or \
+        [f"cuda:{n}" for n in range(len(ranks))]
+    return dict(zip(ranks, names, strict=True))
+
+
+def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpec:
+    """Validate the options and assemble the launcher's RunSpec."""
+    ranks = node_ranks(o["tensor_parallel_size"], o["pipeline_parallel_size"],
+                       o["data_parallel_size"], o["nnodes"], o["node_rank"])
+    readiness = o["engine_ready"]
+    if readiness == "auto":
+        readiness = "http" if o["engine_health_url"] else "none"
+    if readiness == "http" and not o["engine_health_url"]:
+        raise UsageError("--engine-ready http needs --engine-health-url")
+    try:
+        config = SupervisorConfig(
+            ranks=ranks, has_engine=bool(engine), restart_max=o["restart_max"],
+            restart_window=o["restart_window"], stable_after=o["stable_after"],
+            backoff_initial=o["backoff_initial"], backoff_max=o["backoff_max"],
+            stop_timeout=o["stop_timeout"],
+            engine_config_error_statuses=frozenset(o["engine_config_error_status"]),
+            on_rank_exit=o["on_rank_exit"], engine_readiness=readiness,
+            stop_on_engine_success=o["stop_on_engine_success"],
+            watchdog_interval=watchdog_interval(os.environ))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    port = o["health_port"]
+    return RunSpec(model=model, socket_dir=Path(o["socket_dir"] or default_socket_dir()),
+                   ranks=ranks, devices=rank_devices(ranks, o["device"], o["devices"]),
+                   tp=o["tensor_parallel_size"], pp=o["pipeline_parallel_size"],
+                   dp=o["data_parallel_size"], plan=o["plan"], threads=o["threads"],
+                   engine=engine, engine_health_url=o["engine_health_url"],
+                   health_host=o["health_host"], health_port=None if port < 0 else port,
+                   kernel_backends=o["kernel_backends"], supervisor=config)

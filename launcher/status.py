@@ -1,0 +1,48 @@
+"""`vlaunch status`: ask a running launcher over its HTTP status endpoint."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import click
+
+from vlaunch.cache.sockdir import default_socket_dir
+
+
+def fetch_status(socket_dir: str, url: str) -> dict[str, Any]:
+    """The launcher's /status, found through launcher.json in its socket directory."""
+    if not url:
+        info = Path(socket_dir or default_socket_dir()) / "launcher.json"
+        try:
+            url = json.loads(info.read_text())["url"]
+        except (OSError, ValueError, KeyError):
+            raise click.ClickException(f"no running launcher found ({info} is missing); pass "
+                                       "--socket-dir or --url") from None
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=5) as resp:
+            return json.loads(resp.read())
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(f"launcher at {url} did not answer: {exc}") from None
+
+
+def format_status(s: dict[str, Any]) -> str:
+    """A human table: phase, then one line per rank, then the engine."""
+    lines = [f"phase {s['phase']}  caches_ready {s['caches_ready']}  "
+             f"engine_ready {s['engine_ready']}",
+             f"{'rank':>4} {'state':<10} {'pid':>7} {'device':<8} {'GB':>8} {'leases':>6} "
+             f"{'last exit':>9}"]
+    for rank, r in sorted(s["ranks"].items(), key=lambda kv: int(kv[0])):
+        lines.append(f"{rank:>4} {r['state']:<10} {r['pid'] or '-':>7} {r['device'] or '-':<8} "
+                     f"{r['bytes'] / 1e9:>8.2f} {len(r['leases']):>6} "
+                     f"{'-' if r['last_exit'] is None else r['last_exit']:>9}")
+    e = s.get("engine")
+    if e:
+        lines.append(f"engine {e['state']}  pid {e['pid']}  restarts {e['restarts']}  "
+                     f"last exit {e['last_exit']}")
+    if s.get("first_failure"):
+        f = s["first_failure"]
+        lines.append(f"first failure: rank {f['rank']} pid {f['pid']}: {f['description']}")
+    return "\n".join(lines)

@@ -1,0 +1,325 @@
+"""`vlaunch run` with real processes: cache ranks on a small checkpoint, tiny engines."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from safetensors.torch import load_file
+
+from vlaunch.cache.exitcodes import ExitStatus
+
+ENGINE = r"""
+import os, signal, socket, sys, time
+mode = sys.argv[1]
+attempt = int(os.environ["VLAUNCH_ATTEMPT"])
+if mode == "exit" or (mode == "crash-once" and attempt == 1):
+    time.sleep(0.2); sys.exit(int(sys.argv[2]))
+if mode == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.connect(os.environ["NOTIFY_SOCKET"])
+s.send(b"READY=1\nSTATUS=engine up")
+while True:
+    time.sleep(0.5)
+"""
+
+
+class Launcher:
+    """A `vlaunch run` subprocess with a notify socket standing in for systemd."""
+
+    def __init__(self, tmp: Path, model: Path | str, *args: str, engine: list[str] | None = None,
+                 tp: int = 2) -> None:
+        self.sockdir = tmp / "sock"
+        self.notify_path = tmp / "notify.sock"
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(str(self.notify_path))
+        self.notify.settimeout(0.05)
+        self.messages: list[str] = []
+        self.log = tmp / "launcher.log"
+        cmd = [sys.executable, "-m", "vlaunch.launcher.cli", "run", "--model", str(model),
+               "--tensor-parallel-size", str(tp), "--socket-dir", str(self.sockdir),
+               "--health-port", "0", "--stop-timeout", "5", *args]
+        if engine is not None:
+            cmd += ["--", *engine]
+        env = {**os.environ, "NOTIFY_SOCKET": str(self.notify_path)}
+        self.proc = subprocess.Popen(cmd, env=env, stderr=self.log.open("wb"))
+        self.url = ""
+
+    def text(self) -> str:
+        """Everything the launcher (and its children) logged so far."""
+        return self.log.read_text()
+
+    def drain(self) -> list[str]:
+        """Collect notify messages received so far."""
+        while True:
+            try:
+                self.messages.append(self.notify.recv(4096).decode())
+            except (TimeoutError, BlockingIOError):
+                return self.messages
+
+    def status(self) -> dict[str, Any]:
+        """GET /status (finding the URL in launcher.json the first time)."""
+        if not self.url:
+            self.url = json.loads((self.sockdir / "launcher.json").read_text())["url"]
+        with urllib.request.urlopen(self.url + "/status", timeout=5) as r:
+            return json.loads(r.read())
+
+    def probe(self, path: str) -> int:
+        """HTTP status of a probe endpoint."""
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=5) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    def wait_for(self, cond: Callable[[dict[str, Any]], bool], timeout: float = 60) -> dict:
+        """Poll /status until cond holds."""
+        deadline = time.monotonic() + timeout
+        last: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            self.drain()
+            if self.proc.poll() is not None:
+                raise AssertionError(f"launcher exited {self.proc.returncode}:\n{self.text()}")
+            try:
+                last = self.status()
+                if cond(last):
+                    return last
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"timed out; last status {last}\n{self.text()}")
+
+    def wait_exit(self, timeout: float = 60) -> int:
+        """Wait for the launcher to exit; returns its status."""
+        try:
+            code = self.proc.wait(timeout)
+        finally:
+            self.drain()
+        return code
+
+    def pids(self, snap: dict[str, Any]) -> list[int]:
+        """Every child pid the status shows."""
+        out = [r["pid"] for r in snap["ranks"].values() if r["pid"]]
+        if snap.get("engine") and snap["engine"]["pid"]:
+            out.append(snap["engine"]["pid"])
+        return out
+
+    def close(self) -> None:
+        """Kill whatever is left (a failed test) and close the notify socket."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.notify.close()
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Iterator[Callable[..., Launcher]]:
+    started: list[Launcher] = []
+
+    def start(*args: Any, **kw: Any) -> Launcher:
+        sub = tmp_path / f"l{len(started)}"
+        sub.mkdir()
+        launcher = Launcher(sub, *args, **kw)
+        started.append(launcher)
+        return launcher
+
+    yield start
+    for launcher in started:
+        launcher.close()
+
+
+def engine(mode: str, *args: str) -> list[str]:
+    return [sys.executable, "-c", ENGINE, mode, *args]
+
+
+def serving(s: dict[str, Any]) -> bool:
+    return s["phase"] == "serving" and s["engine_ready"]
+
+
+def assert_all_gone(pids: list[int], sockdir: Path) -> None:
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", pid
+    assert not list(sockdir.glob("*.sock")), list(sockdir.iterdir())
+
+
+def test_start_serve_and_sigterm(launch, llama_ckpt: Path) -> None:
+    la = launch(llama_ckpt, "--engine-ready", "notify", engine=engine("serve"))
+    snap = la.wait_for(serving)
+    assert la.probe("/livez") == 200 and la.probe("/startupz") == 200
+    assert la.probe("/readyz") == 200
+    assert {r["state"] for r in snap["ranks"].values()} == {"ready"}
+    snap = la.wait_for(lambda s: all(len(r["leases"]) == 0 and r["bytes"] > 0
+                                     for r in s["ranks"].values()))
+    with urllib.request.urlopen(la.url + "/metrics", timeout=5) as r:
+        metrics = r.read().decode()
+    assert 'vlaunch_rank_ready{rank="1"} 1.0' in metrics
+    pids = la.pids(snap)
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.wait_exit() == ExitStatus.OK
+    msgs = la.drain()
+    ready = msgs.index(next(m for m in msgs if "READY=1" in m))
+    assert any("EXTEND_TIMEOUT_USEC" in m for m in msgs[:ready])
+    assert any("STOPPING=1" in m for m in msgs[ready:])
+    assert_all_gone(pids, la.sockdir)
+
+
+def test_engine_crash_is_restarted_against_the_caches(launch, llama_ckpt: Path) -> None:
+    la = launch(llama_ckpt, "--engine-ready", "notify", "--backoff-initial", "0.1",
+                engine=engine("crash-once", "3"))
+    snap = la.wait_for(lambda s: serving(s) and s["engine"]["restarts"] == 1)
+    assert snap["engine"]["last_exit"] == 3
+    rank_pids = [r["pid"] for r in snap["ranks"].values()]
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.wait_exit() == 0
+    msgs = la.drain()
+    assert [m for m in msgs if "READY=1" in m]  # the first READY=1 comes after the restart
+    assert "restarting engine" in la.text() or "restart" in la.text()
+    assert_all_gone(rank_pids, la.sockdir)
+
+
+def test_budget_exhausted_exits_80(launch, llama_ckpt: Path) -> None:
+    la = launch(llama_ckpt, "--restart-max", "2", "--backoff-initial", "0.05",
+                engine=engine("exit", "1"))
+    assert la.wait_exit() == ExitStatus.ENGINE_BUDGET
+    assert not list(la.sockdir.glob("*.sock"))
+
+
+def test_engine_config_error_exits_81(launch, llama_ckpt: Path) -> None:
+    la = launch(llama_ckpt, engine=engine("exit", "78"))
+    assert la.wait_exit() == ExitStatus.ENGINE_CONFIG
+
+
+def test_rank_sigkill_shuts_down_with_69(launch, llama_ckpt: Path) -> None:
+    la = launch(llama_ckpt, "--engine-ready", "notify", engine=engine("serve"))
+    snap = la.wait_for(serving)
+    pids = la.pids(snap)
+    victim = snap["ranks"]["1"]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    assert la.wait_exit() == ExitStatus.RANK_EXITED
+    text = la.text()
+    assert f"cache rank 1 (pid {victim})" in text and "SIGKILL" in text
+    assert any("rank 1" in m and "STATUS=" in m for m in la.drain())
+    assert_all_gone(pids, la.sockdir)
+
+
+def test_rank_that_fails_to_load_ends_startup_with_its_status(launch, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes((10**6).to_bytes(8, "little") + b"{}")
+    la = launch(bad, engine=engine("serve"))
+    assert la.wait_exit() == ExitStatus.BAD_CHECKPOINT
+    assert "bad checkpoint" in la.text() and "engine started" not in la.text()
+
+
+def test_stop_timeout_kills_and_exits_82(launch, llama_ckpt: Path) -> None:
+    la = launch(llama_ckpt, "--engine-ready", "notify", "--stop-timeout", "1",
+                engine=engine("stubborn"))
+    snap = la.wait_for(serving)
+    pids = la.pids(snap)
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.wait_exit() == ExitStatus.STOP_TIMEOUT
+    assert_all_gone(pids, la.sockdir)
+
+
+def test_sighup_restarts_the_engine(launch, llama_ckpt: Path) -> None:
+    la = launch(llama_ckpt, "--engine-ready", "notify", engine=engine("serve"))
+    first = la.wait_for(serving)["engine"]["pid"]
+    la.proc.send_signal(signal.SIGHUP)
+    snap = la.wait_for(lambda s: serving(s) and s["engine"]["pid"] != first)
+    assert snap["engine"]["restarts"] >= 1
+    assert any("RELOADING=1" in m for m in la.drain())
+    la.proc.send_signal(signal.SIGINT)
+    assert la.wait_exit() == 0
+
+
+def test_caches_only_layout_is_ready_without_an_engine(launch, llama_ckpt: Path) -> None:
+    la = launch(llama_ckpt, engine=None)
+    snap = la.wait_for(lambda s: s["phase"] == "serving")
+    assert snap["engine"] is None and la.probe("/readyz") == 200
+    assert any("READY=1" in m for m in la.drain())
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.wait_exit() == 0
+
+
+def test_respawn_adopts_escrowed_slabs_without_the_disk(launch, llama_ckpt: Path,
+                                                        tmp_path: Path) -> None:
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(llama_ckpt, model)
+    la = launch(model, "--engine-ready", "notify", "--on-rank-exit", "respawn",
+                engine=engine("serve"))
+    snap = la.wait_for(serving)
+    engine_pid, victim = snap["engine"]["pid"], snap["ranks"]["0"]["pid"]
+    ref = {}
+    for f in sorted(model.glob("*.safetensors")):
+        ref.update({k: v.clone() for k, v in load_file(str(f)).items()})  # not lazy mmaps
+    for f in model.glob("*.safetensors"):  # from now on nobody can read the weights
+        f.write_bytes(f.read_bytes()[:8] + b"\0" * 64)
+    os.kill(victim, signal.SIGKILL)
+    snap = la.wait_for(lambda s: s["ranks"]["0"]["pid"] not in (None, victim)
+                       and s["ranks"]["0"]["state"] == "ready")
+    assert snap["engine"]["pid"] == engine_pid and snap["engine"]["state"] == "ready"
+    assert "adopted 1 escrowed slab(s)" in la.text()
+    from vlaunch.cache.client import CacheClient
+    from vlaunch.cache.sockdir import socket_path
+
+    client = CacheClient(socket_path(la.sockdir, 0))
+    tensors = client.map(client.manifest())
+    for name in ("model.norm.weight", "model.layers.0.input_layernorm.weight"):
+        assert tensors[name].view(-1).equal(ref[name].view(-1))
+    client.close()
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.wait_exit() == 0
+
+
+def test_usage_errors_exit_64(tmp_path: Path, llama_ckpt: Path) -> None:
+    for args in (["--tensor-parallel-size", "0"], ["--bogus"],
+                 ["--tensor-parallel-size", "3", "--nnodes", "2"],
+                 ["--device", "cpu", "--devices", "0"]):
+        r = subprocess.run([sys.executable, "-m", "vlaunch.launcher.cli", "run", "--model",
+                            str(llama_ckpt), "--socket-dir", str(tmp_path / "s"), *args],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == ExitStatus.USAGE, (args, r.stderr)
+
+
+def test_config_file_and_env_vars(tmp_path: Path, llama_ckpt: Path) -> None:
+    cfg = tmp_path / "v.toml"
+    cfg.write_text('tensor-parallel-size = 3\nnnodes = 2\n')
+    r = subprocess.run([sys.executable, "-m", "vlaunch.launcher.cli", "run", "--config",
+                        str(cfg), "--model", str(llama_ckpt)], capture_output=True, text=True,
+                       timeout=30, env={**os.environ, "VLAUNCH_SOCKET_DIR": str(tmp_path)})
+    assert r.returncode == ExitStatus.USAGE and "do not divide over 2 nodes" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "vlaunch.launcher.cli", "run", "--model",
+                        str(llama_ckpt)], capture_output=True, text=True, timeout=30,
+                       env={**os.environ, "VLAUNCH_TENSOR_PARALLEL_SIZE": "3",
+                            "VLAUNCH_NNODES": "2"})
+    assert r.returncode == ExitStatus.USAGE and "do not divide over 2 nodes" in r.stderr
+
+
+def test_exit_codes_json_lists_every_status() -> None:
+    r = subprocess.run([sys.executable, "-m", "vlaunch.launcher.cli", "exit-codes", "--json"],
+                       capture_output=True, text=True, timeout=30, check=True)
+    assert {row["status"] for row in json.loads(r.stdout)} == {int(s) for s in ExitStatus}
+
+
+def test_the_launcher_never_imports_torch() -> None:
+    code = ("import sys, vlaunch.launcher.cli, vlaunch.launcher.executor, "
+            "vlaunch.launcher.options, vlaunch.launcher.status, vlaunch.cache.client; "
+            "print('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=30, check=True)
+    assert r.stdout.strip() == "False"

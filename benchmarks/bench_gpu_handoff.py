@@ -396,12 +396,18 @@ def main() -> int:
     ap.add_argument("--profile-procs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=8, help="cache reader threads")
     ap.add_argument("--d2d-gib", type=float, default=16.0)
+    ap.add_argument("--baseline-cache", help="a directory holding vlaunch/cache of other (older) "
+                    "code: its client side is measured too, against the same cache process")
+    ap.add_argument("--baseline-reps", type=int, default=3)
     ap.add_argument("--json", help="write every raw number here")
     ap.add_argument("--logs", help="directory for the cache and child logs (default: a tmp dir)")
     ap.add_argument("--small", action="store_true", help="tiny shapes, same tensor count")
     args = ap.parse_args()
 
     env = ensure_importable()
+    benv = None
+    if args.baseline_cache:
+        benv = dict(env, PYTHONPATH=str(Path(args.baseline_cache).resolve()))
     logs = Path(args.logs or tempfile.mkdtemp(prefix="vlaunch-bench-logs-"))
     logs.mkdir(parents=True, exist_ok=True)
     clog = logs / "children.log"
@@ -438,20 +444,28 @@ def main() -> int:
     base = {"device": args.device, "model": str(model), "files": files}
     vl = dict(base, kind="vlaunch", socket_dir=cache.sockdir)
     runs: dict[str, list[dict[str, Any]]] = {}
+
+    def series(name: str, spec: dict[str, Any], reps: int, env_: dict[str, str],
+               check_first: bool = True) -> None:
+        runs[name] = [child(dict(spec, check=check_names if i == 0 and check_first else None),
+                            env_, clog) for i in range(reps)]
+        print(f"{name}: " + " ".join(fmt_s(r["seconds"]) for r in runs[name]), flush=True)
+
     try:
         child(dict(base, kind="safetensors"), env, clog)  # warms the page cache
-        for name, spec in (("safetensors warm", dict(base, kind="safetensors")),
-                           ("share", dict(vl, mode="share")), ("copy", dict(vl, mode="copy"))):
-            runs[name] = []
-            for i in range(args.reps):
-                s = dict(spec, check=check_names if i == 0 and name != "safetensors warm"
-                         else None)
-                runs[name].append(child(s, env, clog))
-            print(f"{name}: " + " ".join(fmt_s(r["seconds"]) for r in runs[name]), flush=True)
-        runs["profile share"] = [child(dict(vl, kind="profile", mode="share", loads=2), env,
-                                       clog) for _ in range(args.profile_procs)]
-        runs["profile copy"] = [child(dict(vl, kind="profile", mode="copy", loads=1), env,
-                                      clog)]
+        series("safetensors warm", dict(base, kind="safetensors"), args.reps, env, False)
+        series("share", dict(vl, mode="share"), args.reps, env)
+        series("copy", dict(vl, mode="copy"), args.reps, env)
+        if benv:
+            series("share (baseline)", dict(vl, mode="share"), args.baseline_reps, benv)
+            series("copy (baseline)", dict(vl, mode="copy"), args.baseline_reps, benv)
+        prof = dict(vl, kind="profile", loads=2)
+        runs["profile share"] = [child(dict(prof, mode="share"), env, clog)
+                                 for _ in range(args.profile_procs)]
+        runs["profile copy"] = [child(dict(prof, mode="copy", loads=1), env, clog)]
+        if benv:
+            runs["profile share (baseline)"] = [child(dict(prof, mode="share"), benv, clog)
+                                                for _ in range(max(1, args.profile_procs - 1))]
         res["status_after"] = {k: v for k, v in cache.status().items()
                                if k in ("state", "bytes_held", "tensors", "slabs")}
     finally:
@@ -460,7 +474,7 @@ def main() -> int:
                               reps=args.reps), env, clog)]
     print("d2d: " + " ".join(fmt_s(s) for s in runs["d2d"][0]["copy_s"]), flush=True)
 
-    # -- copy-release: a fresh cache per repetition
+    # -- copy-release: a fresh cache per repetition (the cache is empty afterwards)
     runs["copy-release"], warm_loads, released = [], [], []
     for i in range(args.copy_release_reps):
         c = Cache(str(model), args.device, logs / f"cache-cr{i}.log", env, args.threads)
@@ -480,10 +494,54 @@ def main() -> int:
     print("copy-release: " + " ".join(fmt_s(r["seconds"]) for r in runs["copy-release"]),
           flush=True)
     res["runs"], res["warm_first_loads"], res["released"] = runs, warm_loads, released
+    if args.json:  # before the report, so that a report bug loses no numbers
+        Path(args.json).write_text(json.dumps(res, indent=1))
     report(res, args)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     return 0
+
+
+def print_profile(runs: dict[str, list[dict[str, Any]]]) -> None:
+    """Exclusive ms per step: this code's 1st and 2nd load in a process, and the baseline's."""
+    cols = [("profile share", 0, "1st load"), ("profile share", 1, "2nd load"),
+            ("profile share (baseline)", 0, "baseline 1st")]
+    cols = [c for c in cols if c[0] in runs]
+    labels: list[str] = []
+    for name, _, _ in cols:
+        for p in runs[name]:
+            for ld in p["loads"]:
+                labels += [r[0] for r in ld["rows"] if r[0] not in labels]
+
+    def cell(name: str, which: int, label: str, field: int = 3) -> float:
+        vals = []
+        for p in runs[name]:
+            rows = {r[0]: r for r in p["loads"][which]["rows"]}
+            vals.append(rows[label][field] if label in rows else 0.0)
+        return med(vals)
+
+    n = len(runs["profile share"])
+    print(f"\n## profile of the share path: exclusive ms per step, median over {n} fresh "
+          "processes (baseline: the --baseline-cache client code)")
+    print(f"{'step':60} {'calls':>5}" + "".join(f" {c[2]:>12}" for c in cols))
+    lazy = [med([p["lazy_imports_s"] for p in runs[c[0]]]) if c[1] == 0 else 0.0 for c in cols]
+    print(f"{'module imports load() does itself (pre-imported here)':60} {'':>5}"
+          + "".join(f" {x * 1e3:12.3f}" for x in lazy))
+    for label in labels:
+        calls = max(int(cell(c[0], c[1], label, 1)) for c in cols)
+        print(f"{label:60} {calls:5d}" + "".join(f" {cell(c[0], c[1], label) * 1e3:12.3f}"
+                                                 for c in cols))
+    tot = [med([p["loads"][c[1]]["total"] for p in runs[c[0]]]) for c in cols]
+    print(f"{'total (profiled load + sync)':60} {'':>5}" + "".join(f" {x * 1e3:12.3f}"
+                                                                  for x in tot))
+    print(f"{'total + those module imports':60} {'':>5}"
+          + "".join(f" {(x + y) * 1e3:12.3f}" for x, y in zip(tot, lazy, strict=True)))
+    pc = runs["profile copy"][0]["loads"][0]
+    print("\n## profile of the copy path (one fresh process; exclusive ms, steps > 0.05 ms)")
+    for r in pc["rows"]:
+        if r[3] > 5e-5:
+            print(f"{r[0]:60} {r[1]:5d} {r[3] * 1e3:12.3f}")
+    print(f"{'total':60} {'':5} {pc['total'] * 1e3:12.3f}")
 
 
 def report(res: dict[str, Any], args: argparse.Namespace) -> None:
@@ -492,24 +550,25 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
     d2d = runs["d2d"][0]
     d2d_n = int(args.d2d_gib * GiB)
     d2d_s = med(d2d["copy_s"])
-    st = med([r["seconds"] for r in runs["safetensors warm"]])
-    share = med([r["seconds"] for r in runs["share"]])
-    copy = med([r["seconds"] for r in runs["copy"]])
-    crel = med([r["seconds"] for r in runs["copy-release"]])
     d2d_rw = 2 * d2d_n / d2d_s  # bytes read + written per second
     clone_rw = 2 * d2d_n / d2d["clone_first_s"]
+
+    def m(name: str) -> float:
+        return med([r["seconds"] for r in runs[name]])
+
+    st, share, copy, crel = m("safetensors warm"), m("share"), m("copy"), m("copy-release")
 
     def bw(s: float) -> str:
         return f"{2 * nbytes / s / 1e12:.2f} TB/s r+w ({nbytes / s / 1e12:.2f} copied)"
 
     first = res["first_load"]
     warm = res["warm_first_loads"]
-    res["summary"] = {"share_s": share, "copy_s": copy, "copy_release_s": crel,
-                      "safetensors_warm_s": st, "d2d_s": d2d_s, "d2d_rw_Bps": d2d_rw,
-                      "share_ratio": st / share, "copy_frac": (2 * nbytes / copy) / d2d_rw,
-                      "copy_release_frac": (2 * nbytes / crel) / d2d_rw}
-    s = res["summary"]
-    n = args.reps
+    res["summary"] = s = {"share_s": share, "copy_s": copy, "copy_release_s": crel,
+                          "safetensors_warm_s": st, "d2d_s": d2d_s, "d2d_rw_Bps": d2d_rw,
+                          "share_ratio": st / share, "copy_frac": (2 * nbytes / copy) / d2d_rw,
+                          "copy_release_frac": (2 * nbytes / crel) / d2d_rw}
+    n, ncr = args.reps, len(runs["copy-release"])
+    imp = med([r["import_s"] for r in runs["share"]])
     rows = [
         (f"share handoff (connect->usable), median of {n}", fmt_s(share),
          f"safetensors warm {fmt_s(st)}", f"{s['share_ratio']:.0f}x",
@@ -518,10 +577,10 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
          f"D2D copy_ {fmt_s(d2d_s)} = {d2d_rw / 1e12:.2f} TB/s r+w "
          f"({d2d_rw / 2e12:.2f} copied)", f"{s['copy_frac'] * 100:.0f}%", ">=80% of D2D",
          "PASS" if s["copy_frac"] >= 0.8 else "MISS"),
-        (f"copy-release handoff, median of {len(runs['copy-release'])} (fresh cache each)",
+        (f"copy-release handoff, median of {ncr} (fresh cache each)",
          f"{fmt_s(crel)} = {bw(crel)}", f"D2D {d2d_rw / 1e12:.2f} TB/s r+w",
          f"{s['copy_release_frac'] * 100:.0f}%", "(info)", ""),
-        ("copy vs fresh-process clone (alloc + copy)", fmt_s(copy),
+        ("copy vs a fresh process's first clone (alloc + copy)", fmt_s(copy),
          f"clone {fmt_s(d2d['clone_first_s'])} = {clone_rw / 1e12:.2f} TB/s r+w",
          f"{(2 * nbytes / copy) / clone_rw * 100:.0f}%", "(info)", ""),
         ("cache first load (page cache: see above)", f"{first['load_s']:.2f} s, "
@@ -534,56 +593,42 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
          f"{st / med([w['load_s'] for w in warm]):.2f}x", "(info)", ""),
         ("cache process start -> ready (first / warm median)", f"{first['ready_s']:.2f} s / "
          f"{med([w['ready_s'] for w in warm]):.2f} s", "", "", "(info)", ""),
+        ("import vlaunch.cache.loader (engine start, untimed above)", fmt_s(imp), "", "",
+         "(info)", ""),
         ("fresh process: import torch + CUDA init (median)",
          fmt_s(med([r["torch_cuda_init_s"] for r in runs["share"]])), "", "", "(floor)", ""),
     ]
-
-    print("\n## profile of the share path (fresh processes, median over "
-          f"{len(runs['profile share'])}; exclusive ms per step)")
-    prof = runs["profile share"]
-    labels: list[str] = []
-    for p in prof:
-        for ld in p["loads"]:
-            labels += [r[0] for r in ld["rows"] if r[0] not in labels]
-
-    def col(which: int, label: str, field: int = 3) -> float:
-        vals = []
-        for p in prof:
-            rows = {r[0]: r for r in p["loads"][which]["rows"]}
-            vals.append(rows[label][field] if label in rows else 0.0)
-        return med(vals)
-
-    lazy = med([p["lazy_imports_s"] for p in prof])
-    print(f"{'step':58} {'calls':>5} {'1st load':>9} {'2nd load':>9}")
-    print(f"{'lazy module imports (pre-imported here; in load() for real)':58} "
-          f"{'':>5} {lazy * 1e3:9.3f} {0:9.3f}")
-    for label in labels:
-        calls = int(col(0, label, 1)) if col(0, label, 1) else int(col(1, label, 1))
-        print(f"{label:58} {calls:5d} {col(0, label) * 1e3:9.3f} {col(1, label) * 1e3:9.3f}")
-    t1 = med([p["loads"][0]["total"] for p in prof])
-    t2 = med([p["loads"][1]["total"] for p in prof]) if len(prof[0]["loads"]) > 1 else 0.0
-    print(f"{'total (profiled load + sync)':58} {'':5} {t1 * 1e3:9.3f} {t2 * 1e3:9.3f}")
-    print(f"{'lazy imports + 1st profiled load':58} {'':5} {(lazy + t1) * 1e3:9.3f}")
-    pc = runs["profile copy"][0]["loads"][0]
-    print("\n## profile of the copy path (one fresh process; exclusive ms, steps > 0.05 ms)")
-    for r in pc["rows"]:
-        if r[3] > 5e-5:
-            print(f"{r[0]:58} {r[1]:5d} {r[3] * 1e3:9.3f}")
-    print(f"{'total':58} {'':5} {pc['total'] * 1e3:9.3f}")
-
+    if "share (baseline)" in runs:
+        bs, bc = m("share (baseline)"), m("copy (baseline)")
+        bimp = med([r["import_s"] for r in runs["share (baseline)"]])
+        nb = len(runs["share (baseline)"])
+        rows[2:2] = [
+            (f"  before the fix: share, median of {nb}", fmt_s(bs), f"safetensors warm "
+             f"{fmt_s(st)}", f"{st / bs:.0f}x", "<=5 ms and >=400x",
+             "PASS" if bs <= 5e-3 and st / bs >= 400 else "MISS"),
+            (f"  before the fix: copy, median of {nb}", f"{fmt_s(bc)} = {bw(bc)}",
+             f"D2D {d2d_rw / 1e12:.2f} TB/s r+w", f"{(2 * nbytes / bc) / d2d_rw * 100:.0f}%",
+             ">=80% of D2D", "PASS" if (2 * nbytes / bc) / d2d_rw >= 0.8 else "MISS"),
+        ]
+        rows.append(("  before the fix: import vlaunch.cache.loader", fmt_s(bimp), "", "",
+                     "(info)", ""))
+    print_profile(runs)
     print("\n## copy-release: cache state after each handoff")
     for r in res["released"]:
         print(f"  state={r['state']} bytes_held={r['bytes_held']} GPU used with cache "
               f"{r['gpu_used_with_cache']} -> after release {r['gpu_used_after_release']}")
+    pre = runs["share"][0].get("preloaded", {})
+    print(f"  after `import torch` + CUDA init, already imported: {pre}")
     dev = d2d.get("device_name", args.device)
     print(f"\n## weight handoff on {dev} (torch {d2d['torch']}, CUDA {d2d['cuda']}); "
-          f"{res['checkpoint']['tensors']} tensors, {nbytes / GiB:.2f} GiB bf16, "
-          f"{res['checkpoint']['files']} shards; "
-          f"page cache before first load: {res['page_cache']}")
-    print("copy bandwidth = 2 x bytes / (connect -> synchronized) (read + written, as the D2D "
-          "figure: torch copy_ into a preallocated tensor, median of "
-          f"{len(d2d['copy_s'])}, wall clock with synchronize; CUDA events median "
-          f"{fmt_s(med(d2d['copy_event_s'])) if d2d['copy_event_s'] else 'n/a'})")
+          f"{res['checkpoint']['tensors']} tensors, {nbytes / GiB:.2f} GiB bf16 in "
+          f"{res['checkpoint']['files']} shards; page cache before the first load: "
+          f"{res['page_cache']}")
+    print("copy bandwidth = 2 x bytes / (connect -> synchronized): bytes read + written, as "
+          "the D2D figure (torch copy_ of 16 GiB into a preallocated tensor, median of "
+          f"{len(d2d['copy_s'])}, wall clock with synchronize; CUDA-event median "
+          f"{fmt_s(med(d2d['copy_event_s'])) if d2d['copy_event_s'] else 'n/a'}); "
+          f"first 16 GiB allocation in a fresh process {fmt_s(d2d['alloc_first_s'])}")
     w = [max(len(str(r[i])) for r in rows) for i in range(6)]
     head = ("figure", "vlaunch", "baseline", "ratio", "target", "verdict")
     print(" | ".join(h.ljust(w[i]) for i, h in enumerate(head)))

@@ -8,6 +8,7 @@ Prints one table: figure, measured (median), target.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -79,7 +80,7 @@ def main() -> None:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
         events = [line.split() for line in log.read_text().splitlines()]
-        gaps = [(int(b[1]) - int(a[1])) / 1e6 for a, b in zip(events, events[1:], strict=False)
+        gaps = [(int(b[1]) - int(a[1])) / 1e6 for a, b in itertools.pairwise(events)
                 if a[0] == "exit" and b[0] == "start"]
         rows.append(("launcher RSS (serving)", f"{rss / 2**20:.1f} MiB", "<= 60 MB"))
         rows.append(("engine exit -> new engine process", f"{statistics.median(gaps):.1f} ms",

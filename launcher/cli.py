@@ -137,6 +137,17 @@ def _embedded_model() -> str:
     return str(ensure_demo_checkpoint())
 
 
+@cli.command("demo")
+@click.option("--tensor-parallel-size", default=2, type=click.IntRange(1), show_default=True)
+def demo(tensor_parallel_size: int) -> None:
+    """Run the embedded default: caches + reference engine on CPU, restart it, compare."""
+    from .demo import run_demo
+
+    logging.basicConfig(level="INFO", stream=sys.stderr,
+                        format="%(asctime)s vlaunch[%(process)d] %(levelname)s %(message)s")
+    sys.exit(run_demo(tensor_parallel_size))
+
+
 @cli.command("status")
 @_opt("--socket-dir", "SOCKET_DIR", default="", help="The launcher's socket directory.")
 @click.option("--url", default="", help="The launcher's health URL (instead of --socket-dir).")

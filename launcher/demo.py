@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import click
 
 
 def demo_dir() -> Path:
@@ -24,3 +33,81 @@ def ensure_demo_checkpoint() -> Path:
                 "intermediate=1536, vocab=8192, shards=2)")
         subprocess.run([sys.executable, "-c", code, str(path)], check=True)
     return path
+
+
+def _get(url: str) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _wait(what: str, fn: Callable[[], Any], proc: subprocess.Popen[bytes],
+          timeout: float = 300) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = fn()
+        if value:
+            return value
+        if proc.poll() is not None:
+            raise click.ClickException(f"{what}: process exited with {proc.returncode}")
+        time.sleep(0.05)
+    raise click.ClickException(f"timed out waiting for {what}")
+
+
+def _engine_cmd(model: Path, tp: int, port_file: Path, socket_dir: Path | None) -> list[str]:
+    cmd = [sys.executable, "-m", "vlaunch.cache.engine", "--model", str(model),
+           "--tensor-parallel-size", str(tp), "--port-file", str(port_file)]
+    return cmd + (["--socket-dir", str(socket_dir)] if socket_dir else [])
+
+
+def _stats(port_file: Path) -> dict[str, Any] | None:
+    if not port_file.exists() or not port_file.read_text().strip():
+        return None
+    port = port_file.read_text().strip()
+    health = _get(f"http://127.0.0.1:{port}/health")
+    return _get(f"http://127.0.0.1:{port}/stats") if health else None
+
+
+def run_demo(tp: int = 2) -> int:
+    """Caches + reference engine, one engine restart, then cache vs disk; returns a status."""
+    model = ensure_demo_checkpoint()
+    with tempfile.TemporaryDirectory(prefix="vlaunch-demo-") as tmp:
+        work = Path(tmp)
+        sockdir, port_file = work / "sock", work / "engine.port"
+        click.echo(f"demo: {model}, {tp} tensor-parallel ranks on CPU")
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "vlaunch.launcher.cli", "run", "--model", str(model),
+             "--tensor-parallel-size", str(tp), "--socket-dir", str(sockdir),
+             "--engine-ready", "notify", "--backoff-initial", "0",
+             "--", *_engine_cmd(model, tp, port_file, None)])
+        try:
+            first = _wait("the first engine", lambda: _stats(port_file), launcher)
+            click.echo(f"demo: engine up (pid {first['pid']}), weights from "
+                       f"{first['source']} in {first['weights_ms']:.1f} ms; killing it")
+            port_file.unlink()
+            killed = time.monotonic()
+            os.kill(first["pid"], signal.SIGKILL)
+            second = _wait("the restarted engine", lambda: _stats(port_file), launcher)
+            restart_s = time.monotonic() - killed
+        finally:
+            launcher.send_signal(signal.SIGTERM)
+            status = launcher.wait(60)
+        disk_port = work / "disk.port"
+        empty = work / "empty"
+        empty.mkdir(mode=0o700)
+        alone = subprocess.Popen(_engine_cmd(model, tp, disk_port, empty))
+        try:
+            disk = _wait("the engine loading from disk", lambda: _stats(disk_port), alone)
+        finally:
+            alone.send_signal(signal.SIGTERM)
+            alone.wait(60)
+    ratio = disk["weights_ms"] / max(second["weights_ms"], 1e-6)
+    click.echo("\n"
+               f"restarted engine got its weights from the {second['source']} in "
+               f"{second['weights_ms']:.1f} ms; from disk: {disk['weights_ms']:.1f} ms "
+               f"({ratio:.0f}x faster)\n"
+               f"kill -> restarted engine serving: {restart_s:.2f} s (process start + torch "
+               f"import dominate)\nlauncher exit status after SIGTERM: {status}")
+    return status

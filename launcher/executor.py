@@ -121,8 +121,6 @@ class Executor:
             event = _stamp(event)
             for action in self.core.handle(event):
                 if isinstance(action, core.Exit):
-                    log.log(logging.ERROR if action.status else logging.INFO,
-                            "exiting with status %d: %s", action.status, action.reason)
                     self._publish()
                     return action.status
                 await self._execute(action)
@@ -181,6 +179,7 @@ class Executor:
 
     async def _reap(self, child: _Child, role: core.Role, rank: int | None) -> None:
         status = await child.proc.wait()
+        signal_group(child.pid, signal.SIGKILL)  # its group dies with it: no orphaned workers
         if role == "cache" and rank is not None:
             _clear_stale(self.spec.socket_dir, rank)
         self._post(core.ChildExited(role, rank, child.pid, status, 0.0))

@@ -175,11 +175,15 @@ elif kind == "profile":
     wrap(mods["protocol"], "decode_body", lambda a: "json decode of reply (" + current[0] + ")")
     wrap(M.Manifest, "from_wire", "manifest validate (from_wire)")
     wrap(C.CacheClient, "map", "map (own code: fd close, clone in copy mode)")
-    wrap(SC.CudaBackend, "import_fd", "fd import + cuMemMap + access")
+    wrap(SC.CudaBackend, "import_fd", "fd import: cuMemImport + props + release (own)")
+    wrap(SC.CudaBackend, "_map", "map: cuMemAddressReserve + cuMemMap + cuMemSetAccess")
+    wrap(SC._Mapping, "tensor", "map: torch.as_tensor over the mapping")
     wrap(mods["slabs"].CpuBackend, "import_fd", "fd import + mmap (cpu)")
     wrap(SC, "_unmap", "unmap (sync + cuMemUnmap; copy mode)")
     wrap(C, "views", "views (as_strided per tensor)")
     wrap(C.CacheClient, "watch", "lease watcher thread start")
+    if spec["mode"] != "share":
+        wrap(torch.Tensor, "clone", "copy: clone = allocate + launch the copy")
     loads, keep = [], []
     for i in range(spec["loads"]):
         stats.clear()

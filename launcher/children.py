@@ -57,17 +57,19 @@ def signal_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
 
 
-def sweep(pids: Iterable[int]) -> list[int]:
+def sweep(pids: Iterable[int]) -> list[str]:
     """SIGKILL the given children's groups and every descendant of ours; returns the killed."""
     for pid in pids:
         signal_group(pid, signal.SIGKILL)
     me = psutil.Process()
     left = me.children(recursive=True)
+    names = []
     for proc in left:
         with contextlib.suppress(psutil.Error):
+            names.append(f"{proc.pid} ({' '.join(proc.cmdline()[:4])[:80]})")
             proc.kill()
     gone, alive = psutil.wait_procs(left, timeout=5)
     for proc in alive:
         log.error("process %d survived SIGKILL (uninterruptible sleep in a driver call?)",
                   proc.pid)
-    return [p.pid for p in gone]
+    return names if gone else []

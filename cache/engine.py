@@ -227,9 +227,11 @@ def start_rank(opts: EngineOptions, rank: int, cfg: ModelConfig, store: Any) -> 
 
     device = device_for(opts.device, rank, opts.tp_size)
     if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda, but torch sees no CUDA device; use --device cpu "
-                              "or fix the GPU setup")
+        count = torch.cuda.device_count()
+        if torch.device(device).index >= count:
+            raise ConfigError(f"rank {rank} needs {device}, but torch sees {count} CUDA "
+                              "device(s); set VLAUNCH_ENGINE_DEVICES or CUDA_VISIBLE_DEVICES, "
+                              "or use --device cpu")
         torch.cuda.set_device(torch.device(device))
     elif "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.tp_size))

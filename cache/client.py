@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import logging
 import os
 import select
@@ -20,10 +21,12 @@ from .errors import (
     ProtocolError,
     SocketDirError,
 )
-from .manifest import Manifest, views
+from .manifest import Manifest, _int, views
 from .sockdir import check_peer, ensure_socket_dir
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from .slabs import Backend
@@ -53,16 +56,46 @@ class CacheClient:
         self.mode = ""
         self._lock = threading.Lock()
         self._sock = _connect(self.path, timeout)
-        self._watcher: threading.Thread | None = None
+        self._watching = False
+        self._unread = 0  # replies to notify() not read yet; read before the next request
 
     def request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """Send one request and return the reply (an error reply raises)."""
         with self._lock:
-            try:
-                wire.send_frame(self._sock, message)
+            self._send(message)
+            reply, fds = self._recv()
+        return self._checked(reply, fds)
+
+    def notify(self, message: dict[str, Any]) -> None:
+        """Send a request without waiting for its reply (read before the next request)."""
+        with self._lock:
+            self._send(message)
+            self._unread += 1
+
+    def _send(self, message: dict[str, Any]) -> None:
+        """Send one frame, after reading the replies still owed to notify() (lock held)."""
+        try:
+            while self._unread:
                 reply, fds = wire.recv_frame(self._sock)
-            except (OSError, EOFError) as exc:
-                raise CacheUnavailableError(f"cache at {self.path} went away: {exc}") from None
+                self._unread -= 1
+                for fd in fds:
+                    os.close(fd)
+                if reply.get("ok") is not True:
+                    log.warning("the vlaunch cache at %s refused a notification: %s: %s",
+                                self.path, reply.get("error"), reply.get("message"))
+            wire.send_frame(self._sock, message)
+        except (OSError, EOFError) as exc:
+            raise CacheUnavailableError(f"cache at {self.path} went away: {exc}") from None
+
+    def _recv(self) -> tuple[dict[str, Any], list[int]]:
+        """Receive one reply frame (lock held)."""
+        try:
+            return wire.recv_frame(self._sock)
+        except (OSError, EOFError) as exc:
+            raise CacheUnavailableError(f"cache at {self.path} went away: {exc}") from None
+
+    def _checked(self, reply: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        """The reply if it is ok; else its fds are closed and its error raised."""
         if reply.get("ok") is True:
             return reply, fds
         for fd in fds:
@@ -74,9 +107,12 @@ class CacheClient:
 
     def hello(self, fingerprint: fp.Fingerprint) -> fp.Fingerprint:
         """Check our fingerprint against the cache's; a mismatch raises with every field."""
-        reply, _ = self.request({"op": "hello", "fingerprint": fingerprint,
-                                 "client": self.client, "pid": os.getpid()})
+        reply, _ = self.request(self._hello(fingerprint))
         return reply["fingerprint"]
+
+    def _hello(self, fingerprint: fp.Fingerprint) -> dict[str, Any]:
+        return {"op": "hello", "fingerprint": fingerprint, "client": self.client,
+                "pid": os.getpid()}
 
     def manifest(self) -> Manifest:
         """The validated manifest of the rank."""
@@ -86,25 +122,76 @@ class CacheClient:
             device: str = "cpu") -> dict[str, torch.Tensor]:
         """Map the slabs (share) or copy them into our own memory (copy, copy-release)."""
         _, fds = self.request({"op": "open", "mode": mode})
-        try:
-            if len(fds) != len(manifest.slab_sizes):
-                raise CacheBrokenError(f"cache sent {len(fds)} fds for "
-                                       f"{len(manifest.slab_sizes)} slabs")
-            backend = backend_for(device)
-            slabs = [backend.import_fd(fd, size, readonly=True)
-                     for fd, size in zip(fds, manifest.slab_sizes, strict=True)]
-        finally:
-            for fd in fds:
-                os.close(fd)
+        slabs = _import(fds, manifest.slab_sizes, device)
         if mode != "share":
             slabs = [s.clone() for s in slabs]  # one device copy per slab; mappings drop here
         tensors = views(manifest, slabs)
-        self.mode, self.bytes_mapped = mode, manifest.nbytes if mode == "share" else 0
-        self.request({"op": "mapped", "mode": mode, "bytes": self.bytes_mapped})
-        if mode == "copy-release":
-            self.request({"op": "drop"})
-        self.watch()
+        with self._lock:
+            self._mapped(manifest, mode)
         return tensors
+
+    def handoff(self, fingerprint: Callable[[], fp.Fingerprint], *, mode: str = "share",
+                device: str = "cpu") -> dict[str, torch.Tensor]:
+        """hello + manifest + open + map (or copy) in one round trip: the engine's fast path.
+
+        The manifest and open requests go out first and `fingerprint()` is computed while the
+        cache answers them; the hello follows, and its reply is read only once the slabs are
+        mapped and, in the copy modes, the copy is under way. Nothing is returned unless the
+        hello succeeded: on an error (a mismatch first, as hello() reports it) the mappings
+        and copies are dropped before it is raised.
+        """
+        with self._lock:
+            self._send({"op": "manifest"})
+            self._send({"op": "open", "mode": mode})
+            try:
+                hello = self._hello(fingerprint())
+            except BaseException:
+                self._unread += 2  # a later request reads (and closes) what they carry
+                raise
+            self._send(hello)
+            (mrep, mfds), (orep, ofds) = self._recv(), self._recv()
+            if mrep.get("ok") is not True or orep.get("ok") is not True or mfds:
+                for fd in mfds + ofds:
+                    os.close(fd)
+                self._checked(*self._recv())  # the hello's error comes first
+                self._checked(mrep, [])
+                self._checked(orep, [])
+                raise CacheBrokenError(f"cache at {self.path} sent fds with its manifest")
+            mapped: list[torch.Tensor] = []
+            copies: list[torch.Tensor] = []
+            hello_read = False
+            try:
+                sizes = _slab_sizes(mrep.get("manifest"))
+                mapped.extend(_import(ofds, sizes, device))
+                if mode != "share":  # starts the copies; they run during the steps below
+                    copies.extend(s.clone() for s in mapped)
+                manifest = Manifest.from_wire(mrep["manifest"])
+                hello_read = True
+                self._checked(*self._recv())
+                tensors = views(manifest, copies if mode != "share" else mapped)
+            except BaseException:
+                copies.clear()
+                mapped.clear()
+                if not hello_read:
+                    self._unread += 1
+                raise
+            mapped.clear()  # copy modes: waits for the copies, then unmaps
+            self._mapped(manifest, mode)
+        return tensors
+
+    def _mapped(self, manifest: Manifest, mode: str) -> None:
+        """Tell the cache what we hold, without a round trip; after copy-release, have it drop
+        its copy and wait for that (lock held)."""
+        self.mode, self.bytes_mapped = mode, manifest.nbytes if mode == "share" else 0
+        self._send({"op": "mapped", "mode": mode, "bytes": self.bytes_mapped})
+        if mode == "copy-release":
+            self._send({"op": "drop"})
+            self._checked(*self._recv())  # mapped
+            self._checked(*self._recv())  # drop
+        else:
+            self._unread += 1
+        if mode == "share":  # a lease; the copy modes hold nothing of the cache's
+            self.watch()
 
     def status(self) -> dict[str, Any]:
         """The cache's status snapshot."""
@@ -116,14 +203,18 @@ class CacheClient:
 
     def watch(self) -> None:
         """Warn once, from a daemon thread, when the cache process goes away."""
-        if self._watcher is None:
-            self._watcher = threading.Thread(target=self._watch, name="vlaunch-lease",
-                                             daemon=True)
-            self._watcher.start()
+        if not self._watching:
+            self._watching = True
+            # _thread, not threading: Thread.start() waits until the new thread has run, which
+            # costs a scheduler wake-up (a quarter of a millisecond) inside the handoff.
+            _thread.start_new_thread(self._watch, ())
 
     def _watch(self) -> None:
         poller = select.poll()
-        poller.register(self._sock.fileno(), select.POLLRDHUP | select.POLLHUP)
+        try:
+            poller.register(self._sock.fileno(), select.POLLRDHUP | select.POLLHUP)
+        except (ValueError, OSError):  # closed before this thread ran: nothing to watch
+            return
         while self._sock.fileno() >= 0:
             for _, event in poller.poll(1000):
                 if event & (select.POLLRDHUP | select.POLLHUP | select.POLLNVAL):
@@ -136,6 +227,30 @@ class CacheClient:
     def close(self) -> None:
         """End the lease (mapped tensors stay valid: the mappings hold the memory)."""
         self._sock.close()
+
+
+def _slab_sizes(obj: Any) -> tuple[int, ...]:
+    """The manifest's slab sizes, checked (the rest of it is validated before any view)."""
+    try:
+        sizes = obj["slab_sizes"]
+        if not isinstance(sizes, list) or len(sizes) > 4096:
+            raise ValueError("too many slabs")
+        return tuple(_int(s, "slab size") for s in sizes)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CacheBrokenError(f"invalid manifest from cache: {exc}") from exc
+
+
+def _import(fds: list[int], sizes: tuple[int, ...], device: str) -> list[torch.Tensor]:
+    """Map each slab fd read-only; closes every fd."""
+    try:
+        if len(fds) != len(sizes):
+            raise CacheBrokenError(f"cache sent {len(fds)} fds for {len(sizes)} slabs")
+        backend = backend_for(device)
+        return [backend.import_fd(fd, size, readonly=True)
+                for fd, size in zip(fds, sizes, strict=True)]
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _connect(path: Path, timeout: float) -> socket.socket:

@@ -200,21 +200,28 @@ class RankState:
 
 
 def device_for(kind: str, rank: int, tp_size: int) -> str:
-    """The torch device of `rank`: cpu, or cuda:LOCAL from $VLAUNCH_ENGINE_DEVICES (else rank)."""
+    """The torch device of `rank`: cpu, or the GPU that $VLAUNCH_ENGINE_DEVICES names.
+
+    The launcher lists each rank's cache GPU by UUID (cuda:GPU-...), so an engine whose
+    CUDA_VISIBLE_DEVICES orders the GPUs differently still maps each shard on its own GPU.
+    """
     if kind == "cpu":
         return "cpu"
+    from .errors import DeviceError
+    from .slabs import cuda_index
+
     raw = os.environ.get("VLAUNCH_ENGINE_DEVICES", "")
-    if not raw:
+    items = [x.strip() for x in raw.split(",") if x.strip()]
+    if not items:
         return f"cuda:{rank}"
+    if len(items) < tp_size:
+        raise ConfigError(f"VLAUNCH_ENGINE_DEVICES={raw!r} lists {len(items)} device(s) for "
+                          f"{tp_size} rank(s); list one per rank")
+    item = items[rank] if items[rank].startswith("cuda") else f"cuda:{items[rank]}"
     try:
-        indices = [int(x) for x in raw.split(",")]
-    except ValueError:
-        raise ConfigError(f"VLAUNCH_ENGINE_DEVICES={raw!r} is not a comma list of device "
-                          "indices; write it like 0,1") from None
-    if len(indices) < tp_size or min(indices) < 0:
-        raise ConfigError(f"VLAUNCH_ENGINE_DEVICES={raw!r} lists {len(indices)} device(s) for "
-                          f"{tp_size} rank(s); list one non-negative index per rank")
-    return f"cuda:{indices[rank]}"
+        return f"cuda:{cuda_index(item)}"
+    except DeviceError as exc:
+        raise ConfigError(f"VLAUNCH_ENGINE_DEVICES entry {item!r}: {exc}") from None
 
 
 def start_rank(opts: EngineOptions, rank: int, cfg: ModelConfig, store: Any) -> RankState:

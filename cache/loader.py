@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import logging
@@ -138,13 +139,19 @@ def load(model: str, *, rank: int = 0, tensor_parallel_size: int = 1,
 
 def _from_cache(path: os.PathLike[str], model: str, layout: Layout, device: str, mode: str,
                 plan: str, kernel_backends: str, loader: str, timeout: float) -> Weights:
-    client = CacheClient(path, timeout=timeout)
+    collecting = gc.isenabled()
+    gc.disable()  # a collection pass would cost more than the rest of the handoff
     try:
-        client.hello(expected_fingerprint(model, layout, device, plan, kernel_backends, loader))
-        tensors = client.map(client.manifest(), mode=mode, device=device)
-    except BaseException:
-        client.close()
-        raise
+        client = CacheClient(path, timeout=timeout)
+        try:
+            tensors = client.handoff(lambda: expected_fingerprint(
+                model, layout, device, plan, kernel_backends, loader), mode=mode, device=device)
+        except BaseException:
+            client.close()
+            raise
+    finally:
+        if collecting:
+            gc.enable()
     weights = Weights(tensors)
     weights.source, weights.client, weights.bytes_outside = "cache", client, client.bytes_mapped
     if mode == "share":

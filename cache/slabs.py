@@ -133,6 +133,21 @@ def get_backend(device: str) -> Backend:
     if device == "cuda" or device.startswith("cuda:"):
         from .slabs_cuda import CudaBackend
 
-        index = int(device.partition(":")[2] or 0)
-        return CudaBackend(index)
-    raise DeviceError(f"unknown device {device!r}; use cpu, cuda or cuda:N")
+        return CudaBackend(cuda_index(device))
+    raise DeviceError(f"unknown device {device!r}; use cpu, cuda, cuda:N or cuda:GPU-<uuid>")
+
+
+def cuda_index(device: str) -> int:
+    """The local torch index of cuda, cuda:N or cuda:GPU-<uuid> (GPUs are paired by UUID)."""
+    spec = device.partition(":")[2] or "0"
+    if spec.isdigit():
+        return int(spec)
+    if spec.startswith("GPU-"):
+        from .slabs_cuda import uuid_to_index
+
+        index = uuid_to_index().get(spec)
+        if index is None:
+            raise DeviceError(f"GPU {spec} is not visible to this process; make it visible "
+                              "(CUDA_VISIBLE_DEVICES) or run on the host that has it")
+        return index
+    raise DeviceError(f"unknown device {device!r}; use cpu, cuda, cuda:N or cuda:GPU-<uuid>")

@@ -78,6 +78,7 @@ class Executor:
         self.engine: _Child | None = None
         self.escrow: dict[int, tuple[dict[str, Any], list[int]]] = {}
         self.rank_status: dict[int, dict[str, Any]] = {}
+        self.engine_devices: dict[int, str] = {}
         self.health: HealthServer | None = None
         self.engine_notify: EngineNotifySocket | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -232,6 +233,9 @@ class Executor:
                 os.close(fd)
         self.escrow[rank] = (ready, fds)  # duplicates of the slab fds: no CUDA context needed
         child.info = {k: ready.get(k) for k in ("socket", "device", "bytes")}
+        uuid = str(ready.get("fingerprint", {}).get("device_uuid", ""))
+        if uuid.startswith("GPU-"):  # the engine pairs its ranks with these GPUs by UUID
+            self.engine_devices[rank] = f"cuda:{uuid}"
         self._post(core.CacheReady(rank, 0.0))
 
     async def _spawn_engine(self, attempt: int) -> None:
@@ -242,7 +246,8 @@ class Executor:
                  "VLAUNCH_DATA_PARALLEL_SIZE": str(spec.dp),
                  "VLAUNCH_RANKS": ",".join(map(str, spec.ranks)),
                  "VLAUNCH_DEVICE": _device_kind(spec.devices),
-                 "VLAUNCH_ENGINE_DEVICES": ",".join(spec.devices[r] for r in spec.ranks),
+                 "VLAUNCH_ENGINE_DEVICES": ",".join(self.engine_devices.get(r, spec.devices[r])
+                                                    for r in spec.ranks),
                  "VLAUNCH_PLAN": spec.plan, "VLAUNCH_ATTEMPT": str(attempt)}
         notify = str(self.engine_notify.path) if self.engine_notify else None
         self.engine = await self._spawn(list(spec.engine), child_env(self.env, extra, notify),

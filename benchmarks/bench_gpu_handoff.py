@@ -172,6 +172,10 @@ elif kind == "profile":
     wrap(mods["fingerprint"], "build", "fingerprint: build")
     wrap(C, "_connect", "connect (+ socket dir and peer checks)")
     wrap(C.CacheClient, "request", op_label)
+    wrap(C.CacheClient, "_send", "send a request")
+    wrap(C.CacheClient, "_recv", "receive a reply (waits for the cache)")
+    wrap(C.CacheClient, "handoff", "handoff (own code)")
+    wrap(C, "_import", "fd import + map, all slabs (own code)")
     wrap(mods["protocol"], "decode_body", lambda a: "json decode of reply (" + current[0] + ")")
     wrap(M.Manifest, "from_wire", "manifest validate (from_wire)")
     wrap(C.CacheClient, "map", "map (own code: fd close, clone in copy mode)")
@@ -184,9 +188,19 @@ elif kind == "profile":
     wrap(C.CacheClient, "watch", "lease watcher thread start")
     if spec["mode"] != "share":
         wrap(torch.Tensor, "clone", "copy: clone = allocate + launch the copy")
+    import gc
+    import resource
+    gcs = []
+
+    def on_gc(phase, info):
+        gcs.append((phase, info["generation"], perf()))
+
+    gc.callbacks.append(on_gc)
     loads, keep = [], []
     for i in range(spec["loads"]):
         stats.clear()
+        gcs.clear()
+        flt0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = perf()
         w = L.load(spec["model"], socket_dir=spec["socket_dir"], mode=spec["mode"],
                    device=dev, fallback=False, timeout=30)
@@ -199,7 +213,12 @@ elif kind == "profile":
         rows.append(["torch.cuda.synchronize after load", 1, t2 - t1, t2 - t1])
         other = (t2 - t0) - sum(r[3] for r in rows)
         rows.append(["other (load/map glue, Layout, Weights)", 1, other, other])
-        loads.append({"total": t2 - t0, "rows": rows})
+        starts = [t for ph, g, t in gcs if ph == "start"]
+        stops = [t for ph, g, t in gcs if ph == "stop"]
+        loads.append({"total": t2 - t0, "rows": rows,
+                      "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt0,
+                      "gc": [g for ph, g, t in gcs if ph == "start"],
+                      "gc_s": sum(b - a for a, b in zip(starts, stops))})
     out["loads"] = loads
     out["tensors"] = len(keep[0])
 
@@ -535,6 +554,11 @@ def print_profile(runs: dict[str, list[dict[str, Any]]]) -> None:
         calls = max(int(cell(c[0], c[1], label, 1)) for c in cols)
         print(f"{label:60} {calls:5d}" + "".join(f" {cell(c[0], c[1], label) * 1e3:12.3f}"
                                                  for c in cols))
+    for key, what in (("minor_faults", "minor page faults during the load"),
+                      ("gc_s", "of which: garbage collection (ms)")):
+        vals = [med([p["loads"][c[1]].get(key, 0) for p in runs[c[0]]]) for c in cols]
+        scale = 1e3 if key == "gc_s" else 1
+        print(f"{what:60} {'':>5}" + "".join(f" {v * scale:12.3f}" for v in vals))
     tot = [med([p["loads"][c[1]]["total"] for p in runs[c[0]]]) for c in cols]
     print(f"{'total (profiled load + sync)':60} {'':>5}" + "".join(f" {x * 1e3:12.3f}"
                                                                   for x in tot))

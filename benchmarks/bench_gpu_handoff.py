@@ -176,7 +176,8 @@ elif kind == "profile":
     wrap(C.CacheClient, "_recv", "receive a reply (waits for the cache)")
     wrap(C.CacheClient, "handoff", "handoff (own code)")
     wrap(C, "_import", "fd import + map, all slabs (own code)")
-    wrap(mods["protocol"], "decode_body", lambda a: "json decode of reply (" + current[0] + ")")
+    wrap(mods["protocol"], "decode_body",
+         lambda a: f"json decode of reply ({current[0]})" if current[0] else "json decode")
     wrap(M.Manifest, "from_wire", "manifest validate (from_wire)")
     wrap(C.CacheClient, "map", "map (own code: fd close, clone in copy mode)")
     wrap(SC.CudaBackend, "import_fd", "fd import: cuMemImport + props + release (own)")

@@ -134,46 +134,61 @@ class CacheClient:
                 device: str = "cpu") -> dict[str, torch.Tensor]:
         """hello + manifest + open + map (or copy) in one round trip: the engine's fast path.
 
-        The manifest and open requests go out first and `fingerprint()` is computed while the
-        cache answers them; the hello follows, and its reply is read only once the slabs are
-        mapped and, in the copy modes, the copy is under way. Nothing is returned unless the
-        hello succeeded: on an error (a mismatch first, as hello() reports it) the mappings
-        and copies are dropped before it is raised.
+        The manifest and open requests go out at once. In share mode `fingerprint()` is
+        computed while the cache answers them; in the copy modes, while the copies run, which
+        start as soon as the slabs are mapped. The hello's reply is read last. Nothing is
+        returned unless the hello succeeded: on an error (a mismatch first, as hello() reports
+        it) the mappings and copies are dropped before it is raised.
         """
         with self._lock:
             self._send({"op": "manifest"})
             self._send({"op": "open", "mode": mode})
+            owed = 2  # replies not read yet; on an error, a later request reads them
             try:
-                hello = self._hello(fingerprint())
+                if mode == "share":
+                    self._send(self._hello(fingerprint()))
+                    owed += 1
+                mrep, mfds = self._recv()
+                owed -= 1
+                orep, ofds = self._recv()
+                owed -= 1
+                if mrep.get("ok") is not True or orep.get("ok") is not True or mfds:
+                    for fd in mfds + ofds:
+                        os.close(fd)
+                    if not owed:
+                        self._send(self._hello(fingerprint()))
+                        owed += 1
+                    reply = self._recv()
+                    owed -= 1
+                    self._checked(*reply)  # the hello's error comes first
+                    self._checked(mrep, [])
+                    self._checked(orep, [])
+                    raise CacheBrokenError(f"cache at {self.path} sent fds with its manifest")
+                try:
+                    sizes = _slab_sizes(mrep.get("manifest"))
+                except BaseException:
+                    for fd in ofds:
+                        os.close(fd)
+                    raise
+                mapped: list[torch.Tensor] = []
+                copies: list[torch.Tensor] = []
+                try:
+                    mapped.extend(_import(ofds, sizes, device))
+                    if mode != "share":
+                        copies.extend(s.clone() for s in mapped)  # the copies start here
+                        self._send(self._hello(fingerprint()))
+                        owed += 1
+                    manifest = Manifest.from_wire(mrep["manifest"])
+                    reply = self._recv()
+                    owed -= 1
+                    self._checked(*reply)
+                    tensors = views(manifest, copies if mode != "share" else mapped)
+                except BaseException:
+                    copies.clear()
+                    mapped.clear()
+                    raise
             except BaseException:
-                self._unread += 2  # a later request reads (and closes) what they carry
-                raise
-            self._send(hello)
-            (mrep, mfds), (orep, ofds) = self._recv(), self._recv()
-            if mrep.get("ok") is not True or orep.get("ok") is not True or mfds:
-                for fd in mfds + ofds:
-                    os.close(fd)
-                self._checked(*self._recv())  # the hello's error comes first
-                self._checked(mrep, [])
-                self._checked(orep, [])
-                raise CacheBrokenError(f"cache at {self.path} sent fds with its manifest")
-            mapped: list[torch.Tensor] = []
-            copies: list[torch.Tensor] = []
-            hello_read = False
-            try:
-                sizes = _slab_sizes(mrep.get("manifest"))
-                mapped.extend(_import(ofds, sizes, device))
-                if mode != "share":  # starts the copies; they run during the steps below
-                    copies.extend(s.clone() for s in mapped)
-                manifest = Manifest.from_wire(mrep["manifest"])
-                hello_read = True
-                self._checked(*self._recv())
-                tensors = views(manifest, copies if mode != "share" else mapped)
-            except BaseException:
-                copies.clear()
-                mapped.clear()
-                if not hello_read:
-                    self._unread += 1
+                self._unread += owed
                 raise
             mapped.clear()  # copy modes: waits for the copies, then unmaps
             self._mapped(manifest, mode)

@@ -55,6 +55,12 @@ def main(opts: RankOptions) -> int:
         return int(exc.status)
     except KeyboardInterrupt:
         return 0
+    except OSError as exc:  # reading the checkpoint (or the device) failed underneath us
+        log.error("I/O error: %s; check the disk and the file permissions", exc)
+        return int(ExitStatus.IO_ERROR)
+    except Exception:
+        log.exception("internal error (a bug: please report it with this traceback)")
+        return int(ExitStatus.INTERNAL)
 
 
 def _exit_quietly(signum: int, frame: Any) -> None:

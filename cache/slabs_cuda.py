@@ -48,7 +48,8 @@ def _driver() -> Any:
         try:
             _check("cuInit", driver.cuInit(0))
         except RuntimeError as e:  # cuda-bindings raises when libcuda.so is missing
-            raise DeviceError(f"the NVIDIA driver library cannot be loaded: {e}") from e
+            raise DeviceError(f"the NVIDIA driver library cannot be loaded: {e}; install the "
+                              "NVIDIA driver, or give the container the GPUs (--gpus)") from e
         _drv = driver
     return _drv
 
@@ -258,7 +259,8 @@ class CudaBackend:
                 handle = _check("cuMemCreate", d.cuMemCreate(length, self._prop, 0))
             except DriverError as e:
                 raise DeviceError(f"cannot allocate a {length}-byte slab on {self.device}: "
-                                  f"{e}") from e
+                                  f"{e}; free memory on that GPU (nvidia-smi) or use more "
+                                  "tensor-parallel ranks") from e
             try:
                 mapping = self._map(d, handle, length, size, readonly=False)
             except DeviceError:

@@ -169,7 +169,7 @@ class Executor:
                 *cmd, env=env, pass_fds=pass_fds, start_new_session=True,
                 preexec_fn=die_with_parent)
         except OSError as exc:
-            log.error("cannot start %s: %s", cmd[0], exc)
+            log.error("cannot start %s: %s; check the command and PATH", cmd[0], exc)
             code = 127 if isinstance(exc, FileNotFoundError) else 126
             self._post(core.ChildExited(role, rank, 0, code, 0.0))
             return None

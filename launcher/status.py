@@ -25,7 +25,9 @@ def fetch_status(socket_dir: str, url: str) -> dict[str, Any]:
         with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=5) as resp:
             return json.loads(resp.read())
     except (OSError, ValueError) as exc:
-        raise click.ClickException(f"launcher at {url} did not answer: {exc}") from None
+        raise click.ClickException(f"launcher at {url} did not answer: {exc}; is it running? "
+                                   "(a launcher killed with SIGKILL leaves launcher.json "
+                                   "behind)") from None
 
 
 def format_status(s: dict[str, Any]) -> str:

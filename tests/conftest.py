@@ -79,13 +79,15 @@ class CacheProc:
 
 
 def spawn_cache(model: Path | str, socket_dir: Path, *args: str, rank: int = 0,
-                tp: int = 1, wait: bool = True, **popen: object) -> CacheProc:
+                tp: int = 1, wait: bool = True, extra_fds: list[int] | None = None,
+                **popen: object) -> CacheProc:
     """Start `python -m vlaunch.cache` and wait for its ready frame on a socketpair."""
     ours, theirs = socket.socketpair()
     cmd = [sys.executable, "-m", "vlaunch.cache", "--model", str(model), "--socket-dir",
            str(socket_dir), "--rank", str(rank), "--tensor-parallel-size", str(tp),
            "--ready-fd", str(theirs.fileno()), *args]
-    proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stderr=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno(), *(extra_fds or [])],
+                            stderr=subprocess.PIPE,
                             **popen)  # type: ignore[call-overload]
     theirs.close()
     ready: dict = {}

@@ -1,0 +1,113 @@
+"""Cache ranks and the launcher end with the documented status for each failure (real runs)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from vlaunch.cache.exitcodes import ExitStatus
+
+from .conftest import spawn_cache
+from .test_launcher import Launcher, serving
+
+
+def _exit(cache) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+    status = cache.proc.wait(60)
+    return status, cache.proc.stderr.read().decode()
+
+
+def test_plan_that_does_not_divide_exits_78(llama_ckpt: Path, sockdir: Path) -> None:
+    status, err = _exit(spawn_cache(llama_ckpt, sockdir, tp=3, rank=1))
+    assert status == ExitStatus.BAD_PLAN and "does not divide evenly" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_missing_gpu_exits_71(llama_ckpt: Path, sockdir: Path) -> None:
+    status, err = _exit(spawn_cache(llama_ckpt, sockdir, "--device", "cuda:0"))
+    assert status == ExitStatus.NO_DEVICE, err
+
+
+def test_read_failure_is_an_io_error_with_status_74(tmp_path: Path) -> None:
+    """A read that fails underneath (EIO, EISDIR...) is ReadError: the rank exits 74."""
+    from vlaunch.cache.reader import ReadError, _pread_into
+
+    fd = os.open(tmp_path, os.O_RDONLY)  # reading a directory fails like a bad disk would
+    try:
+        with pytest.raises(ReadError, match="check the disk") as err:
+            _pread_into(fd, memoryview(bytearray(16)), 0, "shard.safetensors")
+    finally:
+        os.close(fd)
+    assert err.value.status == ExitStatus.IO_ERROR
+
+
+def test_usage_error_of_a_cache_rank_exits_64(llama_ckpt: Path, sockdir: Path) -> None:
+    status, _ = _exit(spawn_cache(llama_ckpt, sockdir, rank=2, tp=2))
+    assert status == ExitStatus.USAGE
+
+
+def test_broken_escrow_channel_exits_70(llama_ckpt: Path, sockdir: Path) -> None:
+    ours, theirs = socket.socketpair()
+    ours.sendall(b"this is not a frame at all")
+    ours.close()
+    cache = spawn_cache(llama_ckpt, sockdir, "--adopt-fd", str(theirs.fileno()), wait=False,
+                        extra_fds=[theirs.fileno()])
+    theirs.close()
+    status, err = _exit(cache)
+    assert status == ExitStatus.INTERNAL and "bad magic" in err
+
+
+def test_final_sweep_leaves_no_grandchild(tmp_path: Path, llama_ckpt: Path) -> None:
+    marker = tmp_path / "grandchild.pid"
+    engine = ("import os, signal, subprocess, sys, time, socket\n"
+              f"p = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+              f"open({str(marker)!r}, 'w').write(str(p.pid))\n"
+              "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+              "s.connect(os.environ['NOTIFY_SOCKET']); s.send(b'READY=1')\n"
+              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+              "time.sleep(600)\n")
+    la = Launcher(tmp_path, llama_ckpt, "--engine-ready", "notify",
+                  engine=[sys.executable, "-c", engine])
+    try:
+        la.wait_for(serving)
+        grandchild = int(marker.read_text())
+        assert psutil.pid_exists(grandchild)
+        la.proc.send_signal(signal.SIGTERM)
+        assert la.wait_exit() == ExitStatus.OK
+        time.sleep(0.2)
+        assert not psutil.pid_exists(grandchild) or \
+            psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+        assert "swept 1 leftover" in la.text() and "sleep 600" in la.text()
+    finally:
+        la.close()
+
+
+def test_vlaunch_status_shows_a_running_launcher(tmp_path: Path, llama_ckpt: Path) -> None:
+    la = Launcher(tmp_path, llama_ckpt, engine=None)
+    try:
+        la.wait_for(lambda s: s["phase"] == "serving")
+        cmd = [sys.executable, "-m", "vlaunch.launcher.cli", "status", "--socket-dir",
+               str(la.sockdir)]
+        human = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True)
+        assert "phase serving" in human.stdout and "ready" in human.stdout
+        js = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=30,
+                            check=True)
+        import json
+
+        snap = json.loads(js.stdout)
+        assert set(snap["ranks"]) == {"0", "1"} and snap["ranks"]["0"]["device"] == "cpu"
+        la.proc.send_signal(signal.SIGTERM)
+        assert la.wait_exit() == 0
+        gone = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        assert gone.returncode == ExitStatus.USAGE and "no running launcher" in gone.stderr
+    finally:
+        la.close()
+

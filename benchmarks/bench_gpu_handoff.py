@@ -384,9 +384,10 @@ def child(spec: dict[str, Any], env: dict[str, str], log: Path) -> dict[str, Any
     """Run one measurement in a fresh process; its stderr goes to `log`."""
     r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], env=env,
                        capture_output=True, text=True, timeout=600)
-    with open(log, "a") as fh:
-        fh.write(f"--- {spec['kind']} {spec.get('mode', '')} rc={r.returncode}\n{r.stderr}")
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    with open(log, "a") as fh:
+        fh.write(f"--- {spec['kind']} {spec.get('mode', '')} rc={r.returncode}\n{r.stderr}"
+                 + "".join(ln + "\n" for ln in lines))
     if r.returncode or not lines:
         raise RuntimeError(f"child {spec['kind']} {spec.get('mode', '')} failed "
                            f"(rc {r.returncode}):\n{r.stderr[-3000:]}")
@@ -468,11 +469,21 @@ def main() -> int:
     base = {"device": args.device, "model": str(model), "files": files}
     vl = dict(base, kind="vlaunch", socket_dir=cache.sockdir)
     runs: dict[str, list[dict[str, Any]]] = {}
+    warm_loads: list[dict[str, Any]] = []
+    released: list[dict[str, Any]] = []
+    res["runs"], res["warm_first_loads"], res["released"] = runs, warm_loads, released
+
+    def save() -> None:  # after every step: a run cut short keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
 
     def series(name: str, spec: dict[str, Any], reps: int, env_: dict[str, str],
                check_first: bool = True) -> None:
-        runs[name] = [child(dict(spec, check=check_names if i == 0 and check_first else None),
-                            env_, clog) for i in range(reps)]
+        runs[name] = []
+        for i in range(reps):
+            runs[name].append(child(dict(spec, check=check_names if i == 0 and check_first
+                                         else None), env_, clog))
+            save()
         print(f"{name}: " + " ".join(fmt_s(r["seconds"]) for r in runs[name]), flush=True)
 
     try:
@@ -490,6 +501,7 @@ def main() -> int:
         if benv:
             runs["profile share (baseline)"] = [child(dict(prof, mode="share"), benv, clog)
                                                 for _ in range(max(1, args.profile_procs - 1))]
+        save()
         res["status_after"] = {k: v for k, v in cache.status().items()
                                if k in ("state", "bytes_held", "tensors", "slabs")}
     finally:
@@ -497,9 +509,10 @@ def main() -> int:
     runs["d2d"] = [child(dict(base, kind="d2d", bytes=int(args.d2d_gib * GiB),
                               reps=args.reps), env, clog)]
     print("d2d: " + " ".join(fmt_s(s) for s in runs["d2d"][0]["copy_s"]), flush=True)
+    save()
 
     # -- copy-release: a fresh cache per repetition (the cache is empty afterwards)
-    runs["copy-release"], warm_loads, released = [], [], []
+    runs["copy-release"] = []
     for i in range(args.copy_release_reps):
         c = Cache(str(model), args.device, logs / f"cache-cr{i}.log", env, args.threads)
         try:
@@ -513,16 +526,14 @@ def main() -> int:
             released.append({"state": st["state"], "bytes_held": st["bytes_held"],
                              "gpu_used_with_cache": used_before,
                              "gpu_used_after_release": gpu_mem_used()})
+            save()
         finally:
             c.stop()
     print("copy-release: " + " ".join(fmt_s(r["seconds"]) for r in runs["copy-release"]),
           flush=True)
-    res["runs"], res["warm_first_loads"], res["released"] = runs, warm_loads, released
-    if args.json:  # before the report, so that a report bug loses no numbers
-        Path(args.json).write_text(json.dumps(res, indent=1))
+    save()
     report(res, args)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+    save()
     return 0
 
 

@@ -139,16 +139,15 @@ def load(model: str, *, rank: int = 0, tensor_parallel_size: int = 1,
 
 def _from_cache(path: os.PathLike[str], model: str, layout: Layout, device: str, mode: str,
                 plan: str, kernel_backends: str, loader: str, timeout: float) -> Weights:
+    client = CacheClient(path, timeout=timeout)  # may wait for the cache: GC stays on
     collecting = gc.isenabled()
     gc.disable()  # a collection pass would cost more than the rest of the handoff
     try:
-        client = CacheClient(path, timeout=timeout)
-        try:
-            tensors = client.handoff(lambda: expected_fingerprint(
-                model, layout, device, plan, kernel_backends, loader), mode=mode, device=device)
-        except BaseException:
-            client.close()
-            raise
+        tensors = client.handoff(lambda: expected_fingerprint(
+            model, layout, device, plan, kernel_backends, loader), mode=mode, device=device)
+    except BaseException:
+        client.close()
+        raise
     finally:
         if collecting:
             gc.enable()

@@ -148,7 +148,7 @@ class CacheServer:
             return protocol.error("refused", "drop is only allowed after open(copy-release)"), []
         log.info("rank %d: copy-release by pid %d: dropping the cache's copy", self.rank,
                  lease.pid)
-        self.drop()
+        self.drop(later=True)  # answer first: freeing a large slab takes a while
         return {"ok": True}, []
 
     def handle_release(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -184,11 +184,14 @@ class CacheServer:
                 "leases": [vars(x) for x in self.leases.values()],
                 "fingerprint": self.fingerprint}
 
-    def drop(self) -> None:
+    def drop(self, *, later: bool = False) -> None:
         """Close our fds and mappings; memory goes once every client has unmapped."""
         for fd in self.fds:
             os.close(fd)
         self.fds = []
-        if self._release:
-            self._release()
         self.state = "released"
+        release, self._release = self._release, None
+        if release and later:
+            asyncio.get_running_loop().call_soon(release)
+        elif release:
+            release()

@@ -268,8 +268,11 @@ def main() -> None:
             d.mkdir(mode=0o700)
             for sub in ("c1", "w8", "w16", "w32", "h", "ns"):
                 (d / sub).mkdir(mode=0o700)
-            {"first": step_first, "handoff": step_handoff, "pidns": step_pidns}[name](
-                Path(args.model), args.device, d)
+            try:
+                {"first": step_first, "handoff": step_handoff, "pidns": step_pidns}[name](
+                    Path(args.model), args.device, d)
+            except Exception as exc:  # one failed step must not hide the others
+                print(f"\n## {name}: FAILED: {type(exc).__name__}: {exc}", flush=True)
 
 
 if __name__ == "__main__":

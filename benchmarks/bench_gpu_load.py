@@ -198,6 +198,20 @@ def step_first(model: Path, device: str, tmp: Path) -> None:
             f"{w_best / st_warm:.1f}x", ">= 40 GB/s and >= 5x")])
 
 
+def step_warm(model: Path, device: str, tmp: Path) -> None:
+    """Warm first load only: reader threads sweep against safetensors."""
+    files = shards(model)
+    st_warm = safetensors_gbps(files, device)
+    warm = {}
+    for threads in (4, 8, 16):
+        proc, _, warm[threads] = start_cache(model, tmp / f"w{threads}", device, threads)
+        stop(proc)
+    best = max(warm.values())
+    table(f"warm first load (by threads {', '.join(f'{k}T {v:.1f}' for k, v in warm.items())})",
+          [("warm load GB/s", f"{best:.1f}", f"safetensors warm {st_warm:.2f}",
+            f"{best / st_warm:.1f}x", ">= 40 GB/s and >= 5x")])
+
+
 def step_handoff(model: Path, device: str, tmp: Path) -> None:
     """Share and copy at scale, memory accounting, D2D baseline."""
     proc, _, load = start_cache(model, tmp / "h", device, 16)
@@ -266,10 +280,11 @@ def main() -> None:
         for name in args.steps.split(","):
             d = Path(tmp) / name
             d.mkdir(mode=0o700)
-            for sub in ("c1", "w8", "w16", "w32", "h", "ns"):
+            for sub in ("c1", "w4", "w8", "w16", "w32", "h", "ns"):
                 (d / sub).mkdir(mode=0o700)
             try:
-                {"first": step_first, "handoff": step_handoff, "pidns": step_pidns}[name](
+                {"first": step_first, "warm": step_warm, "handoff": step_handoff,
+                 "pidns": step_pidns}[name](
                     Path(args.model), args.device, d)
             except Exception as exc:  # one failed step must not hide the others
                 print(f"\n## {name}: FAILED: {type(exc).__name__}: {exc}", flush=True)

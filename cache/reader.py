@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vlaunch.cache.reader")
 CHUNK = 64 << 20
+CUDA_CHUNK = 16 << 20  # pinned staging is costly to allocate: 2 buffers x threads x this
 
 
 class ReadError(VlaunchError):
@@ -96,7 +97,9 @@ def fill(specs: list[SliceSpec], manifest: Manifest, slabs: list[torch.Tensor], 
     fds = {str(f): os.open(f, os.O_RDONLY | os.O_CLOEXEC)
            for f in {str(s.source.file) for s in specs}}
     progress = Progress(sum(s.nbytes for s in specs), label)
-    cuda = slabs and slabs[0].is_cuda
+    cuda = bool(slabs) and slabs[0].is_cuda
+    if cuda:
+        chunk = min(chunk, CUDA_CHUNK)
     work = [(s, block) for s in specs for block in s.blocks(chunk)]
     local = threading.local()
 

@@ -24,6 +24,7 @@ import mmap
 import os
 import re
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -135,7 +136,8 @@ def start_cache(model: Path, sock: Path, device: str, threads: int,
     proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "vlaunch.cache", "--model",
                              str(model), "--device", device, "--socket-dir", str(sock),
                              "--threads", str(threads), "--ready-fd", str(theirs.fileno())],
-                            pass_fds=[theirs.fileno()], stderr=log.open("wb"))
+                            pass_fds=[theirs.fileno()], stderr=log.open("wb"),
+                            start_new_session=True)
     theirs.close()
     ready, fds = wire.recv_frame(ours)
     for fd in fds:
@@ -145,8 +147,8 @@ def start_cache(model: Path, sock: Path, device: str, threads: int,
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM and wait."""
-    proc.terminate()
+    """SIGTERM its process group (unshare does not forward signals) and wait."""
+    os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(60)
 
 

@@ -157,8 +157,8 @@ class CacheServer:
         return {"ok": True}, []
 
     def handle_status(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        """status: state, memory, leases, fingerprint."""
-        return {"ok": True, "status": self.status()}, []
+        """status: state, memory, leases (the asking connection is not one), fingerprint."""
+        return {"ok": True, "status": self.status(exclude=lease)}, []
 
     def handle_memory(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """memory: bytes held per device."""
@@ -175,13 +175,13 @@ class CacheServer:
         """Slab bytes held, keyed by device."""
         return {self.device: 0 if self.state == "released" else self.manifest.nbytes}
 
-    def status(self) -> dict[str, Any]:
+    def status(self, exclude: Lease | None = None) -> dict[str, Any]:
         """A JSON-able status snapshot."""
         return {"rank": self.rank, "pid": os.getpid(), "state": self.state,
                 "device": self.device, "backend": self.manifest.backend,
                 "bytes_held": self.bytes_held(), "tensors": len(self.manifest.tensors),
                 "slabs": len(self.manifest.slab_sizes), "uptime": time.time() - self.started,
-                "leases": [vars(x) for x in self.leases.values()],
+                "leases": [vars(x) for x in self.leases.values() if x is not exclude],
                 "fingerprint": self.fingerprint}
 
     def drop(self, *, later: bool = False) -> None:

@@ -51,6 +51,19 @@ def child_env(base: Mapping[str, str], extra: Mapping[str, str],
     return env
 
 
+def reap_orphans(ours: Iterable[int]) -> list[int]:
+    """Collect exited descendants that re-parented to us (we are their subreaper)."""
+    known = set(ours)
+    reaped = []
+    for proc in psutil.Process().children():
+        if proc.pid in known:
+            continue  # asyncio waits for its own children
+        with contextlib.suppress(ChildProcessError, psutil.Error):
+            if proc.status() == psutil.STATUS_ZOMBIE and os.waitpid(proc.pid, os.WNOHANG)[0]:
+                reaped.append(proc.pid)
+    return reaped
+
+
 def signal_group(pid: int, sig: int) -> None:
     """Signal a child's process group (it leads its own); a vanished group is fine."""
     with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -41,9 +41,15 @@ def _config_callback(ctx: click.Context, param: click.Parameter, value: str | No
         from .options import load_config
 
         try:
-            ctx.default_map = {**(ctx.default_map or {}), **load_config(value)}
+            config = load_config(value)
         except VlaunchError as exc:
             raise click.BadParameter(str(exc)) from None
+        known = {p.name for p in ctx.command.params if p.name}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise click.BadParameter(f"unknown key(s) in {value}: {', '.join(unknown)}; use "
+                                     "the option names shown by vlaunch run --help")
+        ctx.default_map = {**(ctx.default_map or {}), **config}
 
 
 def _opt(name: str, env: str, **kw: Any) -> Callable[[F], F]:
@@ -97,9 +103,10 @@ def _opt(name: str, env: str, **kw: Any) -> Callable[[F], F]:
       help="Longest restart delay in seconds.")
 @_opt("--stop-timeout", "STOP_TIMEOUT", default=30.0, type=click.FloatRange(0),
       help="Seconds a graceful stop may take before SIGKILL.")
-@_opt("--engine-config-error-status", "ENGINE_CONFIG_ERROR_STATUS", default=[78],
+@_opt("--engine-config-error-status", "ENGINE_CONFIG_ERROR_STATUS", default=[78, 126, 127],
       multiple=True, type=int,
-      help="Engine exit statuses that mean a configuration error: no restart, exit 81.")
+      help="Engine exit statuses that mean a configuration error: no restart, exit 81 "
+           "(126/127: the engine command cannot be executed or is not found).")
 @_opt("--on-rank-exit", "ON_RANK_EXIT", default="shutdown",
       type=click.Choice(["shutdown", "respawn"]),
       help="A cache rank exited: shut everything down (69), or respawn it from the escrowed "

@@ -27,7 +27,14 @@ from vlaunch.cache.errors import VlaunchError
 from vlaunch.cache.sockdir import RankLock, ensure_socket_dir, socket_path
 
 from . import core
-from .children import become_subreaper, child_env, die_with_parent, signal_group, sweep
+from .children import (
+    become_subreaper,
+    child_env,
+    die_with_parent,
+    reap_orphans,
+    signal_group,
+    sweep,
+)
 from .health import HealthServer
 from .notify import EngineNotifySocket, Notifier
 
@@ -287,6 +294,7 @@ class Executor:
                 client.close()
 
         while True:
+            reap_orphans(c.pid for c in self._children())
             for rank in list(self.ranks):
                 if self.core.ranks[rank].state is core.RankState.READY:
                     with contextlib.suppress(Exception):

@@ -303,6 +303,11 @@ def test_config_file_and_env_vars(tmp_path: Path, llama_ckpt: Path) -> None:
                         str(cfg), "--model", str(llama_ckpt)], capture_output=True, text=True,
                        timeout=30, env={**os.environ, "VLAUNCH_SOCKET_DIR": str(tmp_path)})
     assert r.returncode == ExitStatus.USAGE and "do not divide over 2 nodes" in r.stderr
+    cfg.write_text('tensor-paralel-size = 2\n')
+    r = subprocess.run([sys.executable, "-m", "vlaunch.launcher.cli", "run", "--config",
+                        str(cfg), "--model", str(llama_ckpt)], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == ExitStatus.USAGE and "tensor_paralel_size" in r.stderr
     r = subprocess.run([sys.executable, "-m", "vlaunch.launcher.cli", "run", "--model",
                         str(llama_ckpt)], capture_output=True, text=True, timeout=30,
                        env={**os.environ, "VLAUNCH_TENSOR_PARALLEL_SIZE": "3",

@@ -328,3 +328,30 @@ def test_the_launcher_never_imports_torch() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=30, check=True)
     assert r.stdout.strip() == "False"
+
+
+HTTP_ENGINE = r"""
+import http.server, os, sys, time
+port = int(sys.argv[1])
+time.sleep(0.5)  # not ready at once: the launcher must wait for the URL to answer
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def test_engine_readiness_from_its_health_url(launch, llama_ckpt: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    la = launch(llama_ckpt, "--engine-health-url", f"http://127.0.0.1:{port}/health",
+                engine=[sys.executable, "-c", HTTP_ENGINE, str(port)])
+    snap = la.wait_for(serving)
+    assert snap["engine"]["healthy"] is True and la.probe("/readyz") == 200
+    assert any("READY=1" in m for m in la.drain())
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.wait_exit() == 0

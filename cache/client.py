@@ -216,6 +216,35 @@ class CacheClient:
         """Bytes the cache holds per device."""
         return self.request({"op": "memory"})[0]["bytes_held"]
 
+    def artifact_get(self, kind: str, key: str) -> bytes | None:
+        """An artifact's bytes, or None when the cache does not hold it."""
+        from .artifacts import decode
+
+        with self._lock:
+            self._send({"op": "artifact_get", "kind": kind, "key": key})
+            reply, fds = self._recv()
+        if reply.get("error") == "miss":
+            return None
+        reply, _ = self._checked(reply, fds)
+        if not isinstance(reply.get("data"), str):
+            raise CacheBrokenError(f"cache at {self.path} sent an artifact without data")
+        return decode(reply["data"])
+
+    def artifact_put(self, kind: str, key: str, data: bytes) -> None:
+        """Hand an artifact to the cache (checked here first: name and size)."""
+        from .artifacts import check_name, check_size, encode
+
+        check_name(kind, key)
+        check_size(kind, len(data))
+        self.request({"op": "artifact_put", "kind": kind, "key": key, "data": encode(data)})
+
+    def artifact_list(self) -> list[tuple[str, str, int]]:
+        """(kind, key, size) of every artifact the cache holds."""
+        rows = self.request({"op": "artifact_list"})[0].get("artifacts")
+        if not isinstance(rows, list) or len(rows) > 4096:
+            raise CacheBrokenError(f"cache at {self.path} sent a bad artifact list")
+        return [(str(k), str(h), int(n)) for k, h, n in rows]
+
     def watch(self) -> None:
         """Warn once, from a daemon thread, when the cache process goes away."""
         if not self._watching:

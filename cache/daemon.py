@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import artifacts as art
 from . import fingerprint as fp
 from . import protocol, wire
-from .errors import ProtocolError
+from .artifacts import ArtifactStore
+from .errors import ArtifactError, ProtocolError
 from .manifest import Manifest
 from .sockdir import check_peer
 
@@ -43,10 +45,12 @@ class CacheServer:
 
     def __init__(self, *, rank: int, fingerprint: fp.Fingerprint, manifest: Manifest,
                  fds: list[int], device: str, release: Any = None,
-                 allowed_uids: frozenset[int] | None = None) -> None:
+                 allowed_uids: frozenset[int] | None = None,
+                 artifacts: ArtifactStore | None = None) -> None:
         self.rank, self.fingerprint, self.manifest = rank, fingerprint, manifest
         self.fds, self.device = fds, device
         self.allowed_uids = allowed_uids
+        self.artifacts = artifacts if artifacts is not None else ArtifactStore()
         self.state = "serving"
         self.leases: dict[int, Lease] = {}
         self.started = time.time()
@@ -92,9 +96,9 @@ class CacheServer:
                 return
             self.leases[cid] = Lease(pid)
             while True:
-                msg = await wire.read_frame(loop, conn, max_body=protocol.MAX_REQUEST_BODY,
-                                            frame_timeout=FRAME_TIMEOUT)
-                op, fields = protocol.validate_request(msg)
+                op, fields = await wire.read_request(loop, conn, frame_timeout=FRAME_TIMEOUT)
+                if op.startswith("seed_"):
+                    raise ProtocolError(f"{op} is only served on the seeding TCP port")
                 reply, fds = self._dispatch(cid, op, fields)
                 await wire.write_frame(loop, conn, reply, fds)
         except (EOFError, ConnectionError, asyncio.CancelledError):
@@ -166,10 +170,29 @@ class CacheServer:
 
     def handle_artifact_get(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any],
                                                                            list[int]]:
-        """artifact_get: not held by this cache (artifacts are a later feature)."""
-        return protocol.error("miss", "no such artifact"), []
+        """artifact_get: the artifact's bytes (base64), or a miss."""
+        data = self.artifacts.get(f["kind"], f["key"])
+        if data is None:
+            return protocol.error("miss", "no such artifact"), []
+        return {"ok": True, "data": art.encode(data)}, []
 
-    handle_artifact_put = handle_artifact_get
+    def handle_artifact_put(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any],
+                                                                           list[int]]:
+        """artifact_put: keep an artifact an engine produced (bounded in size and count)."""
+        try:
+            data = art.decode(f["data"])
+            self.artifacts.put(f["kind"], f["key"], data)
+        except ArtifactError as exc:
+            code = "too_large" if "over the limit" in str(exc) else "refused"
+            return protocol.error(code, str(exc)), []
+        log.info("rank %d: artifact %s/%s (%d bytes) from pid %d", self.rank, f["kind"],
+                 f["key"][:12], len(data), lease.pid)
+        return {"ok": True}, []
+
+    def handle_artifact_list(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any],
+                                                                             list[int]]:
+        """artifact_list: [kind, key, size] of every artifact held."""
+        return {"ok": True, "artifacts": self.artifacts.listing()}, []
 
     def bytes_held(self) -> dict[str, int]:
         """Slab bytes held, keyed by device."""
@@ -181,6 +204,7 @@ class CacheServer:
                 "device": self.device, "backend": self.manifest.backend,
                 "bytes_held": self.bytes_held(), "tensors": len(self.manifest.tensors),
                 "slabs": len(self.manifest.slab_sizes), "uptime": time.time() - self.started,
+                "artifacts": len(self.artifacts),
                 "leases": [vars(x) for x in self.leases.values() if x is not exclude],
                 "fingerprint": self.fingerprint}
 

@@ -80,3 +80,13 @@ class FingerprintMismatchError(VlaunchError):
         super().__init__(f"fingerprint mismatch: {fields}; restart the cache with the engine's "
                          "model and layout, or start the engine with the cache's")
         self.mismatches = mismatches
+
+
+class SeedError(VlaunchError):
+    """Seeding a rank from a running replica failed; the rank ends with SEED_FAILED."""
+
+    status = ExitStatus.SEED_FAILED
+
+
+class ArtifactError(VlaunchError):
+    """An artifact was refused (too large, bad key) or could not be read back."""

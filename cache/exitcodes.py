@@ -26,6 +26,7 @@ class ExitStatus(enum.IntEnum):
     SOCKET_DIR = 73
     IO_ERROR = 74
     CACHE_BUSY = 75
+    SEED_FAILED = 76
     BAD_PLAN = 78
     ENGINE_BUDGET = 80
     ENGINE_CONFIG = 81
@@ -72,6 +73,10 @@ EXIT_TABLE: tuple[ExitInfo, ...] = (
     ExitInfo(ExitStatus.CACHE_BUSY, "launcher, cache",
              "Another cache process already holds this rank's lock in the socket directory.",
              True),
+    ExitInfo(ExitStatus.SEED_FAILED, "launcher, cache",
+             "Seeding a cache rank from a running replica failed (unreachable source, wrong "
+             "token, fingerprint mismatch, truncated or corrupt stream) and --seed-fallback "
+             "was not given.", True),
     ExitInfo(ExitStatus.BAD_PLAN, "launcher, cache",
              "The shard plan does not fit the checkpoint (a split dimension does not divide "
              "evenly, a bad plan file or hook, more pipeline stages than layers).", False),

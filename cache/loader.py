@@ -137,6 +137,32 @@ def load(model: str, *, rank: int = 0, tensor_parallel_size: int = 1,
         return weights
 
 
+def cached_nbytes(model: str, *, rank: int = 0, tensor_parallel_size: int = 1,
+                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
+                  socket_dir: str | None = None, device: str | None = None,
+                  plan: str = "llama", kernel_backends: str = "", loader: str = "vlaunch") -> int:
+    """Bytes a share-mode `load` would map from the rank's cache; 0 when it would not.
+
+    For an engine that sizes its memory budget before it loads (vLLM asks its loader first):
+    the answer comes from the cache's manifest after a fingerprint check, without mapping.
+    """
+    layout = Layout.from_global(rank, tensor_parallel_size, pipeline_parallel_size,
+                                data_parallel_size)
+    device = device or default_device()
+    path = socket_path(socket_dir or default_socket_dir(), rank)
+    try:
+        client = CacheClient(path)
+    except CacheUnavailableError:
+        return 0
+    try:
+        client.hello(expected_fingerprint(model, layout, device, plan, kernel_backends, loader))
+        return client.manifest().nbytes
+    except (CacheUnavailableError, FingerprintMismatchError, CacheBrokenError):
+        return 0
+    finally:
+        client.close()
+
+
 def _from_cache(path: os.PathLike[str], model: str, layout: Layout, device: str, mode: str,
                 plan: str, kernel_backends: str, loader: str, timeout: float) -> Weights:
     client = CacheClient(path, timeout=timeout)  # may wait for the cache: GC stays on

@@ -5,6 +5,10 @@ A frame is a 16-byte header followed by a JSON body:
     magic  b"VLCH" | version u16 | codec u8 (0 = JSON) | flags u8 | nfds u16 | reserved u16
     | length u32                                                       (network byte order)
 
+One flag exists: FLAG_LARGE marks a request that may exceed MAX_REQUEST_BODY (up to
+MAX_ARTIFACT_BODY); only an artifact_put may carry it, which the reader checks once the body is
+parsed. Any other request over MAX_REQUEST_BODY is refused from its header alone.
+
 File descriptors ride on the frame whose header announces how many it carries (`nfds`);
 they are attached with SCM_RIGHTS to the header's bytes. Nothing here touches a socket, and
 nothing is ever unpickled: a body is a JSON object whose fields are checked against the
@@ -23,12 +27,16 @@ from .errors import ProtocolError
 MAGIC = b"VLCH"
 VERSION = 1
 CODEC_JSON = 0
+FLAG_LARGE = 0x01
 HEADER = struct.Struct("!4sHBBHHI")
 HEADER_SIZE = HEADER.size
 MAX_BODY = 64 << 20  # a manifest of a million tensors fits; nothing legitimate is larger
-MAX_REQUEST_BODY = 1 << 20  # requests are small; artifacts are capped separately
-MAX_FDS = 64
 MAX_STRING = 4096
+MAX_REQUEST_BODY = 1 << 20  # requests are small; artifacts are capped separately
+MAX_ARTIFACT = 16 << 20  # one artifact's raw bytes
+MAX_ARTIFACT_DATA = -(-MAX_ARTIFACT // 3) * 4  # the same, base64-encoded
+MAX_ARTIFACT_BODY = MAX_ARTIFACT_DATA + MAX_STRING * 4  # an artifact_put frame, fields included
+MAX_FDS = 64
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,7 @@ class Header:
 
     nfds: int
     length: int
+    large: bool = False
 
 
 def encode(message: dict[str, Any], nfds: int = 0) -> bytes:
@@ -44,11 +53,12 @@ def encode(message: dict[str, Any], nfds: int = 0) -> bytes:
     body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
     if len(body) > MAX_BODY or not 0 <= nfds <= MAX_FDS:
         raise ProtocolError(f"frame too large: {len(body)} bytes, {nfds} fds")
-    return HEADER.pack(MAGIC, VERSION, CODEC_JSON, 0, nfds, 0, len(body)) + body
+    flags = FLAG_LARGE if message.get("op") in LARGE_OPS else 0
+    return HEADER.pack(MAGIC, VERSION, CODEC_JSON, flags, nfds, 0, len(body)) + body
 
 
-def decode_header(data: bytes, *, max_body: int = MAX_BODY) -> Header:
-    """Parse and bound-check a frame header."""
+def decode_header(data: bytes, *, max_body: int = MAX_BODY, large_body: int = 0) -> Header:
+    """Parse and bound-check a frame header; a FLAG_LARGE frame may use up to `large_body`."""
     if len(data) != HEADER_SIZE:
         raise ProtocolError(f"short header: {len(data)} of {HEADER_SIZE} bytes")
     magic, version, codec, flags, nfds, reserved, length = HEADER.unpack(data)
@@ -57,11 +67,14 @@ def decode_header(data: bytes, *, max_body: int = MAX_BODY) -> Header:
     if version != VERSION:
         raise ProtocolError(f"protocol version {version} is not supported (this is "
                             f"version {VERSION}); run the same vlaunch version on both sides")
-    if codec != CODEC_JSON or flags or reserved:
+    large = flags == FLAG_LARGE and large_body > 0
+    if codec != CODEC_JSON or (flags and not large) or reserved:
         raise ProtocolError(f"unknown codec {codec} or flags {flags}/{reserved}")
+    if large:
+        max_body = max(max_body, large_body)
     if nfds > MAX_FDS or length > max_body:
         raise ProtocolError(f"frame too large: {length} bytes (limit {max_body}), {nfds} fds")
-    return Header(nfds, length)
+    return Header(nfds, length, large)
 
 
 def decode_body(data: bytes) -> dict[str, Any]:
@@ -92,7 +105,14 @@ REQUESTS: dict[str, dict[str, tuple[type, bool]]] = {
     "memory": {},
     "artifact_get": {"kind": (_STR, True), "key": (_STR, True)},
     "artifact_put": {"kind": (_STR, True), "key": (_STR, True), "data": (_STR, True)},
+    "artifact_list": {},
+    # seeding over TCP: the token comes first, then the manifest, then each slab's raw bytes
+    "seed_auth": {"token": (_STR, True)},
+    "seed_manifest": {},
+    "seed_slab": {"slab": (_INT, True)},
 }
+LARGE_OPS = frozenset({"artifact_put"})
+"""Requests whose body may exceed MAX_REQUEST_BODY (up to MAX_ARTIFACT_BODY)."""
 MODES = ("share", "copy", "copy-release")
 
 
@@ -115,10 +135,17 @@ def validate_request(msg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return op, fields
 
 
+def check_large(op: str, header: Header) -> None:
+    """Only LARGE_OPS may carry FLAG_LARGE (the frame was capped from its header already)."""
+    if header.large and op not in LARGE_OPS:
+        raise ProtocolError(f"{op[:64]}: only {', '.join(sorted(LARGE_OPS))} may be a large "
+                            "frame")
+
+
 def _check_value(where: str, value: Any, kind: type) -> None:
     if type(value) is not kind:
         raise ProtocolError(f"{where}: expected {kind.__name__}, got {type(value).__name__}")
-    if kind is str and len(value) > (MAX_REQUEST_BODY if where.endswith(".data")
+    if kind is str and len(value) > (MAX_ARTIFACT_DATA if where == "artifact_put.data"
                                      else MAX_STRING):
         raise ProtocolError(f"{where}: string too long")
     if kind is int and not 0 <= value < 1 << 62:

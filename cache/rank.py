@@ -39,6 +39,13 @@ class RankOptions:
     loader: str = "vlaunch"
     ready_fd: int = -1
     adopt_fd: int = -1
+    artifact_dir: str = ""
+    seed: str = ""  # unix:/source/socket-dir or tcp://host:base_port
+    seed_token: str = ""
+    seed_fallback: bool = False
+    seed_listen_host: str = "127.0.0.1"
+    seed_listen_port: int = 0  # 0: do not serve seeding over TCP
+    seed_timeout: float = 30.0
 
 
 def main(opts: RankOptions) -> int:
@@ -76,14 +83,19 @@ def _run(opts: RankOptions, rank: int) -> int:
     lock.acquire()
     try:
         backend = get_backend(opts.device)
+        from .artifacts import ArtifactStore
+
+        store = ArtifactStore(_artifact_dir(opts.artifact_dir, rank))
         if opts.adopt_fd >= 0:
             manifest, fds, fingerprint, release = _adopt(opts.adopt_fd)
+        elif opts.seed:
+            manifest, fds, fingerprint, release = _seed_or_load(opts, backend, rank, store)
         else:
             manifest, fds, fingerprint, release = _load(opts, backend, rank)
         from .daemon import CacheServer
 
         server = CacheServer(rank=rank, fingerprint=fingerprint, manifest=manifest, fds=fds,
-                             device=backend.device, release=release)
+                             device=backend.device, release=release, artifacts=store)
         asyncio_run(_serve(server, lock, opts))
         log.info("stopped; socket and lock removed")
         return int(ExitStatus.OK)
@@ -102,16 +114,19 @@ def _load(opts: RankOptions, backend: Any, rank: int) -> tuple[Manifest, list[in
     manifest = shard.manifest
     if opts.checksum if opts.checksum is not None else backend.name == "cpu":
         manifest = with_checksums(manifest, checksums(manifest, shard.tensors, opts.threads))
+    log.info("loaded %d tensors, %.2f GB in %d slab(s) on %s in %.2fs (%.2f GB/s)",
+             len(manifest.tensors), manifest.nbytes / 1e9, len(shard.slabs), backend.device,
+             shard.seconds, manifest.nbytes / 1e9 / max(shard.seconds, 1e-9))
+    return _finish(opts, backend, shard, manifest)
+
+
+def _finish(opts: RankOptions, backend: Any, shard: Any, manifest: Manifest
+            ) -> tuple[Manifest, list[int], fp.Fingerprint, Any]:
+    """Seal and export a filled shard; its fingerprint and release hook."""
     for slab in shard.slabs:
         slab.seal()
     fds = [slab.export_fd() for slab in shard.slabs]
-    log.info("loaded %d tensors, %.2f GB in %d slab(s) on %s in %.2fs (%.2f GB/s)",
-             len(manifest.tensors), manifest.nbytes / 1e9, len(fds), backend.device,
-             shard.seconds, manifest.nbytes / 1e9 / max(shard.seconds, 1e-9))
-    fingerprint = fp.build(checkpoint=shard.checkpoint.identity, plan=shard.plan_identity,
-                           layout=opts.layout.as_dict(), dtype="checkpoint",
-                           backend=backend.name, device=backend.device_info(),
-                           kernel_backends=opts.kernel_backends, loader=opts.loader)
+    fingerprint = _fingerprint(opts, backend, shard)
 
     def release() -> None:
         shard.tensors.clear()
@@ -119,6 +134,50 @@ def _load(opts: RankOptions, backend: Any, rank: int) -> tuple[Manifest, list[in
             slab.release()
 
     return manifest, fds, fingerprint, release
+
+
+def _fingerprint(opts: RankOptions, backend: Any, shard: Any) -> fp.Fingerprint:
+    return fp.build(checkpoint=shard.checkpoint.identity, plan=shard.plan_identity,
+                    layout=opts.layout.as_dict(), dtype="checkpoint", backend=backend.name,
+                    device=backend.device_info(), kernel_backends=opts.kernel_backends,
+                    loader=opts.loader)
+
+
+def _artifact_dir(root: str, rank: int) -> str:
+    """Each rank keeps its artifacts in its own subdirectory of --artifact-dir."""
+    return os.path.join(root, f"rank-{rank}") if root else ""
+
+
+def _seed_or_load(opts: RankOptions, backend: Any, rank: int, store: Any
+                  ) -> tuple[Manifest, list[int], fp.Fingerprint, Any]:
+    """Seed from a running replica; on failure, end with SEED_FAILED or (--seed-fallback)
+    load from disk with a warning."""
+    from .errors import SeedError
+    from .seed import seed_into
+    from .shard import empty_shard
+
+    try:
+        shard = empty_shard(opts.model, opts.plan, opts.layout, backend)
+        try:
+            seeded = seed_into(opts.seed, opts.seed_token, rank,
+                               _fingerprint(opts, backend, shard), shard.manifest,
+                               shard.tensors, backend.device, timeout=opts.seed_timeout)
+        except BaseException:
+            shard.tensors.clear()
+            for slab in shard.slabs:
+                slab.release()
+            raise
+    except SeedError as exc:
+        if not opts.seed_fallback:
+            raise
+        log.warning("seeding failed (%s); loading from disk instead (--seed-fallback)", exc)
+        return _load(opts, backend, rank)
+    for kind, key, data in seeded.artifacts:
+        store.put(kind, key, data)
+    log.info("seeded %.2f GB and %d artifact(s) from %s in %.2fs (%.2f GB/s); serving on our "
+             "own", seeded.manifest.nbytes / 1e9, len(seeded.artifacts), opts.seed,
+             seeded.seconds, seeded.manifest.nbytes / 1e9 / max(seeded.seconds, 1e-9))
+    return _finish(opts, backend, shard, seeded.manifest)
 
 
 def _adopt(fd: int) -> tuple[Manifest, list[int], fp.Fingerprint, Any]:
@@ -148,12 +207,23 @@ async def _serve(server: Any, lock: RankLock, opts: RankOptions) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    seeding = None
+    if opts.seed_listen_port and opts.seed_token:
+        from .seed import SeedSource, source_port
+
+        seeding = await SeedSource(server, opts.seed_token, timeout=opts.seed_timeout).start(
+            opts.seed_listen_host, source_port(opts.seed_listen_port, server.rank))
+    elif opts.seed_listen_port:
+        log.warning("--seed-listen-port without --seed-token: not serving seeding over TCP "
+                    "(set VLAUNCH_SEED_TOKEN)")
     task = asyncio.ensure_future(server.serve(lock.socket, stop))
     while not lock.socket.exists() and not task.done():
         await asyncio.sleep(0.001)
     if not task.done():
         _report_ready(server, lock, opts)
     await task
+    if seeding is not None:
+        seeding.close()
 
 
 def _report_ready(server: Any, lock: RankLock, opts: RankOptions) -> None:

@@ -44,13 +44,33 @@ def load_shard(model: str, plan_spec: str, layout: Layout, backend: Backend, *,
     plan = load_plan(plan_spec)
     if isinstance(plan, HookPlan):
         return _from_hook(ckpt, plan, layout, backend, start)
+    shard, specs = _allocate(ckpt, plan, layout, backend, start)
+    fill(specs, shard.manifest, shard.tensors, threads=threads, label=label)
+    shard.seconds = time.perf_counter() - start
+    return shard
+
+
+def empty_shard(model: str, plan_spec: str, layout: Layout, backend: Backend) -> Shard:
+    """Plan and allocate a rank's shard without reading any tensor data (to be seeded)."""
+    from .errors import SeedError
+
+    ckpt = open_checkpoint(model)
+    plan = load_plan(plan_spec)
+    if isinstance(plan, HookPlan):
+        raise SeedError("seeding does not support hook plans (module:callable); load from "
+                        "disk instead")
+    return _allocate(ckpt, plan, layout, backend, time.perf_counter())[0]
+
+
+def _allocate(ckpt: Checkpoint, plan: Any, layout: Layout, backend: Backend,
+              start: float) -> tuple[Shard, list[Any]]:
     specs = plan_rank(ckpt, plan, layout)
     manifest = pack([(s.name, s.dtype, s.shape) for s in specs], backend=backend.name,
                     alignment=backend.alignment, max_slab=MAX_SLAB)
     slabs = [backend.allocate(size) for size in manifest.slab_sizes]
     tensors = [s.tensor() for s in slabs]
-    fill(specs, manifest, tensors, threads=threads, label=label)
-    return Shard(manifest, slabs, tensors, ckpt, plan.identity, time.perf_counter() - start)
+    return Shard(manifest, slabs, tensors, ckpt, plan.identity,
+                 time.perf_counter() - start), specs
 
 
 def _from_hook(ckpt: Checkpoint, plan: HookPlan, layout: Layout, backend: Backend,

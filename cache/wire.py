@@ -90,6 +90,22 @@ async def read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, *,
     return protocol.decode_body(body)
 
 
+async def read_request(loop: asyncio.AbstractEventLoop, sock: socket.socket, *,
+                       frame_timeout: float, idle_timeout: float | None = None,
+                       ) -> tuple[str, dict[str, Any]]:
+    """Read and validate one request: (op, fields). Only a FLAG_LARGE frame (an artifact_put)
+    may exceed MAX_REQUEST_BODY; a header is refused before any of its body is read."""
+    head = await _read_exact(loop, sock, protocol.HEADER_SIZE, idle_timeout)
+    header = protocol.decode_header(head, max_body=protocol.MAX_REQUEST_BODY,
+                                    large_body=protocol.MAX_ARTIFACT_BODY)
+    if header.nfds:
+        raise ProtocolError("requests may not carry file descriptors")
+    body = await _read_exact(loop, sock, header.length, frame_timeout)
+    op, fields = protocol.validate_request(protocol.decode_body(body))
+    protocol.check_large(op, header)
+    return op, fields
+
+
 async def _read_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int,
                       timeout: float | None) -> bytes:
     buf = bytearray()

@@ -115,6 +115,27 @@ def _opt(name: str, env: str, **kw: Any) -> Callable[[F], F]:
       help="An engine that exits 0 ends the launcher with 0 instead of being restarted.")
 @_opt("--kernel-backends", "KERNEL_BACKENDS", default="",
       help="Fingerprint field for the kernel backends (set by engine integrations).")
+@_opt("--artifact-dir", "ARTIFACT_DIR", default="",
+      help="Directory (a volume) where each rank keeps its artifacts (autotune tables) across "
+           "restarts; empty: in memory only.")
+@_opt("--preload-autotune", "PRELOAD_AUTOTUNE", default="",
+      help="A throwaway engine command run once after the caches are ready and before the "
+           "engine, so that the engine finds the tuned tables (split like a shell would).")
+@_opt("--preload-timeout", "PRELOAD_TIMEOUT", default=600.0, type=click.FloatRange(0.1),
+      help="Seconds the preload command may run before it is killed (then a warning).")
+@_opt("--seed", "SEED", default="",
+      help="Fill the caches from a running replica instead of the disk: "
+           "unix:/its/socket-dir or tcp://HOST:BASE_PORT.")
+@_opt("--seed-token", "SEED_TOKEN", default="",
+      help="Shared secret for seeding over TCP, on the source and the new replica (prefer the "
+           "environment variable).")
+@_opt("--seed-fallback", "SEED_FALLBACK", is_flag=True, default=False,
+      help="A failed seed loads from disk with a warning instead of exiting 76.")
+@_opt("--seed-listen-host", "SEED_LISTEN_HOST", default="127.0.0.1",
+      help="Address the seed source listens on.")
+@_opt("--seed-listen-port", "SEED_LISTEN_PORT", default=0, type=click.IntRange(0, 65535),
+      help="Serve seeding over TCP: rank N listens on this port + N (needs --seed-token; "
+           "0: off).")
 @_opt("--log-level", "LOG_LEVEL", default="INFO",
       type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), help="Launcher log level.")
 @click.argument("engine", nargs=-1, type=click.UNPROCESSED)

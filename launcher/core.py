@@ -21,6 +21,10 @@ Contract with the executor:
   engine's own sd_notify `READY=1` as `EngineReady`; "http": it polls the health URL and sends
   `EngineReady` when it first answers, then `EngineHealth` for each later probe; "none": the
   engine's `Spawned` counts as ready (an `EngineReady` sent anyway is ignored).
+- `RunPreload` (only with `SupervisorConfig.preload`, once, when every rank is first ready) is
+  answered by exactly one `PreloadDone`, after the command ended, timed out or failed to
+  start; the engine is spawned (or READY=1 sent) only then. The executor kills a preload
+  still running at shutdown.
 - `Exit` is the last action ever returned; later events return nothing. The executor exits
   with `Exit.status` after its sweep (psutil) of anything left.
 - `Notify` fields are sd_notify assignments in order; the executor adds `MONOTONIC_USEC` to
@@ -87,6 +91,7 @@ class SupervisorConfig:
     engine_readiness: Readiness = "none"
     stop_on_engine_success: bool = False
     watchdog_interval: float | None = None
+    preload: bool = False  # run the preload command once, after the caches, before the engine
 
     def __post_init__(self) -> None:
         """Normalise the collections and raise ValueError naming every invalid field."""
@@ -204,8 +209,17 @@ class Spawned:
     now: float
 
 
+@dataclass(frozen=True)
+class PreloadDone:
+    """The preload command finished (`ok`) or failed, timed out or could not start (`detail`)."""
+
+    ok: bool
+    detail: str
+    now: float
+
+
 Event = (Started | CacheReady | ChildExited | EngineReady | EngineHealth | SignalReceived
-         | Tick | Spawned)
+         | Tick | Spawned | PreloadDone)
 
 
 # -------------------------------------------------------------------------------- actions
@@ -263,7 +277,12 @@ class Exit:
     reason: str
 
 
-Action = SpawnCache | SpawnEngine | SignalChild | KillAll | Notify | Log | Exit
+@dataclass(frozen=True)
+class RunPreload:
+    """Run the preload command to completion (bounded by its timeout); answer PreloadDone."""
+
+
+Action = SpawnCache | SpawnEngine | SignalChild | KillAll | Notify | Log | Exit | RunPreload
 
 
 # --------------------------------------------------------------------------------- states
@@ -402,8 +421,9 @@ class Supervisor:
             Started: self._on_started, CacheReady: self._on_cache_ready,
             ChildExited: self._on_child_exited, EngineReady: self._on_engine_ready,
             EngineHealth: self._on_engine_health, SignalReceived: self._on_signal,
-            Tick: self._on_tick, Spawned: self._on_spawned,
+            Tick: self._on_tick, Spawned: self._on_spawned, PreloadDone: self._on_preload_done,
         }
+        self._preloading = False
 
     def handle(self, event: Event) -> list[Action]:
         """Consume one event; return the actions to execute, in order."""
@@ -612,8 +632,29 @@ class Supervisor:
                 SpawnCache(rank.rank, adopt=True), Notify({"STATUS": self._status_line()})]
 
     def _caches_loaded_now(self) -> list[Action]:
-        """Every rank is ready for the first time: start the engine, or READY=1 without one."""
+        """Every rank is ready for the first time: preload, then start the engine (or READY=1
+        without one)."""
         self._caches_loaded = True
+        if self.config.preload:
+            self._preloading = True
+            return [Log("INFO", "every cache rank is ready: running the preload command"),
+                    Notify({"STATUS": "running the preload command"}), RunPreload()]
+        return self._start_serving()
+
+    def _on_preload_done(self, e: PreloadDone) -> list[Action]:
+        """The preload command ended: start the engine either way (a failure is a warning)."""
+        if not self._preloading:
+            return []
+        self._preloading = False
+        if self._stop is not None:
+            return []
+        if e.ok:
+            return [Log("INFO", "preload command finished"), *self._start_serving()]
+        return [Log("WARNING", f"preload command {e.detail}; starting the engine anyway (it "
+                               "tunes on its own)"), *self._start_serving()]
+
+    def _start_serving(self) -> list[Action]:
+        """Start the engine, or READY=1 without one."""
         if self._engine is not None:
             return self._spawn_engine()
         self._ready_sent = True

@@ -62,6 +62,14 @@ class RunSpec:
     health_port: int | None = 0
     kernel_backends: str = ""
     supervisor: core.SupervisorConfig | None = None
+    artifact_dir: str = ""
+    seed: str = ""
+    seed_token: str = ""
+    seed_fallback: bool = False
+    seed_listen_host: str = "127.0.0.1"
+    seed_listen_port: int = 0
+    preload: tuple[str, ...] = ()
+    preload_timeout: float = 600.0
 
 
 @dataclass
@@ -89,6 +97,7 @@ class Executor:
         self.health: HealthServer | None = None
         self.engine_notify: EngineNotifySocket | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.preload: _Child | None = None
 
     # ----------------------------------------------------------------------- main loop
 
@@ -161,13 +170,16 @@ class Executor:
         elif isinstance(action, core.KillAll):
             for child in self._children():
                 signal_group(child.pid, signal.SIGKILL)
+        elif isinstance(action, core.RunPreload):
+            self._spawn_task(self._run_preload())
         elif isinstance(action, core.Notify):
             self.notifier.send(action.fields)
         elif isinstance(action, core.Log):
             log.log(logging.getLevelName(action.level), "%s", action.message)
 
     def _children(self) -> list[_Child]:
-        return [*self.ranks.values(), *([self.engine] if self.engine else [])]
+        return [*self.ranks.values(), *([self.engine] if self.engine else []),
+                *([self.preload] if self.preload else [])]
 
     async def _spawn(self, cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...],
                      role: core.Role, rank: int | None) -> _Child | None:
@@ -201,13 +213,16 @@ class Executor:
                "--socket-dir", str(spec.socket_dir), "--plan", spec.plan,
                "--threads", str(spec.threads), "--kernel-backends", spec.kernel_backends,
                "--ready-fd", str(theirs.fileno())]
+        cmd += _seed_args(spec)
         fds = [theirs.fileno()]
         adopt_ours = None
         if adopt and rank in self.escrow:
             adopt_ours, adopt_theirs = socket.socketpair()
             cmd += ["--adopt-fd", str(adopt_theirs.fileno())]
             fds.append(adopt_theirs.fileno())
-        env = child_env(self.env, {}, None)
+        # the token travels in the environment, never on a command line that ps shows
+        env = child_env(self.env, {"VLAUNCH_SEED_TOKEN": spec.seed_token}
+                        if spec.seed_token else {}, None)
         child = await self._spawn(cmd, env, tuple(fds), "cache", rank)
         for fd in fds:
             os.close(fd)
@@ -247,7 +262,41 @@ class Executor:
 
     async def _spawn_engine(self, attempt: int) -> None:
         spec = self.spec
-        extra = {"VLAUNCH_SOCKET_DIR": str(spec.socket_dir), "VLAUNCH_MODEL": spec.model,
+        notify = str(self.engine_notify.path) if self.engine_notify else None
+        self.engine = await self._spawn(list(spec.engine),
+                                        child_env(self.env, self._engine_env(attempt), notify),
+                                        (), "engine", None)
+        if self.engine and spec.supervisor and spec.supervisor.engine_readiness == "http":
+            self._spawn_task(self._probe_engine(self.engine))
+
+    async def _run_preload(self) -> None:
+        """Run the preload command once (the engine's environment, no notify socket), bounded by
+        its timeout; its outcome goes to the core as PreloadDone."""
+        spec = self.spec
+        env = child_env(self.env, {**self._engine_env(0), "VLAUNCH_PRELOAD": "1"}, None)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *spec.preload, env=env, start_new_session=True, preexec_fn=die_with_parent)
+        except OSError as exc:
+            self._post(core.PreloadDone(False, f"could not start: {exc}", 0.0))
+            return
+        self.preload = _Child(proc.pid, proc)
+        try:
+            status = await asyncio.wait_for(proc.wait(), spec.preload_timeout)
+        except asyncio.TimeoutError:
+            signal_group(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            self._post(core.PreloadDone(False, f"ran past --preload-timeout "
+                                               f"({spec.preload_timeout:g} s)", 0.0))
+            return
+        finally:
+            signal_group(proc.pid, signal.SIGKILL)  # nothing it started outlives it
+            self.preload = None
+        self._post(core.PreloadDone(status == 0, f"exited with status {status}", 0.0))
+
+    def _engine_env(self, attempt: int) -> dict[str, str]:
+        spec = self.spec
+        return {"VLAUNCH_SOCKET_DIR": str(spec.socket_dir), "VLAUNCH_MODEL": spec.model,
                  "VLAUNCH_TENSOR_PARALLEL_SIZE": str(spec.tp),
                  "VLAUNCH_PIPELINE_PARALLEL_SIZE": str(spec.pp),
                  "VLAUNCH_DATA_PARALLEL_SIZE": str(spec.dp),
@@ -256,11 +305,6 @@ class Executor:
                  "VLAUNCH_ENGINE_DEVICES": ",".join(self.engine_devices.get(r, spec.devices[r])
                                                     for r in spec.ranks),
                  "VLAUNCH_PLAN": spec.plan, "VLAUNCH_ATTEMPT": str(attempt)}
-        notify = str(self.engine_notify.path) if self.engine_notify else None
-        self.engine = await self._spawn(list(spec.engine), child_env(self.env, extra, notify),
-                                        (), "engine", None)
-        if self.engine and spec.supervisor and spec.supervisor.engine_readiness == "http":
-            self._spawn_task(self._probe_engine(self.engine))
 
     # ---------------------------------------------------------------------- readiness
 
@@ -357,6 +401,17 @@ def _stamp(event: core.Event) -> core.Event:
     from dataclasses import replace
 
     return replace(event, now=time.monotonic())
+
+
+def _seed_args(spec: RunSpec) -> list[str]:
+    """The cache rank's artifact and seeding options (the token goes by environment)."""
+    args = ["--artifact-dir", spec.artifact_dir] if spec.artifact_dir else []
+    if spec.seed:
+        args += ["--seed", spec.seed] + (["--seed-fallback"] if spec.seed_fallback else [])
+    if spec.seed_listen_port:
+        args += ["--seed-listen-host", spec.seed_listen_host,
+                 "--seed-listen-port", str(spec.seed_listen_port)]
+    return args
 
 
 def _device_kind(devices: Mapping[int, str]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,8 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
             engine_config_error_statuses=frozenset(o["engine_config_error_status"]),
             on_rank_exit=o["on_rank_exit"], engine_readiness=readiness,
             stop_on_engine_success=o["stop_on_engine_success"],
-            watchdog_interval=watchdog_interval(os.environ))
+            watchdog_interval=watchdog_interval(os.environ),
+            preload=bool(o["preload_autotune"]))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     port = o["health_port"]
@@ -83,4 +85,17 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
                    dp=o["data_parallel_size"], plan=o["plan"], threads=o["threads"],
                    engine=engine, engine_health_url=o["engine_health_url"],
                    health_host=o["health_host"], health_port=None if port < 0 else port,
-                   kernel_backends=o["kernel_backends"], supervisor=config)
+                   kernel_backends=o["kernel_backends"], supervisor=config,
+                   artifact_dir=o["artifact_dir"], seed=o["seed"], seed_token=o["seed_token"],
+                   seed_fallback=o["seed_fallback"], seed_listen_host=o["seed_listen_host"],
+                   seed_listen_port=o["seed_listen_port"],
+                   preload=_preload(o["preload_autotune"]),
+                   preload_timeout=o["preload_timeout"])
+
+
+def _preload(command: str) -> tuple[str, ...]:
+    """The preload command, split like a shell would (no shell runs it)."""
+    try:
+        return tuple(shlex.split(command))
+    except ValueError as exc:
+        raise UsageError(f"--preload-autotune cannot be split into words: {exc}") from None

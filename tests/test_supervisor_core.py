@@ -590,3 +590,24 @@ def test_invalid_config_raises(overrides: dict[str, Any]) -> None:
 def test_config_normalises_collections() -> None:
     c = config(ranks=[2, 3], engine_config_error_statuses=[78, 3])
     assert c.ranks == (2, 3) and c.engine_config_error_statuses == frozenset({3, 78})
+
+
+# ------------------------------------------------------------------------ preload
+
+
+def test_preload_runs_between_the_caches_and_the_engine() -> None:
+    """Caches ready -> RunPreload; the engine starts only at PreloadDone, even a failed one."""
+    from vlaunch.launcher.core import PreloadDone, RunPreload
+
+    boot = [Started(0.0), Spawned("cache", 0, 10, 0.1), Spawned("cache", 1, 11, 0.1),
+            CacheReady(0, 1.0), CacheReady(1, 1.1)]
+    sup, actions = history(boot, preload=True)
+    assert of(RunPreload, actions) and not of(SpawnEngine, actions)
+    _, later = history([Tick(2.0), PreloadDone(False, "exited with status 3", 5.0)], sup)
+    assert of(SpawnEngine, later) == [SpawnEngine(1)]
+    assert any("preload command exited with status 3" in line for line in logs(later))
+    _, again = history([PreloadDone(True, "", 6.0)], sup)  # a stray second answer: nothing
+    assert again == []
+    sup, actions = history([*boot, SignalReceived(TERM, 2.0), PreloadDone(True, "", 3.0)],
+                           preload=True)
+    assert not of(SpawnEngine, actions)  # a stop during the preload: no engine

@@ -1,0 +1,341 @@
+"""Seeding: fill a new rank's slabs from the same rank of a running replica, not from disk.
+
+Same host (`unix:/source/socket-dir`): the seeding rank connects to the source rank's socket
+(the socket directory checks and SO_PEERCRED apply), takes the manifest and the slab fds, maps
+them read-only, copies into its own new slabs (device to device on CUDA, memcpy on CPU) and
+unmaps. Across hosts (`tcp://HOST:BASE`): the source listens on BASE + rank only when given a
+token; the first request must carry it (compared in constant time), then the client asks for
+the manifest and each slab, whose bytes follow a JSON header as a raw, length-announced
+stream. Every read has a timeout, every size is capped, nothing is unpickled. Artifacts travel
+with the weights. Either way the fingerprint is checked first, and the tensors' checksums,
+when the source's manifest has them, are verified after the copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import fingerprint as fp
+from . import protocol, wire
+from .errors import ArtifactError, ProtocolError, SeedError, VlaunchError
+from .manifest import Manifest
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("vlaunch.cache.seed")
+CHUNK = 16 << 20
+TIMEOUT = 30.0
+SEED_IGNORED = ("device_uuid", "driver")
+"""Fingerprint fields that may differ between replicas: they do not shape the bytes."""
+
+
+@dataclass
+class Seeded:
+    """What a seeding brought: the manifest (with the source's checksums) and artifacts."""
+
+    manifest: Manifest
+    artifacts: list[tuple[str, str, bytes]]
+    seconds: float
+
+
+def parse_source(spec: str) -> tuple[str, str, int]:
+    """`unix:/dir` or `tcp://host:base_port` -> (scheme, host or dir, base port)."""
+    if spec.startswith("unix:"):
+        return "unix", spec[5:], 0
+    if spec.startswith("tcp://"):
+        host, _, port = spec[6:].rpartition(":")
+        if host and port.isdigit() and 0 < int(port) < 65536:
+            return "tcp", host.strip("[]"), int(port)
+    raise SeedError(f"bad --seed {spec!r}: use unix:/path/to/source/socket-dir or "
+                    "tcp://HOST:BASE_PORT")
+
+
+def check_fingerprint(source: dict[str, Any], ours: fp.Fingerprint) -> None:
+    """Refuse a source whose weights differ from ours, naming every differing field."""
+    diff = [d for d in fp.compare(source, ours) if d[0] not in SEED_IGNORED]
+    if diff:
+        fields = "; ".join(f"{f}: source={s!r} ours={o!r}" for f, s, o in diff)
+        raise SeedError(f"seed source holds different weights: {fields}; seed from a replica "
+                        "started with the same model, plan and layout")
+
+
+def check_layout(source: Manifest, ours: Manifest) -> None:
+    """The source's tensors must sit where ours do (checksums aside)."""
+    strip = [(t.name, t.dtype, t.shape, t.stride, t.slab, t.offset, t.nbytes)
+             for t in source.tensors]
+    if source.slab_sizes != ours.slab_sizes or strip != [
+            (t.name, t.dtype, t.shape, t.stride, t.slab, t.offset, t.nbytes)
+            for t in ours.tensors]:
+        raise SeedError("seed source packs its slabs differently; run the same vlaunch version "
+                        "and plan on both replicas")
+
+
+# ------------------------------------------------------------------------ same host
+
+
+def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifest,
+              slabs: list[torch.Tensor], device: str, *, timeout: float = TIMEOUT) -> Seeded:
+    """Copy the source rank's slabs (mapped from its fds) into `slabs`."""
+    from .client import CacheClient, _import
+    from .sockdir import socket_path
+
+    start = time.perf_counter()
+    try:
+        client = CacheClient(socket_path(directory, rank), timeout=timeout, client="seed")
+    except VlaunchError as exc:
+        raise SeedError(f"seed source unreachable: {exc}") from None
+    try:
+        check_fingerprint(client.status()["fingerprint"], ours)
+        source = client.manifest()
+        check_layout(source, manifest)
+        _, fds = client.request({"op": "open", "mode": "copy"})
+        mapped = _import(fds, source.slab_sizes, device)
+        for dst, src in zip(slabs, mapped, strict=True):
+            _copy(dst, src)
+        mapped.clear()  # unmaps: we no longer depend on the source
+        artifacts = [(k, h, client.artifact_get(k, h) or b"") for k, h, _ in
+                     client.artifact_list()]
+    except (VlaunchError, OSError) as exc:
+        if isinstance(exc, SeedError):
+            raise
+        raise SeedError(f"seeding from {directory} failed: {exc}") from None
+    finally:
+        client.close()
+    _verify(source, slabs)
+    return Seeded(source, [a for a in artifacts if a[2]], time.perf_counter() - start)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, threads: int = 8) -> None:
+    """Copy a slab: device to device on CUDA; on CPU in chunks on several threads, so that the
+    page faults of the fresh destination (and of the source mapping) are taken in parallel."""
+    if dst.is_cuda or src.is_cuda or dst.numel() <= CHUNK:
+        dst.copy_(src)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(at: int) -> None:
+        dst[at:at + CHUNK].copy_(src[at:at + CHUNK])
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="vlaunch-seed") as pool:
+        list(pool.map(one, range(0, dst.numel(), CHUNK)))
+
+
+# ----------------------------------------------------------------------- over TCP
+
+
+def seed_tcp(host: str, port: int, token: str, ours: fp.Fingerprint, manifest: Manifest,
+             slabs: list[torch.Tensor], *, timeout: float = TIMEOUT) -> Seeded:
+    """Stream the source rank's slabs over TCP into `slabs`."""
+    start = time.perf_counter()
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise SeedError(f"seed source {host}:{port} unreachable: {exc}; start the source with "
+                        "--seed-listen-port and check the firewall") from None
+    try:
+        with sock:
+            sock.settimeout(timeout)  # every read below is bounded by it
+            _ask(sock, {"op": "seed_auth", "token": token})
+            reply = _ask(sock, {"op": "seed_manifest"})
+            check_fingerprint(reply.get("fingerprint") or {}, ours)
+            source = Manifest.from_wire(reply.get("manifest"))
+            check_layout(source, manifest)
+            for i, slab in enumerate(slabs):
+                head = _ask(sock, {"op": "seed_slab", "slab": i})
+                if head.get("nbytes") != source.slab_sizes[i]:
+                    raise SeedError(f"seed source announced {head.get('nbytes')!r} bytes for "
+                                    f"slab {i}, expected {source.slab_sizes[i]}")
+                _recv_into(sock, slab, source.slab_sizes[i])
+            artifacts = []
+            for kind, key, _ in reply.get("artifacts") or []:
+                got = _ask(sock, {"op": "artifact_get", "kind": kind, "key": key}, miss=True)
+                if got.get("ok"):
+                    from .artifacts import decode
+
+                    artifacts.append((str(kind), str(key), decode(got["data"])))
+    except (OSError, EOFError, ProtocolError, ArtifactError, ValueError, TypeError) as exc:
+        raise SeedError(f"seeding from {host}:{port} failed: {exc or 'timed out'}") from None
+    _verify(source, slabs)
+    return Seeded(source, artifacts, time.perf_counter() - start)
+
+
+def _ask(sock: socket.socket, message: dict[str, Any], *, miss: bool = False) -> dict[str, Any]:
+    wire.send_frame(sock, message)
+    reply, fds = wire.recv_frame(sock)
+    for fd in fds:
+        os.close(fd)
+    if reply.get("ok") is not True and not (miss and reply.get("error") == "miss"):
+        raise SeedError(f"seed source refused {message['op']}: {reply.get('error')}: "
+                        f"{reply.get('message')}")
+    return reply
+
+
+def _recv_into(sock: socket.socket, slab: torch.Tensor, n: int) -> None:
+    """Read exactly n raw bytes into a slab (CPU directly, CUDA through a host buffer)."""
+    from .reader import _host_view
+
+    staging = None if slab.device.type == "cpu" else bytearray(CHUNK)
+    done = 0
+    while done < n:
+        want = min(CHUNK, n - done)
+        view = (_host_view(slab[done:done + want]) if staging is None
+                else memoryview(staging)[:want])
+        got = 0
+        while got < want:
+            k = sock.recv_into(view[got:], want - got)
+            if not k:
+                raise EOFError(f"stream ended after {done + got} of {n} bytes (truncated)")
+            got += k
+        if staging is not None:
+            import torch
+
+            slab[done:done + want].copy_(torch.frombuffer(staging, dtype=torch.uint8,
+                                                          count=want))
+        done += want
+
+
+def _verify(source: Manifest, slabs: list[torch.Tensor]) -> None:
+    """Check the copied bytes against the source manifest's checksums, when it has them."""
+    if not source.tensors or any(t.checksum is None for t in source.tensors):
+        return
+    from .reader import checksums
+
+    got = checksums(source, slabs)
+    bad = [t.name for t in source.tensors if got.get(t.name) != t.checksum]
+    if bad:
+        raise SeedError(f"seeded bytes fail their checksums ({len(bad)} tensors, first "
+                        f"{bad[0]!r}); the stream was corrupted in transit")
+
+
+# ------------------------------------------------------------------------ the source
+
+
+class SeedSource:
+    """Serves one rank's slabs to seeding replicas on a TCP port; needs a token."""
+
+    def __init__(self, server: Any, token: str, *, timeout: float = TIMEOUT) -> None:
+        if len(token) < 16:
+            raise SeedError("the seed token is shorter than 16 characters; use a long random "
+                            "one (openssl rand -hex 32)")
+        self.server, self.token, self.timeout = server, token.encode(), timeout
+        self._mapped: list[torch.Tensor] | None = None
+
+    async def start(self, host: str, port: int) -> asyncio.AbstractServer:
+        """Listen on host:port (the caller closes the returned server)."""
+        try:
+            srv = await asyncio.start_server(self._client, host, port, limit=1 << 16)
+        except OSError as exc:
+            raise SeedError(f"cannot listen for seeding on {host}:{port}: {exc.strerror}; "
+                            "pick another --seed-listen-port or --seed-listen-host") from None
+        log.info("rank %d: seed source listening on %s:%d", self.server.rank, host, port)
+        return srv
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        sock = writer.get_extra_info("socket")
+        loop = asyncio.get_running_loop()
+        try:
+            authed = False
+            while True:
+                op, f = await asyncio.wait_for(self._read(reader), self.timeout)
+                if not authed:
+                    if op != "seed_auth" or not hmac.compare_digest(
+                            f.get("token", "").encode(), self.token):
+                        raise ProtocolError("wrong or missing seed token")
+                    authed = True
+                    await self._send(writer, {"ok": True})
+                    continue
+                await self._dispatch(op, f, writer, loop, sock)
+        except (EOFError, ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass
+        except (ProtocolError, TimeoutError, asyncio.TimeoutError) as exc:
+            reason = str(exc) or "stalled: no complete request in time"
+            log.warning("rank %d: dropping seed client %s: %s", self.server.rank, peer, reason)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._send(writer, protocol.error("forbidden", reason)),
+                                       1.0)
+        finally:
+            writer.close()
+
+    async def _read(self, reader: asyncio.StreamReader) -> tuple[str, dict[str, Any]]:
+        head = protocol.decode_header(await reader.readexactly(protocol.HEADER_SIZE),
+                                      max_body=protocol.MAX_REQUEST_BODY)
+        if head.nfds:
+            raise ProtocolError("requests may not carry file descriptors")
+        body = await reader.readexactly(head.length)
+        return protocol.validate_request(protocol.decode_body(body))
+
+    async def _send(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
+        writer.write(protocol.encode(msg))
+        await asyncio.wait_for(writer.drain(), self.timeout)
+
+    async def _dispatch(self, op: str, f: dict[str, Any], writer: asyncio.StreamWriter,
+                        loop: asyncio.AbstractEventLoop, sock: Any) -> None:
+        server = self.server
+        if server.state != "serving":
+            raise ProtocolError("this cache released its copy; it cannot seed")
+        if op == "seed_manifest":
+            await self._send(writer, {"ok": True, "fingerprint": server.fingerprint,
+                                      "manifest": server.manifest.to_wire(),
+                                      "artifacts": server.artifacts.listing()})
+        elif op == "seed_slab":
+            await self._stream_slab(f["slab"], writer)
+        elif op == "artifact_get":
+            reply, _ = server.handle_artifact_get(None, f)
+            await self._send(writer, reply)
+        else:
+            raise ProtocolError(f"{op} is not a seeding request")
+
+    async def _stream_slab(self, index: int, writer: asyncio.StreamWriter) -> None:
+        sizes = self.server.manifest.slab_sizes
+        if index >= len(sizes):
+            raise ProtocolError(f"no slab {index}")
+        slab = self._slabs()[index]
+        await self._send(writer, {"ok": True, "slab": index, "nbytes": sizes[index]})
+        from .reader import _chunks
+
+        for part in _chunks(slab[:sizes[index]]):
+            for at in range(0, len(part), CHUNK):
+                writer.write(part[at:at + CHUNK])
+                await asyncio.wait_for(writer.drain(), self.timeout)
+
+    def _slabs(self) -> list[torch.Tensor]:
+        """The cache's own slabs, mapped read-only once (from its fds)."""
+        if self._mapped is None:
+            from .client import backend_for
+
+            backend = backend_for(self.server.device)
+            self._mapped = [backend.import_fd(fd, size, readonly=True) for fd, size in
+                            zip(self.server.fds, self.server.manifest.slab_sizes, strict=True)]
+        return self._mapped
+
+
+def source_port(base: int, rank: int) -> int:
+    """The TCP port of `rank`: base + rank."""
+    port = base + rank
+    if not 0 < port < 65536:
+        raise SeedError(f"seed port {base} + rank {rank} is not a valid port; pick a lower "
+                        "--seed-listen-port")
+    return port
+
+
+def seed_into(spec: str, token: str, rank: int, ours: fp.Fingerprint, manifest: Manifest,
+              slabs: list[torch.Tensor], device: str, *, timeout: float = TIMEOUT) -> Seeded:
+    """Seed `slabs` from the source named by --seed."""
+    scheme, where, base = parse_source(spec)
+    if scheme == "unix":
+        return seed_unix(where, rank, ours, manifest, slabs, device, timeout=timeout)
+    if not token:
+        raise SeedError("seeding over TCP needs the source's token: set --seed-token or "
+                        "VLAUNCH_SEED_TOKEN")
+    return seed_tcp(where, source_port(base, rank), token, ours, manifest, slabs,
+                    timeout=timeout)

@@ -1,0 +1,153 @@
+"""Seeding a new replica's caches from a running one, on CPU with real processes: same host
+over the slab fds, over TCP on 127.0.0.1, and every refusal while the source keeps serving."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from vlaunch.cache import CacheClient, load, protocol, wire
+from vlaunch.cache import artifacts as A
+from vlaunch.cache.exitcodes import ExitStatus
+from vlaunch.cache.sockdir import socket_path
+
+from .conftest import CacheProc, spawn_cache
+
+TOKEN = "t" * 32
+KEY = A.artifact_key({"seed": "test"})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dir(tmp: Path, name: str) -> Path:
+    d = tmp / name
+    d.mkdir(mode=0o700)
+    return d
+
+
+def _env(token: str = TOKEN) -> dict[str, str]:
+    return {**os.environ, "VLAUNCH_SEED_TOKEN": token}
+
+
+@pytest.fixture
+def source(llama_ckpt: Path, tmp_path: Path, caches) -> tuple[CacheProc, int]:
+    """A running replica (rank 0 of tp 1) that serves seeding on a TCP port, with an artifact."""
+    port = _free_port()
+    src = spawn_cache(llama_ckpt, _dir(tmp_path, "src"), "--seed-listen-port", str(port),
+                      "--seed-timeout", "1", env=_env())
+    caches.append(src)
+    assert src.proc.poll() is None
+    assert A.hand_back(socket_path(src.socket_dir, 0), "flashinfer-autotune", KEY, b"tab")
+    return src, port
+
+
+def _tensors(model: Path, sockdir: Path) -> dict:
+    return dict(load(str(model), socket_dir=str(sockdir), mode="copy", fallback=False,
+                     timeout=10))
+
+
+def _serving(src: CacheProc) -> bool:
+    client = CacheClient(socket_path(src.socket_dir, 0))
+    try:
+        return client.status()["state"] == "serving"
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("how", ["unix", "tcp"])
+def test_seeded_replica_is_bit_exact_and_independent(llama_ckpt: Path, tmp_path: Path, caches,
+                                                     source, how: str) -> None:
+    src, port = source
+    spec = f"unix:{src.socket_dir}" if how == "unix" else f"tcp://127.0.0.1:{port}"
+    new = spawn_cache(llama_ckpt, _dir(tmp_path, "new"), "--seed", spec, env=_env())
+    caches.append(new)
+    assert new.proc.poll() is None, new.proc.stderr.read().decode() if new.proc.stderr else ""
+    want = _tensors(llama_ckpt, src.socket_dir)
+    src.stop()  # the new replica no longer depends on the source
+    got = _tensors(llama_ckpt, new.socket_dir)
+    assert set(got) == set(want)
+    for name, ref in want.items():
+        assert got[name].view(-1).view(dtype=ref.dtype).equal(ref.view(-1)), name
+    assert A.fetch(socket_path(new.socket_dir, 0), "flashinfer-autotune", KEY) == b"tab"
+
+
+def _refused(llama_ckpt: Path, tmp_path: Path, caches, *args: str, token: str = TOKEN
+             ) -> str:
+    new = spawn_cache(llama_ckpt, _dir(tmp_path, f"n{len(caches)}"), *args, env=_env(token))
+    caches.append(new)
+    assert new.proc.wait(30) == ExitStatus.SEED_FAILED
+    return new.proc.stderr.read().decode() if new.proc.stderr else ""
+
+
+def test_wrong_token_and_wrong_fingerprint_are_refused(llama_ckpt: Path, tmp_path: Path,
+                                                       caches, source) -> None:
+    src, port = source
+    tcp = f"tcp://127.0.0.1:{port}"
+    log = _refused(llama_ckpt, tmp_path, caches, "--seed", tcp, token="x" * 32)
+    assert "wrong or missing seed token" in log
+    log = _refused(llama_ckpt, tmp_path, caches, "--seed", tcp, "--kernel-backends", "fi-9")
+    assert "seed source holds different weights" in log and "kernel_backends" in log
+    log = _refused(llama_ckpt, tmp_path, caches, "--seed", f"unix:{src.socket_dir}",
+                   "--kernel-backends", "fi-9")
+    assert "kernel_backends" in log
+    assert _serving(src)
+    fallback = spawn_cache(llama_ckpt, _dir(tmp_path, "fb"), "--seed", tcp, "--seed-fallback",
+                           env=_env("y" * 32))
+    caches.append(fallback)
+    assert fallback.proc.poll() is None and fallback.ready  # loaded from disk instead
+
+
+def test_stalled_and_oversized_peers_are_dropped(source) -> None:
+    src, port = source
+    staller = socket.create_connection(("127.0.0.1", port), timeout=10)
+    staller.settimeout(10)
+    reply, _ = wire.recv_frame(staller)  # the source gives up on it after --seed-timeout
+    assert reply["error"] == "forbidden" and "stalled" in reply["message"]
+    staller.close()
+    big = socket.create_connection(("127.0.0.1", port), timeout=10)
+    big.sendall(protocol.HEADER.pack(b"VLCH", 1, 0, 0, 0, 0, protocol.MAX_REQUEST_BODY + 1))
+    reply, _ = wire.recv_frame(big)
+    assert "frame too large" in reply["message"]
+    big.close()
+    assert _serving(src)
+
+
+def test_truncated_stream_fails_the_seed(llama_ckpt: Path, tmp_path: Path, caches,
+                                         source) -> None:
+    """A fake source that cuts the slab stream in half: the new rank exits 76."""
+    src, _ = source
+    client = CacheClient(socket_path(src.socket_dir, 0))
+    fingerprint, manifest = client.status()["fingerprint"], client.manifest()
+    client.close()
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def fake() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            for _ in range(3):
+                msg, _ = wire.recv_frame(conn)
+                if msg["op"] == "seed_auth":
+                    wire.send_frame(conn, {"ok": True})
+                elif msg["op"] == "seed_manifest":
+                    wire.send_frame(conn, {"ok": True, "fingerprint": fingerprint,
+                                           "manifest": manifest.to_wire(), "artifacts": []})
+                else:
+                    size = manifest.slab_sizes[0]
+                    wire.send_frame(conn, {"ok": True, "slab": 0, "nbytes": size})
+                    conn.sendall(b"\0" * (size // 2))
+
+    thread = threading.Thread(target=fake, daemon=True)
+    thread.start()
+    log = _refused(llama_ckpt, tmp_path, caches, "--seed", f"tcp://127.0.0.1:{port}")
+    assert "truncated" in log
+    listener.close()
+    assert _serving(src)

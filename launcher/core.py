@@ -37,16 +37,35 @@ from __future__ import annotations
 import enum
 import math
 import signal
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
 from vlaunch.cache.exitcodes import EXIT_TABLE, ExitStatus
 
-Role = Literal["cache", "engine"]
-RankPolicy = Literal["shutdown", "respawn"]
-Readiness = Literal["notify", "http", "none"]
+from .events import (
+    Action,
+    CacheReady,
+    ChildExited,
+    EngineHealth,
+    EngineReady,
+    Event,
+    Exit,
+    KillAll,
+    Log,
+    Notify,
+    PreloadDone,
+    RunPreload,
+    SignalChild,
+    SignalReceived,
+    SpawnCache,
+    Spawned,
+    SpawnEngine,
+    Started,
+    SupervisorConfig,
+    Tick,
+)
 
 EXTEND_EVERY = 10.0
 """Seconds between two `EXTEND_TIMEOUT_USEC` messages until the first `READY=1`."""
@@ -68,221 +87,6 @@ _SIGNAL_HINTS: dict[int, str] = {
 
 class SupervisorProtocolError(RuntimeError):
     """The executor fed an event that cannot happen: a bug in the executor, not in a child."""
-
-
-# --------------------------------------------------------------------------------- config
-
-
-@dataclass(frozen=True)
-class SupervisorConfig:
-    """What this node runs and the supervisor's policies; validated on construction."""
-
-    ranks: tuple[int, ...]
-    has_engine: bool
-    restart_max: int = 5
-    restart_window: float = 300.0
-    stable_after: float = 60.0
-    backoff_initial: float = 0.5
-    backoff_max: float = 30.0
-    backoff_factor: float = 2.0
-    stop_timeout: float = 30.0
-    engine_config_error_statuses: frozenset[int] = frozenset({78})
-    on_rank_exit: RankPolicy = "shutdown"
-    engine_readiness: Readiness = "none"
-    stop_on_engine_success: bool = False
-    watchdog_interval: float | None = None
-    preload: bool = False  # run the preload command once, after the caches, before the engine
-
-    def __post_init__(self) -> None:
-        """Normalise the collections and raise ValueError naming every invalid field."""
-        object.__setattr__(self, "ranks", tuple(self.ranks))
-        statuses = frozenset(self.engine_config_error_statuses)
-        object.__setattr__(self, "engine_config_error_statuses", statuses)
-        problems = list(_config_problems(self))
-        if problems:
-            raise ValueError("invalid supervisor config: " + "; ".join(problems))
-
-
-def _config_problems(c: SupervisorConfig) -> Iterator[str]:
-    """Yield one message per invalid field of `c`."""
-    if not c.ranks or len(set(c.ranks)) != len(c.ranks) or not all(_is_count(r) for r in c.ranks):
-        yield f"ranks must be distinct non-negative integers, at least one (got {c.ranks!r})"
-    if not _is_count(c.restart_max):
-        yield f"restart_max must be an integer >= 0 (got {c.restart_max!r})"
-    for name in ("restart_window", "stop_timeout"):
-        if not _finite(getattr(c, name)) or getattr(c, name) <= 0:
-            yield f"{name} must be a finite number > 0 (got {getattr(c, name)!r})"
-    for name in ("stable_after", "backoff_initial"):
-        if not _finite(getattr(c, name)) or getattr(c, name) < 0:
-            yield f"{name} must be a finite number >= 0 (got {getattr(c, name)!r})"
-    if not _finite(c.backoff_max) or c.backoff_max < c.backoff_initial:
-        yield f"backoff_max must be finite and >= backoff_initial (got {c.backoff_max!r})"
-    if not _finite(c.backoff_factor) or c.backoff_factor < 1:
-        yield f"backoff_factor must be a finite number >= 1 (got {c.backoff_factor!r})"
-    if not all(_is_count(s) and 0 < s < 256 for s in c.engine_config_error_statuses):
-        yield "engine_config_error_statuses must be exit codes 1-255"
-    if c.on_rank_exit not in ("shutdown", "respawn"):
-        yield f"on_rank_exit must be 'shutdown' or 'respawn' (got {c.on_rank_exit!r})"
-    if c.engine_readiness not in ("notify", "http", "none"):
-        yield f"engine_readiness must be 'notify', 'http' or 'none' (got {c.engine_readiness!r})"
-    if c.watchdog_interval is not None and not (_finite(c.watchdog_interval)
-                                                and c.watchdog_interval > 0):
-        yield f"watchdog_interval must be None or > 0 (got {c.watchdog_interval!r})"
-
-
-def _is_count(value: object) -> bool:
-    """Whether `value` is a plain non-negative int (not a bool)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _finite(value: object) -> bool:
-    """Whether `value` is a real, finite number."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-# --------------------------------------------------------------------------------- events
-
-
-@dataclass(frozen=True)
-class Started:
-    """The executor's loop began; the first event, exactly once."""
-
-    now: float
-
-
-@dataclass(frozen=True)
-class CacheReady:
-    """A cache rank bound its socket: its whole shard is loaded and served."""
-
-    rank: int
-    now: float
-
-
-@dataclass(frozen=True)
-class ChildExited:
-    """A child was reaped; `status` >= 0 is its exit code, < 0 the signal that killed it."""
-
-    role: Role
-    rank: int | None
-    pid: int
-    status: int
-    now: float
-
-
-@dataclass(frozen=True)
-class EngineReady:
-    """The engine said it is ready (sd_notify READY=1, or its health URL first answered)."""
-
-    now: float
-
-
-@dataclass(frozen=True)
-class EngineHealth:
-    """One health probe of a running engine answered (`ok`) or failed."""
-
-    ok: bool
-    now: float
-
-
-@dataclass(frozen=True)
-class SignalReceived:
-    """The launcher received `sig` (SIGTERM/SIGINT: stop; SIGHUP: restart the engine)."""
-
-    sig: int
-    now: float
-
-
-@dataclass(frozen=True)
-class Tick:
-    """Time passed: fires due backoffs, timeouts, watchdog and start-timeout extensions."""
-
-    now: float
-
-
-@dataclass(frozen=True)
-class Spawned:
-    """A spawn action succeeded: the child runs as `pid` (rank is None for the engine)."""
-
-    role: Role
-    rank: int | None
-    pid: int
-    now: float
-
-
-@dataclass(frozen=True)
-class PreloadDone:
-    """The preload command finished (`ok`) or failed, timed out or could not start (`detail`)."""
-
-    ok: bool
-    detail: str
-    now: float
-
-
-Event = (Started | CacheReady | ChildExited | EngineReady | EngineHealth | SignalReceived
-         | Tick | Spawned | PreloadDone)
-
-
-# -------------------------------------------------------------------------------- actions
-
-
-@dataclass(frozen=True)
-class SpawnCache:
-    """Start the cache process of `rank`; `adopt`: from the escrowed slabs, not the disk."""
-
-    rank: int
-    adopt: bool
-
-
-@dataclass(frozen=True)
-class SpawnEngine:
-    """Start the engine command; `attempt` counts from 1 over the launcher's life."""
-
-    attempt: int
-
-
-@dataclass(frozen=True)
-class SignalChild:
-    """Send `sig` to a child's process group (`rank` is None for the engine)."""
-
-    role: Role
-    rank: int | None
-    sig: int
-
-
-@dataclass(frozen=True)
-class KillAll:
-    """SIGKILL every remaining child and its process group, then sweep what is left."""
-
-
-@dataclass(frozen=True)
-class Notify:
-    """Send one sd_notify message made of these assignments, in order."""
-
-    fields: dict[str, str]
-
-
-@dataclass(frozen=True)
-class Log:
-    """Write one log line at `level` (a logging level name)."""
-
-    level: str
-    message: str
-
-
-@dataclass(frozen=True)
-class Exit:
-    """End the launcher with `status`; always the last action."""
-
-    status: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class RunPreload:
-    """Run the preload command to completion (bounded by its timeout); answer PreloadDone."""
-
-
-Action = SpawnCache | SpawnEngine | SignalChild | KillAll | Notify | Log | Exit | RunPreload
 
 
 # --------------------------------------------------------------------------------- states

@@ -24,9 +24,10 @@ from typing import Any
 
 from vlaunch.cache import wire
 from vlaunch.cache.errors import VlaunchError
+from vlaunch.cache.exitcodes import ExitStatus
 from vlaunch.cache.sockdir import RankLock, ensure_socket_dir, socket_path
 
-from . import core
+from . import core, events
 from .children import (
     become_subreaper,
     child_env,
@@ -61,7 +62,7 @@ class RunSpec:
     health_host: str = "127.0.0.1"
     health_port: int | None = 0
     kernel_backends: str = ""
-    supervisor: core.SupervisorConfig | None = None
+    supervisor: events.SupervisorConfig | None = None
     artifact_dir: str = ""
     seed: str = ""
     seed_token: str = ""
@@ -88,7 +89,7 @@ class Executor:
         assert spec.supervisor is not None
         self.core = core.Supervisor(spec.supervisor)
         self.notifier = Notifier(self.env)
-        self.queue: asyncio.Queue[core.Event] = asyncio.Queue()
+        self.queue: asyncio.Queue[events.Event] = asyncio.Queue()
         self.ranks: dict[int, _Child] = {}
         self.engine: _Child | None = None
         self.escrow: dict[int, tuple[dict[str, Any], list[int]]] = {}
@@ -107,12 +108,12 @@ class Executor:
         become_subreaper()
         directory = ensure_socket_dir(self.spec.socket_dir)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.add_signal_handler(sig, self._post, core.SignalReceived(sig, 0.0))
+            loop.add_signal_handler(sig, self._post, events.SignalReceived(sig, 0.0))
         self._start_surfaces(directory, loop)
-        self._post(core.Started(0.0))
+        self._post(events.Started(0.0))
         self._spawn_task(self._ticker())
         self._spawn_task(self._poll_caches())
-        status = int(core.ExitStatus.INTERNAL)
+        status = int(ExitStatus.INTERNAL)
         try:
             status = await self._loop()
         finally:
@@ -137,13 +138,13 @@ class Executor:
             event = await self.queue.get()
             event = _stamp(event)
             for action in self.core.handle(event):
-                if isinstance(action, core.Exit):
+                if isinstance(action, events.Exit):
                     self._publish()
                     return action.status
                 await self._execute(action)
             self._publish()
 
-    def _post(self, event: core.Event) -> None:
+    def _post(self, event: events.Event) -> None:
         self.queue.put_nowait(event)
 
     def _spawn_task(self, coro: Any) -> None:
@@ -154,27 +155,27 @@ class Executor:
     async def _ticker(self) -> None:
         while True:
             await asyncio.sleep(TICK)
-            self._post(core.Tick(0.0))
+            self._post(events.Tick(0.0))
 
     # ------------------------------------------------------------------------ actions
 
-    async def _execute(self, action: core.Action) -> None:
-        if isinstance(action, core.SpawnCache):
+    async def _execute(self, action: events.Action) -> None:
+        if isinstance(action, events.SpawnCache):
             await self._spawn_cache(action.rank, action.adopt)
-        elif isinstance(action, core.SpawnEngine):
+        elif isinstance(action, events.SpawnEngine):
             await self._spawn_engine(action.attempt)
-        elif isinstance(action, core.SignalChild):
+        elif isinstance(action, events.SignalChild):
             child = self.engine if action.role == "engine" else self.ranks.get(action.rank or 0)
             if child is not None:
                 signal_group(child.pid, action.sig)
-        elif isinstance(action, core.KillAll):
+        elif isinstance(action, events.KillAll):
             for child in self._children():
                 signal_group(child.pid, signal.SIGKILL)
-        elif isinstance(action, core.RunPreload):
+        elif isinstance(action, events.RunPreload):
             self._spawn_task(self._run_preload())
-        elif isinstance(action, core.Notify):
+        elif isinstance(action, events.Notify):
             self.notifier.send(action.fields)
-        elif isinstance(action, core.Log):
+        elif isinstance(action, events.Log):
             log.log(logging.getLevelName(action.level), "%s", action.message)
 
     def _children(self) -> list[_Child]:
@@ -182,7 +183,7 @@ class Executor:
                 *([self.preload] if self.preload else [])]
 
     async def _spawn(self, cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...],
-                     role: core.Role, rank: int | None) -> _Child | None:
+                     role: events.Role, rank: int | None) -> _Child | None:
         try:
             proc = await asyncio.create_subprocess_exec(
                 *cmd, env=env, pass_fds=pass_fds, start_new_session=True,
@@ -190,19 +191,19 @@ class Executor:
         except OSError as exc:
             log.error("cannot start %s: %s; check the command and PATH", cmd[0], exc)
             code = 127 if isinstance(exc, FileNotFoundError) else 126
-            self._post(core.ChildExited(role, rank, 0, code, 0.0))
+            self._post(events.ChildExited(role, rank, 0, code, 0.0))
             return None
         child = _Child(proc.pid, proc)
-        self._post(core.Spawned(role, rank, proc.pid, 0.0))
+        self._post(events.Spawned(role, rank, proc.pid, 0.0))
         self._spawn_task(self._reap(child, role, rank))
         return child
 
-    async def _reap(self, child: _Child, role: core.Role, rank: int | None) -> None:
+    async def _reap(self, child: _Child, role: events.Role, rank: int | None) -> None:
         status = await child.proc.wait()
         signal_group(child.pid, signal.SIGKILL)  # its group dies with it: no orphaned workers
         if role == "cache" and rank is not None:
             _clear_stale(self.spec.socket_dir, rank)
-        self._post(core.ChildExited(role, rank, child.pid, status, 0.0))
+        self._post(events.ChildExited(role, rank, child.pid, status, 0.0))
 
     async def _spawn_cache(self, rank: int, adopt: bool) -> None:
         spec = self.spec
@@ -258,7 +259,7 @@ class Executor:
         uuid = str(ready.get("fingerprint", {}).get("device_uuid", ""))
         if uuid.startswith("GPU-"):  # the engine pairs its ranks with these GPUs by UUID
             self.engine_devices[rank] = f"cuda:{uuid}"
-        self._post(core.CacheReady(rank, 0.0))
+        self._post(events.CacheReady(rank, 0.0))
 
     async def _spawn_engine(self, attempt: int) -> None:
         spec = self.spec
@@ -278,7 +279,7 @@ class Executor:
             proc = await asyncio.create_subprocess_exec(
                 *spec.preload, env=env, start_new_session=True, preexec_fn=die_with_parent)
         except OSError as exc:
-            self._post(core.PreloadDone(False, f"could not start: {exc}", 0.0))
+            self._post(events.PreloadDone(False, f"could not start: {exc}", 0.0))
             return
         self.preload = _Child(proc.pid, proc)
         try:
@@ -286,13 +287,13 @@ class Executor:
         except asyncio.TimeoutError:
             signal_group(proc.pid, signal.SIGKILL)
             await proc.wait()
-            self._post(core.PreloadDone(False, f"ran past --preload-timeout "
+            self._post(events.PreloadDone(False, f"ran past --preload-timeout "
                                                f"({spec.preload_timeout:g} s)", 0.0))
             return
         finally:
             signal_group(proc.pid, signal.SIGKILL)  # nothing it started outlives it
             self.preload = None
-        self._post(core.PreloadDone(status == 0, f"exited with status {status}", 0.0))
+        self._post(events.PreloadDone(status == 0, f"exited with status {status}", 0.0))
 
     def _engine_env(self, attempt: int) -> dict[str, str]:
         spec = self.spec
@@ -312,7 +313,7 @@ class Executor:
         assert self.engine_notify is not None
         for fields in self.engine_notify.read():
             if fields.get("READY") == "1":
-                self._post(core.EngineReady(0.0))
+                self._post(events.EngineReady(0.0))
 
     async def _probe_engine(self, engine: _Child) -> None:
         """Poll the engine's health URL while this engine process lives."""
@@ -320,8 +321,8 @@ class Executor:
         while engine.proc.returncode is None and self.engine is engine:
             ok = await loop.run_in_executor(None, _http_ok, self.spec.engine_health_url)
             if engine.proc.returncode is None and self.engine is engine:
-                self._post(core.EngineHealth(ok, 0.0) if self.core.engine_ready or not ok
-                           else core.EngineReady(0.0))
+                self._post(events.EngineHealth(ok, 0.0) if self.core.engine_ready or not ok
+                           else events.EngineReady(0.0))
             await asyncio.sleep(1.0)
 
     async def _poll_caches(self) -> None:
@@ -396,7 +397,7 @@ def _clear_stale(directory: Path, rank: int) -> None:
         lock.release()
 
 
-def _stamp(event: core.Event) -> core.Event:
+def _stamp(event: events.Event) -> events.Event:
     """Give an event the current monotonic time (events are queued with a placeholder)."""
     from dataclasses import replace
 

@@ -12,7 +12,7 @@ import tomllib
 from vlaunch.cache.errors import UsageError
 from vlaunch.cache.sockdir import default_socket_dir
 
-from .core import SupervisorConfig
+from .events import SupervisorConfig
 from .executor import RunSpec
 from .notify import watchdog_interval
 

@@ -12,31 +12,33 @@ import pytest
 from vlaunch.cache.exitcodes import ExitStatus
 from vlaunch.launcher.core import (
     CACHE_STATUSES,
+    EngineState,
+    Failure,
+    Phase,
+    RankState,
+    Supervisor,
+    SupervisorProtocolError,
+    describe_exit,
+)
+from vlaunch.launcher.events import (
     Action,
     CacheReady,
     ChildExited,
     EngineHealth,
     EngineReady,
-    EngineState,
     Event,
     Exit,
-    Failure,
     KillAll,
     Log,
     Notify,
-    Phase,
-    RankState,
     SignalChild,
     SignalReceived,
     SpawnCache,
     Spawned,
     SpawnEngine,
     Started,
-    Supervisor,
     SupervisorConfig,
-    SupervisorProtocolError,
     Tick,
-    describe_exit,
 )
 
 A = TypeVar("A")
@@ -597,7 +599,7 @@ def test_config_normalises_collections() -> None:
 
 def test_preload_runs_between_the_caches_and_the_engine() -> None:
     """Caches ready -> RunPreload; the engine starts only at PreloadDone, even a failed one."""
-    from vlaunch.launcher.core import PreloadDone, RunPreload
+    from vlaunch.launcher.events import PreloadDone, RunPreload
 
     boot = [Started(0.0), Spawned("cache", 0, 10, 0.1), Spawned("cache", 1, 11, 0.1),
             CacheReady(0, 1.0), CacheReady(1, 1.1)]

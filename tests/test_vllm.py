@@ -64,3 +64,51 @@ def test_fingerprint_mismatch_falls_back_or_fails_as_configured(tiny: Path, sock
     r = _child("generate", str(tiny), "--load-format", "vlaunch", "--extra",
                json.dumps({"fallback": False}), sockdir=sockdir)
     assert r.returncode != 0 and "kernel_backends" in r.stderr
+
+
+def _generations(port: int) -> list[list[int]]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/generate", timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_vllm_restarted_under_vlaunch_run_maps_without_the_checkpoint(
+        tiny: Path, tmp_path: Path) -> None:
+    """vLLM (its LLM engine behind a tiny HTTP front) under `vlaunch run`: kill it; the
+    restarted engine maps its weights from the cache, with the checkpoint's tensor bytes
+    zeroed on disk. (`vllm serve` itself: its engine core dies on the first request on this
+    CPU build even with vLLM's default loader, so the test drives `LLM` directly.)"""
+    import shutil
+    import signal
+    import socket
+
+    from tests.test_launcher import Launcher
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny, model)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
+                       "GLOO_SOCKET_IFNAME": "lo", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    engine = [PYTHON, CHILD, "serve", str(model), "--load-format", "vlaunch", "--port",
+              str(port)]
+    la = Launcher(tmp_path, model, "--plan", "replicate", "--backoff-initial", "0",
+                  "--engine-health-url", f"http://127.0.0.1:{port}/health", tp=1,
+                  engine=engine)
+    try:
+        snap = la.wait_for(lambda s: s["engine_ready"], timeout=400)
+        before = _generations(port)
+        for f in model.glob("*.safetensors"):  # keep the headers, zero every tensor's bytes
+            raw = f.read_bytes()
+            head = 8 + int.from_bytes(raw[:8], "little")
+            f.write_bytes(raw[:head] + bytes(len(raw) - head))
+        os.kill(snap["engine"]["pid"], signal.SIGKILL)
+        la.wait_for(lambda s: s["engine"]["restarts"] >= 1 and s["engine_ready"], timeout=400)
+        assert _generations(port) == before  # zeroed weights from disk could not give this
+        assert "loading from disk" not in la.text()
+        la.proc.send_signal(signal.SIGTERM)
+        assert la.wait_exit(120) == 0
+    finally:
+        la.close()

@@ -2,6 +2,7 @@
 
     python tests/vllm_child.py make DIR [--hidden 64 --layers 2 --target-gb 0]
     python tests/vllm_child.py generate DIR --load-format vlaunch [--tp 1] [--extra JSON]
+    python tests/vllm_child.py serve DIR --load-format vlaunch --port P   (an engine to supervise)
 
 `generate` prints one JSON line: the greedy token ids of each prompt, the seconds from process
 start to `LLM` ready and to the first token, and vLLM's weight-loading seconds.
@@ -62,9 +63,38 @@ def generate(path: str, load_format: str, tp: int, extra: str, max_tokens: int) 
                       "first_token_s": first_token - START}), flush=True)
 
 
+def serve(path: str, load_format: str, port: int) -> None:
+    """An engine for `vlaunch run`: vLLM's LLM behind GET /health and GET /generate."""
+    import http.server
+
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=path, load_format=load_format, dtype="auto", max_model_len=128,
+              max_num_seqs=4, enforce_eager=True, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # the stdlib's name
+            body = b"{}"
+            if self.path == "/generate":
+                outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                                    use_tqdm=False)
+                body = json.dumps([list(o.outputs[0].token_ids) for o in outs]).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("cmd", choices=["make", "generate"])
+    ap.add_argument("cmd", choices=["make", "generate", "serve"])
+    ap.add_argument("--port", type=int, default=0)
     ap.add_argument("path")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
@@ -77,6 +107,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.cmd == "make":
         make(a.path, a.hidden, a.layers, a.vocab, a.intermediate or 2 * a.hidden)
+    elif a.cmd == "serve":
+        serve(a.path, a.load_format, a.port)
     else:
         generate(a.path, a.load_format, a.tp, a.extra, a.max_tokens)
 

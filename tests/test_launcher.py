@@ -86,7 +86,7 @@ class Launcher:
         except urllib.error.HTTPError as e:
             return e.code
 
-    def wait_for(self, cond: Callable[[dict[str, Any]], bool], timeout: float = 60) -> dict:
+    def wait_for(self, cond: Callable[[dict[str, Any]], bool], timeout: float = 150) -> dict:
         """Poll /status until cond holds."""
         deadline = time.monotonic() + timeout
         last: dict[str, Any] = {}

@@ -162,7 +162,8 @@ elif kind == "profile":
 
     C, SC, M = mods["client"], mods["slabs_cuda"], mods["manifest"]
     wrap(L, "expected_fingerprint", "fingerprint: expected_fingerprint (own code)")
-    wrap(L, "checkpoint_identity", "fingerprint: checkpoint identity (raw headers + sha256)")
+    wrap(mods["checkpoint"], "checkpoint_identity",
+         "fingerprint: checkpoint identity (raw headers + sha256)")
     wrap(mods["checkpoint"], "open_checkpoint", "fingerprint: open_checkpoint (validates all)")
     wrap(mods["plan"], "load_plan", "fingerprint: load_plan")
     wrap(mods["slabs"], "get_backend", "get_backend (own code)")

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
-import json
 import logging
 import os
-import struct
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import checkpoint
@@ -67,47 +63,9 @@ def expected_fingerprint(model: str, layout: Layout, device: str, plan: str = "l
     info = _DEVICE_INFO.get(device)
     if info is None:
         info = _DEVICE_INFO[device] = backend.device_info()
-    return fp.build(checkpoint=checkpoint_identity(model), plan=load_plan(plan).identity,
+    return fp.build(checkpoint=checkpoint.checkpoint_identity(model), plan=load_plan(plan).identity,
                     layout=layout.as_dict(), dtype="checkpoint", backend=backend.name,
                     device=info, kernel_backends=kernel_backends, loader=loader)
-
-
-def checkpoint_identity(model: str | os.PathLike[str]) -> str:
-    """`open_checkpoint(model).identity`, from the files' raw headers alone.
-
-    The identity hashes each file's name and raw header (and the index file); it needs none of
-    the per-tensor validation that `open_checkpoint` does, which costs milliseconds for a few
-    hundred tensors on every handoff. The cache validated every header when it loaded them;
-    this side only compares. Anything unusual (a bad index, a short file, a huge header) goes
-    the validating way, which raises the precise error.
-    """
-    root, files, index = checkpoint._locate(Path(model).absolute())
-    try:
-        index_bytes = b""
-        if index is not None:
-            index_bytes = index.read_bytes()
-            names = set(json.loads(index_bytes)["weight_map"].values())
-            if not names or not all(isinstance(n, str) and n.endswith(".safetensors")
-                                    and not os.path.isabs(n) and ".." not in Path(n).parts
-                                    for n in names):
-                raise ValueError("index needs validation")
-            files = tuple(sorted({root / n for n in names}))  # as checkpoint._index_files
-        digest = hashlib.sha256()
-        for file in files:
-            with open(file, "rb") as fh:
-                head = fh.read(8)
-                (hlen,) = struct.unpack("<Q", head)
-                if hlen > checkpoint.MAX_HEADER_BYTES:
-                    raise ValueError("header too large")
-                raw = head + fh.read(hlen)
-                if len(raw) != 8 + hlen:
-                    raise ValueError("short header")
-            digest.update(file.relative_to(root).as_posix().encode() + b"\0" + raw)
-        if index is not None:
-            digest.update(b"index\0" + index_bytes)
-        return digest.hexdigest()
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error):
-        return checkpoint.open_checkpoint(model).identity
 
 
 def load(model: str, *, rank: int = 0, tensor_parallel_size: int = 1,

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import tomllib
+
 from .checkpoint import Checkpoint, TensorEntry
 from .dtypes import DTYPES
 from .errors import PlanError, UsageError
@@ -375,7 +377,7 @@ def _load_plan_file(path: Path) -> ShardPlan:
                         "its permissions") from None
     try:
         if path.suffix == ".toml":
-            obj: Any = _toml().loads(data.decode("utf-8"))
+            obj: Any = tomllib.loads(data.decode("utf-8"))
         else:
             obj = json.loads(data)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, TOMLDecodeError, bad UTF-8
@@ -399,15 +401,3 @@ def _load_plan_file(path: Path) -> ShardPlan:
     except PlanError as e:
         raise PlanError(f"plan file {path}: {e}") from None
 
-
-def _toml() -> Any:
-    """Return tomllib (Python >= 3.11) or tomli."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        try:
-            import tomli as tomllib
-        except ModuleNotFoundError:
-            raise PlanError("TOML plan files need Python >= 3.11 or the tomli package; "
-                            "install tomli or write the plan as JSON") from None
-    return tomllib

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from vlaunch.cache.checkpoint import Checkpoint, open_checkpoint
+from vlaunch.cache.checkpoint import Checkpoint, checkpoint_identity, open_checkpoint
 from vlaunch.cache.dtypes import DTYPES, dtype_info, from_torch, to_torch
 from vlaunch.cache.errors import CheckpointError, ModelNotFoundError
 
@@ -426,3 +426,22 @@ def test_damaged_header_is_rejected_or_in_bounds(tmp_path: Path,
         assert e.dtype in DTYPES and all(d >= 0 for d in e.shape)
     for (_, end), (begin, _) in itertools.pairwise(spans):
         assert end <= begin
+
+
+def test_header_only_identity_equals_the_validated_one(tmp_path: Path) -> None:
+    """checkpoint_identity (the engine's fast path) hashes exactly what open_checkpoint does."""
+    t = {"a": torch.ones(3), "b": torch.zeros(2, 2)}
+    single = tmp_path / "one.safetensors"
+    save_file(t, str(single))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    save_file({"a": t["a"]}, str(plain / "x.safetensors"))
+    save_file({"b": t["b"]}, str(plain / "y.safetensors"))
+    indexed = tmp_path / "indexed"
+    indexed.mkdir()
+    save_file({"a": t["a"]}, str(indexed / "m-1.safetensors"))
+    save_file({"b": t["b"]}, str(indexed / "m-2.safetensors"))
+    (indexed / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "m-1.safetensors", "b": "m-2.safetensors"}}))
+    for path in (single, plain, indexed):
+        assert checkpoint_identity(path) == open_checkpoint(path).identity

@@ -518,8 +518,8 @@ PERCENT = re.compile(r"%[-#0 +]*(?:\d+|\*)?(?:\.\d+)?[sdifrxXoegc]")
 # Strings that never reach an operator: control flow caught in the same module, and checks
 # that only a bug in vlaunch itself can trip (they end in exit status 70, "please report").
 INTERNAL = {
-    "index needs validation": "loader.checkpoint_identity: falls back to full validation",
-    "header too large": "loader.checkpoint_identity: falls back to full validation",
+    "index needs validation": "checkpoint.checkpoint_identity: falls back to full validation",
+    "header too large": "checkpoint.checkpoint_identity: falls back to full validation",
     "not a supervisor event": "launcher.core: an executor bug",
     "Started must come first, exactly once": "launcher.core: an executor bug",
     "engine event, but this launcher runs no engine": "launcher.core: an executor bug",

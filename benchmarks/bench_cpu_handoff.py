@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from vlaunch.cache import load, wire
+from vlaunch.cache import load
+from vlaunch.cache.contract import wire
 
 
 def make_checkpoint(path: Path, size_mb: int) -> None:

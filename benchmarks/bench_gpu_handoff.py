@@ -7,7 +7,7 @@
 1. Writes (once; reused when present) a random Llama-shaped bf16 checkpoint of about --gib GiB
    (hidden 4096, intermediate 14336, 32 heads / 8 kv heads, vocab 128256; the layer count is
    what reaches the size: 35 layers, 318 tensors for 16 GiB) in 4 safetensors shards plus an
-   index, with `vlaunch.cache.refmodel.make_checkpoint(..., device=<the GPU>)`.
+   index, with `vlaunch.cache.reference.refmodel.make_checkpoint(..., device=<the GPU>)`.
 2. Starts a cache rank (`python -m vlaunch.cache --device ...`, ready fd) after trying to drop
    the checkpoint from the page cache, and reports its first load: time and GB/s.
 3. In fresh client processes (each imports torch and initialises CUDA first, then times only
@@ -106,7 +106,7 @@ if kind == "safetensors":
 
 elif kind == "vlaunch":
     t0 = perf()
-    import vlaunch.cache.loader as loader
+    import vlaunch.cache.client.loader as loader
     out["import_s"] = perf() - t0
     out["code"] = loader.__file__
     t0 = perf()
@@ -122,7 +122,7 @@ elif kind == "vlaunch":
 elif kind == "profile":
     import collections, importlib
     t0 = perf()
-    import vlaunch.cache.loader as L
+    import vlaunch.cache.client.loader as L
     out["import_s"] = perf() - t0
     out["code"] = L.__file__
     t0 = perf()
@@ -266,7 +266,7 @@ def ensure_importable() -> dict[str, str]:
     """Make `vlaunch.cache` importable here and in children; returns the children's env."""
     env = dict(os.environ)
     try:
-        import vlaunch.cache.loader  # noqa: F401
+        import vlaunch.cache.client.loader  # noqa: F401
     except ImportError:
         shim = Path(tempfile.mkdtemp(prefix="vlaunch-shim-"))
         (shim / "vlaunch").mkdir()
@@ -297,7 +297,7 @@ def make_ckpt(root: Path, gib: float, device: str, small: bool,
     else:
         path = root / f"llama8b-shapes-{gib:g}gib"
         kw = f"**LLAMA_8B_SHAPES, target_bytes={int(gib * GiB)}"
-    code = ("from vlaunch.cache.refmodel import LLAMA_8B_SHAPES, make_checkpoint\n"
+    code = ("from vlaunch.cache.reference.refmodel import LLAMA_8B_SHAPES, make_checkpoint\n"
             f"make_checkpoint({str(path)!r}, {kw}, shards={SHARDS}, device={gen!r})")
     t0 = time.perf_counter()  # in a child: this process stays without a CUDA context
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=1800)
@@ -334,7 +334,7 @@ class Cache:
 
     def __init__(self, model: str, device: str, log: Path, env: dict[str, str],
                  threads: int) -> None:
-        from vlaunch.cache import wire
+        from vlaunch.cache.contract import wire
 
         self.sockdir = tempfile.mkdtemp(prefix="vlb-")  # mode 0700
         self.log = log
@@ -365,8 +365,8 @@ class Cache:
         self.load_s, self.rate = float(secs), float(rate)
 
     def status(self) -> dict[str, Any]:
-        from vlaunch.cache.client import CacheClient
-        from vlaunch.cache.sockdir import socket_path
+        from vlaunch.cache.client.connection import CacheClient
+        from vlaunch.cache.contract.sockdir import socket_path
 
         c = CacheClient(socket_path(self.sockdir, 0))
         try:
@@ -445,7 +445,7 @@ def main() -> int:
 
     root = pick_dir(args.dir, 0 if args.small else int(args.gib * GiB * 1.1))
     model, wrote = make_ckpt(root, args.gib, args.device, args.small, env)
-    from vlaunch.cache.checkpoint import open_checkpoint
+    from vlaunch.cache.store.checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(model)
     files = [str(f) for f in ckpt.files]
@@ -634,7 +634,7 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
          f"{st / med([w['load_s'] for w in warm]):.2f}x", "(info)", ""),
         ("cache process start -> ready (first / warm median)", f"{first['ready_s']:.2f} s / "
          f"{med([w['ready_s'] for w in warm]):.2f} s", "", "", "(info)", ""),
-        ("import vlaunch.cache.loader (engine start, untimed above)", fmt_s(imp), "", "",
+        ("import vlaunch.cache.client.loader (engine start, untimed above)", fmt_s(imp), "", "",
          "(info)", ""),
         ("fresh process: import torch + CUDA init (median)",
          fmt_s(med([r["torch_cuda_init_s"] for r in runs["share"]])), "", "", "(floor)", ""),
@@ -651,7 +651,7 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
              f"D2D {d2d_rw / 1e12:.2f} TB/s r+w", f"{(2 * nbytes / bc) / d2d_rw * 100:.0f}%",
              ">=80% of D2D", "PASS" if (2 * nbytes / bc) / d2d_rw >= 0.8 else "MISS"),
         ]
-        rows.append(("  before the fix: import vlaunch.cache.loader", fmt_s(bimp), "", "",
+        rows.append(("  before the fix: import vlaunch.cache.client.loader", fmt_s(bimp), "", "",
                      "(info)", ""))
     print_profile(runs)
     print("\n## copy-release: cache state after each handoff")

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vlaunch.cache import wire
+from vlaunch.cache.contract import wire
 
 CHUNK = 64 << 20
 CHILD = r"""
@@ -55,7 +55,7 @@ if spec["what"] == "d2d":
         ts.append(time.perf_counter() - t)
     ts.sort(); out = {"seconds": ts[2], "bytes": n}
 else:
-    import vlaunch.cache.loader as L
+    import vlaunch.cache.client.loader as L
     free0, total = torch.cuda.mem_get_info(dev); alloc0 = torch.cuda.memory_allocated(dev)
     t = time.perf_counter()
     w = L.load(spec["model"], socket_dir=spec["sock"], mode=spec["what"], fallback=False,

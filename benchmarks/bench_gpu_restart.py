@@ -4,7 +4,8 @@
     python benchmarks/bench_gpu_restart.py --model DIR [--device cuda] [--reps 3]
 
 DIR is a reference-engine checkpoint (config.json + safetensors), e.g. written by
-`python -m vlaunch.cache.refmodel DIR --llama-8b --target-gib 16 --shards 4 --device cuda`.
+`python -m vlaunch.cache.reference.refmodel DIR --llama-8b --target-gib 16 --shards 4
+--device cuda`.
 In one run it measures, median of --reps:
 - bare: `python -c "import torch; torch.zeros(1, device=...)"`, spawn to allocation done;
 - disk: the reference engine started alone (no cache), spawn to weights ready (its /stats
@@ -62,8 +63,8 @@ def wait(fn: Any, timeout: float = 600) -> Any:
 
 def engine_cmd(model: str, device: str, port_file: Path, socket_dir: Path | None) -> list[str]:
     """The reference engine's command line."""
-    cmd = [sys.executable, "-m", "vlaunch.cache.engine", "--model", model, "--device", device,
-           "--port-file", str(port_file), "--log-level", "WARNING"]
+    cmd = [sys.executable, "-m", "vlaunch.cache.reference.engine", "--model", model,
+           "--device", device, "--port-file", str(port_file), "--log-level", "WARNING"]
     return cmd + (["--socket-dir", str(socket_dir)] if socket_dir else [])
 
 

@@ -30,12 +30,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from vlaunch.cache import CacheClient, wire
-from vlaunch.cache.plan import Layout
-from vlaunch.cache.seed import seed_tcp, seed_unix
-from vlaunch.cache.shard import empty_shard, load_shard
-from vlaunch.cache.slabs import CpuBackend
-from vlaunch.cache.sockdir import socket_path
+from vlaunch.cache import CacheClient
+from vlaunch.cache.contract import wire
+from vlaunch.cache.contract.sockdir import socket_path
+from vlaunch.cache.rank.seed import seed_tcp, seed_unix
+from vlaunch.cache.store.plan import Layout
+from vlaunch.cache.store.shard import empty_shard, load_shard
+from vlaunch.cache.store.slabs import CpuBackend
 
 TOKEN = "bench-token-0123456789abcdef"
 

@@ -50,7 +50,7 @@ def step(name: str) -> Iterator[None]:
 def ensure_importable() -> None:
     """Make `vlaunch.cache` importable here and in children, from the checkout if need be."""
     try:
-        import vlaunch.cache.slabs_cuda  # noqa: F401
+        import vlaunch.cache.store.slabs_cuda  # noqa: F401
     except ImportError:
         shim = Path(tempfile.mkdtemp(prefix="vlaunch-shim-"))
         (shim / "vlaunch").mkdir()
@@ -67,7 +67,7 @@ IMPORTER = textwrap.dedent("""
     import hashlib, json, os, socket, sys, time
     t0 = time.perf_counter()
     import torch
-    from vlaunch.cache.slabs import get_backend
+    from vlaunch.cache.store.slabs import get_backend
     b = get_backend(sys.argv[2])
     torch.cuda.synchronize()
     init_s = time.perf_counter() - t0
@@ -112,7 +112,7 @@ IMPORTER = textwrap.dedent("""
 EXPORTER = textwrap.dedent("""
     import hashlib, socket, sys, time
     import torch
-    from vlaunch.cache.slabs import get_backend
+    from vlaunch.cache.store.slabs import get_backend
     sock = socket.socket(fileno=int(sys.argv[1]))
     size = int(sys.argv[3])
     slab = get_backend(sys.argv[2]).allocate(size)
@@ -183,9 +183,9 @@ def main() -> int:
         import cuda.bindings
         import torch
 
-        from vlaunch.cache import slabs_cuda
-        from vlaunch.cache.errors import CacheBrokenError
-        from vlaunch.cache.slabs import get_backend
+        from vlaunch.cache.contract.errors import CacheBrokenError
+        from vlaunch.cache.store import slabs_cuda
+        from vlaunch.cache.store.slabs import get_backend
 
         print(f"    torch {torch.__version__} (cuda {torch.version.cuda}), cuda-bindings "
               f"{getattr(cuda.bindings, '__version__', '?')}, gpus {torch.cuda.device_count()}")

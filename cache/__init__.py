@@ -8,18 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from .version import __version__
+from vlaunch.cache.contract.version import __version__
 
 __all__ = ["CacheClient", "Weights", "__version__", "load"]
 
 
 def __getattr__(name: str) -> Any:
     if name in ("load", "Weights"):
-        from . import loader
+        from vlaunch.cache.client import loader
 
         return getattr(loader, name)
     if name == "CacheClient":
-        from .client import CacheClient
+        from vlaunch.cache.client.connection import CacheClient
 
         return CacheClient
     raise AttributeError(name)

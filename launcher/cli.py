@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 
 import click
 
-from vlaunch.cache.errors import VlaunchError
-from vlaunch.cache.exitcodes import EXIT_TABLE, ExitStatus
+from vlaunch.cache.contract.errors import VlaunchError
+from vlaunch.cache.contract.exitcodes import EXIT_TABLE, ExitStatus
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -189,7 +189,7 @@ def status(socket_dir: str, url: str, as_json: bool) -> None:
 
 
 def _add_cache_command() -> None:
-    from vlaunch.cache.cli import cache_command
+    from vlaunch.cache.rank.cli import cache_command
 
     cli.add_command(cache_command)
 

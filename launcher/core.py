@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
-from vlaunch.cache.exitcodes import EXIT_TABLE, ExitStatus
+from vlaunch.cache.contract.exitcodes import EXIT_TABLE, ExitStatus
 
 from .events import (
     Action,

@@ -28,7 +28,7 @@ def ensure_demo_checkpoint() -> Path:
     """Create the demo checkpoint once (in a child process: the launcher holds no torch)."""
     path = demo_dir()
     if not (path / "config.json").exists():
-        code = ("import sys; from vlaunch.cache.refmodel import make_checkpoint; "
+        code = ("import sys; from vlaunch.cache.reference.refmodel import make_checkpoint; "
                 "make_checkpoint(sys.argv[1], hidden=512, layers=8, heads=8, kv_heads=4, "
                 "intermediate=1536, vocab=8192, shards=2)")
         subprocess.run([sys.executable, "-c", code, str(path)], check=True)
@@ -57,7 +57,7 @@ def _wait(what: str, fn: Callable[[], Any], proc: subprocess.Popen[bytes],
 
 
 def _engine_cmd(model: Path, tp: int, port_file: Path, socket_dir: Path | None) -> list[str]:
-    cmd = [sys.executable, "-m", "vlaunch.cache.engine", "--model", str(model),
+    cmd = [sys.executable, "-m", "vlaunch.cache.reference.engine", "--model", str(model),
            "--tensor-parallel-size", str(tp), "--port-file", str(port_file)]
     return cmd + (["--socket-dir", str(socket_dir)] if socket_dir else [])
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlaunch.cache import wire
-from vlaunch.cache.errors import VlaunchError
-from vlaunch.cache.exitcodes import ExitStatus
-from vlaunch.cache.sockdir import RankLock, ensure_socket_dir, socket_path
+from vlaunch.cache.contract import wire
+from vlaunch.cache.contract.errors import VlaunchError
+from vlaunch.cache.contract.exitcodes import ExitStatus
+from vlaunch.cache.contract.sockdir import RankLock, ensure_socket_dir, socket_path
 
 from . import core, events
 from .children import (
@@ -327,7 +327,7 @@ class Executor:
 
     async def _poll_caches(self) -> None:
         """Refresh per-rank detail (bytes, leases) for the status surface."""
-        from vlaunch.cache.client import CacheClient
+        from vlaunch.cache.client.connection import CacheClient
 
         loop = asyncio.get_running_loop()
 

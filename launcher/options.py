@@ -9,8 +9,8 @@ from typing import Any
 
 import tomllib
 
-from vlaunch.cache.errors import UsageError
-from vlaunch.cache.sockdir import default_socket_dir
+from vlaunch.cache.contract.errors import UsageError
+from vlaunch.cache.contract.sockdir import default_socket_dir
 
 from .events import SupervisorConfig
 from .executor import RunSpec

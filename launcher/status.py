@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from vlaunch.cache.sockdir import default_socket_dir
+from vlaunch.cache.contract.sockdir import default_socket_dir
 
 
 def fetch_status(socket_dir: str, url: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import torch
 from hypothesis import settings
 from safetensors.torch import save_file
 
-from vlaunch.cache import wire
+from vlaunch.cache.contract import wire
 
 # Shared CI machines are noisy: no per-example deadline, fixed example counts.
 settings.register_profile("vlaunch", deadline=None, print_blob=True)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from vlaunch.cache import artifacts as A
-from vlaunch.cache.client import CacheClient
-from vlaunch.cache.errors import ArtifactError, CacheBrokenError
-from vlaunch.cache.protocol import MAX_ARTIFACT
-from vlaunch.cache.sockdir import socket_path
+from vlaunch.cache.client.connection import CacheClient
+from vlaunch.cache.contract.errors import ArtifactError, CacheBrokenError
+from vlaunch.cache.contract.protocol import MAX_ARTIFACT
+from vlaunch.cache.contract.sockdir import socket_path
+from vlaunch.cache.store import artifacts as A
 
 from .conftest import spawn_cache
 
@@ -81,8 +81,8 @@ def test_store_bounds_and_corrupt_files(tmp_path: Path, caplog: pytest.LogCaptur
 
 ENGINE = r"""
 import os, sys
-from vlaunch.cache import artifacts as A
-from vlaunch.cache.sockdir import socket_path
+from vlaunch.cache.store import artifacts as A
+from vlaunch.cache.contract.sockdir import socket_path
 sock = socket_path(os.environ["VLAUNCH_SOCKET_DIR"], 0)
 key = A.artifact_key({"test": "launcher"})
 got = A.adopt_or_produce(sock, "flashinfer-autotune", key, adopt=lambda d: None,
@@ -132,7 +132,7 @@ def test_flashinfer_table_adopted_through_the_cache(llama_ckpt: Path, sockdir: P
     adopted by a fresh AutoTuner, as a restarted engine would."""
     from flashinfer.autotuner import AutoTuner, ProfilingCacheKey
 
-    from vlaunch.cache import flashinfer_adapter as fa
+    from vlaunch.cache.integrations import flashinfer_adapter as fa
 
     caches.append(spawn_cache(llama_ckpt, sockdir, "--plan", "replicate"))
     sock = socket_path(sockdir, 0)

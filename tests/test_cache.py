@@ -15,16 +15,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vlaunch.cache import CacheClient, load
-from vlaunch.cache import fingerprint as fp
-from vlaunch.cache.errors import (
+from vlaunch.cache.client.loader import expected_fingerprint
+from vlaunch.cache.contract import fingerprint as fp
+from vlaunch.cache.contract.errors import (
     CacheBrokenError,
     CacheUnavailableError,
     FingerprintMismatchError,
 )
-from vlaunch.cache.exitcodes import ExitStatus
-from vlaunch.cache.loader import expected_fingerprint
-from vlaunch.cache.plan import LLAMA_PLAN, Layout
-from vlaunch.cache.sockdir import socket_path
+from vlaunch.cache.contract.exitcodes import ExitStatus
+from vlaunch.cache.contract.sockdir import socket_path
+from vlaunch.cache.store.plan import LLAMA_PLAN, Layout
 
 from .conftest import spawn_cache
 
@@ -246,7 +246,7 @@ def test_client_running_as_another_uid_is_refused(one_cache) -> None:
         try:
             import socket as so
 
-            from vlaunch.cache import wire
+            from vlaunch.cache.contract import wire
 
             os.chdir(path.parent)  # as root: the parents are 0700 pytest directories
             os.setgid(65534)

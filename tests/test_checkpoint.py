@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from vlaunch.cache.checkpoint import Checkpoint, checkpoint_identity, open_checkpoint
-from vlaunch.cache.dtypes import DTYPES, dtype_info, from_torch, to_torch
-from vlaunch.cache.errors import CheckpointError, ModelNotFoundError
+from vlaunch.cache.contract.errors import CheckpointError, ModelNotFoundError
+from vlaunch.cache.store.checkpoint import Checkpoint, checkpoint_identity, open_checkpoint
+from vlaunch.cache.store.dtypes import DTYPES, dtype_info, from_torch, to_torch
 
 
 def write_raw(path: Path, header: dict | bytes, data: bytes = b"") -> Path:

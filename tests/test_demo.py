@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vlaunch.cache.exitcodes import ExitStatus
+from vlaunch.cache.contract.exitcodes import ExitStatus
 
 
 def test_vlaunch_demo_restarts_the_engine_from_the_cache(tmp_path: Path) -> None:

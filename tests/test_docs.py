@@ -31,8 +31,8 @@ import pytest
 import tomllib
 import yaml
 
-from vlaunch.cache.exitcodes import CONFIG_ERROR_STATUSES
-from vlaunch.cache.fingerprint import FIELDS
+from vlaunch.cache.contract.exitcodes import CONFIG_ERROR_STATUSES
+from vlaunch.cache.contract.fingerprint import FIELDS
 from vlaunch.launcher.cli import run as run_command
 from vlaunch.launcher.core import EXTEND_BY
 
@@ -592,7 +592,7 @@ def _error_class_messages(tree: ast.Module) -> Iterator[ast.expr]:
 def code_messages() -> dict[str, str]:
     """Key -> where, for every user-facing error and warning string in cache/ and launcher/."""
     found: dict[str, str] = {}
-    for path in sorted(p for d in CODE_DIRS for p in d.glob("*.py")):
+    for path in sorted(p for d in CODE_DIRS for p in d.rglob("*.py")):
         tree = ast.parse(path.read_text())
         args = [(a, pct) for n in ast.walk(tree) for a, pct in _message_args(n, path.name)]
         args += [(a, False) for a in _error_class_messages(tree)]
@@ -607,7 +607,7 @@ def code_messages() -> dict[str, str]:
 def code_literals() -> list[str]:
     """Every literal run of text in cache/ and launcher/ (placeholders split them)."""
     out = []
-    for path in sorted(p for d in CODE_DIRS for p in d.glob("*.py")):
+    for path in sorted(p for d in CODE_DIRS for p in d.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Constant, ast.JoinedStr)):
                 template = _template(node, percent=True)

@@ -23,10 +23,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vlaunch.cache.checkpoint import open_checkpoint
-from vlaunch.cache.loader import load_from_disk
-from vlaunch.cache.plan import Layout
-from vlaunch.cache.refmodel import (
+from vlaunch.cache.client.loader import load_from_disk
+from vlaunch.cache.reference.refmodel import (
     INDEX_NAME,
     ModelConfig,
     ModelConfigError,
@@ -35,6 +33,8 @@ from vlaunch.cache.refmodel import (
     make_checkpoint,
     tensor_shapes,
 )
+from vlaunch.cache.store.checkpoint import open_checkpoint
+from vlaunch.cache.store.plan import Layout
 
 TINY: dict[str, Any] = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2,
                         "intermediate": 128, "vocab": 256}
@@ -241,10 +241,10 @@ class Engine:
 @contextlib.contextmanager
 def engine(tmp_path: Path, name: str, model: Path, *args: str,
            env: dict[str, str] | None = None) -> Iterator[Engine]:
-    """Run `python -m vlaunch.cache.engine` with its log in a file; killed if left running."""
+    """Run the reference engine with its log in a file; killed if left running."""
     log, port_file = tmp_path / f"{name}.log", tmp_path / f"{name}.port"
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "vlaunch.cache.engine", "--model",
+        proc = subprocess.Popen([sys.executable, "-m", "vlaunch.cache.reference.engine", "--model",
                                  str(model), "--port-file", str(port_file), *args],
                                 stdout=out, stderr=out, env={**os.environ, **(env or {})})
     try:

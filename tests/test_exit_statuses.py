@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from vlaunch.cache.exitcodes import ExitStatus
+from vlaunch.cache.contract.exitcodes import ExitStatus
 
 from .conftest import spawn_cache
 from .test_launcher import Launcher, serving
@@ -38,7 +38,7 @@ def test_missing_gpu_exits_71(llama_ckpt: Path, sockdir: Path) -> None:
 
 def test_read_failure_is_an_io_error_with_status_74(tmp_path: Path) -> None:
     """A read that fails underneath (EIO, EISDIR...) is ReadError: the rank exits 74."""
-    from vlaunch.cache.reader import ReadError, _pread_into
+    from vlaunch.cache.store.reader import ReadError, _pread_into
 
     fd = os.open(tmp_path, os.O_RDONLY)  # reading a directory fails like a bad disk would
     try:

@@ -22,10 +22,11 @@ pytest.importorskip("cuda.bindings.driver")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from vlaunch.cache import CacheClient, load, slabs_cuda  # noqa: E402
-from vlaunch.cache.errors import CacheBrokenError  # noqa: E402
-from vlaunch.cache.plan import LLAMA_PLAN  # noqa: E402
-from vlaunch.cache.sockdir import socket_path  # noqa: E402
+from vlaunch.cache import CacheClient, load  # noqa: E402
+from vlaunch.cache.contract.errors import CacheBrokenError  # noqa: E402
+from vlaunch.cache.contract.sockdir import socket_path  # noqa: E402
+from vlaunch.cache.store import slabs_cuda  # noqa: E402
+from vlaunch.cache.store.plan import LLAMA_PLAN  # noqa: E402
 
 from .conftest import spawn_cache  # noqa: E402
 from .test_cache import ALL_DTYPES, _random, _same_bits  # noqa: E402

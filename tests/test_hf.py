@@ -11,7 +11,7 @@ from tests.conftest import spawn_cache
 
 transformers = pytest.importorskip("transformers")
 
-from vlaunch.cache.hf import HFModelError, load_hf_model  # noqa: E402
+from vlaunch.cache.integrations.hf import HFModelError, load_hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import psutil
 import pytest
 from safetensors.torch import load_file
 
-from vlaunch.cache.exitcodes import ExitStatus
+from vlaunch.cache.contract.exitcodes import ExitStatus
 
 ENGINE = r"""
 import os, signal, socket, sys, time
@@ -274,8 +274,8 @@ def test_respawn_adopts_escrowed_slabs_without_the_disk(launch, llama_ckpt: Path
                        and s["ranks"]["0"]["state"] == "ready")
     assert snap["engine"]["pid"] == engine_pid and snap["engine"]["state"] == "ready"
     assert "adopted 1 escrowed slab(s)" in la.text()
-    from vlaunch.cache.client import CacheClient
-    from vlaunch.cache.sockdir import socket_path
+    from vlaunch.cache.client.connection import CacheClient
+    from vlaunch.cache.contract.sockdir import socket_path
 
     client = CacheClient(socket_path(la.sockdir, 0))
     tensors = client.map(client.manifest())
@@ -323,7 +323,7 @@ def test_exit_codes_json_lists_every_status() -> None:
 
 def test_the_launcher_never_imports_torch() -> None:
     code = ("import sys, vlaunch.launcher.cli, vlaunch.launcher.executor, "
-            "vlaunch.launcher.options, vlaunch.launcher.status, vlaunch.cache.client; "
+            "vlaunch.launcher.options, vlaunch.launcher.status, vlaunch.cache.client.connection; "
             "print('torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=30, check=True)

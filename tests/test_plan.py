@@ -17,10 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from vlaunch.cache.checkpoint import Checkpoint, TensorEntry, open_checkpoint
-from vlaunch.cache.dtypes import DTYPES, to_torch
-from vlaunch.cache.errors import PlanError, UsageError
-from vlaunch.cache.plan import (
+from vlaunch.cache.contract.errors import PlanError, UsageError
+from vlaunch.cache.store.checkpoint import Checkpoint, TensorEntry, open_checkpoint
+from vlaunch.cache.store.dtypes import DTYPES, to_torch
+from vlaunch.cache.store.plan import (
     BUILTIN_PLANS,
     LLAMA_PLAN,
     HookPlan,
@@ -500,6 +500,7 @@ def test_dtype_names_round_trip() -> None:
 
 
 def test_importing_does_not_load_torch() -> None:
-    code = ("import sys, vlaunch.cache.plan, vlaunch.cache.checkpoint, vlaunch.cache.dtypes; "
+    code = ("import sys, vlaunch.cache.store.plan, vlaunch.cache.store.checkpoint, "
+            "vlaunch.cache.store.dtypes; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

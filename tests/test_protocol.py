@@ -11,9 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vlaunch.cache import CacheClient, protocol, wire
-from vlaunch.cache.errors import ProtocolError
-from vlaunch.cache.sockdir import socket_path
+from vlaunch.cache import CacheClient
+from vlaunch.cache.contract import protocol, wire
+from vlaunch.cache.contract.errors import ProtocolError
+from vlaunch.cache.contract.sockdir import socket_path
 
 from .conftest import spawn_cache
 

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from vlaunch.cache import CacheClient, load, protocol, wire
-from vlaunch.cache import artifacts as A
-from vlaunch.cache.exitcodes import ExitStatus
-from vlaunch.cache.sockdir import socket_path
+from vlaunch.cache import CacheClient, load
+from vlaunch.cache.contract import protocol, wire
+from vlaunch.cache.contract.exitcodes import ExitStatus
+from vlaunch.cache.contract.sockdir import socket_path
+from vlaunch.cache.store import artifacts as A
 
 from .conftest import CacheProc, spawn_cache
 

@@ -19,9 +19,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("cuda.bindings.driver")
 
-from vlaunch.cache import slabs_cuda  # noqa: E402
-from vlaunch.cache.errors import CacheBrokenError, DeviceError  # noqa: E402
-from vlaunch.cache.slabs import get_backend  # noqa: E402
+from vlaunch.cache.contract.errors import CacheBrokenError, DeviceError  # noqa: E402
+from vlaunch.cache.store import slabs_cuda  # noqa: E402
+from vlaunch.cache.store.slabs import get_backend  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,7 +36,7 @@ DEVICE = "cuda:0"
 # the sha256 of its bytes.
 IMPORTER = textwrap.dedent("""
     import hashlib, os, socket, sys
-    from vlaunch.cache.slabs import get_backend
+    from vlaunch.cache.store.slabs import get_backend
     sock = socket.socket(fileno=int(sys.argv[1]))
     msg, fds, _, _ = socket.recv_fds(sock, 64, 1)
     t = get_backend(sys.argv[2]).import_fd(fds[0], int(msg), readonly=True)
@@ -49,7 +49,7 @@ IMPORTER = textwrap.dedent("""
 EXPORTER = textwrap.dedent("""
     import hashlib, socket, sys, time
     import torch
-    from vlaunch.cache.slabs import get_backend
+    from vlaunch.cache.store.slabs import get_backend
     sock = socket.socket(fileno=int(sys.argv[1]))
     size = int(sys.argv[3])
     slab = get_backend(sys.argv[2]).allocate(size)

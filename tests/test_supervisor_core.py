@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from vlaunch.cache.exitcodes import ExitStatus
+from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.launcher.core import (
     CACHE_STATUSES,
     EngineState,

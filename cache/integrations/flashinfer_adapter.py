@@ -8,7 +8,7 @@ CuTe-DSL versions, GPU name); `load_configs` refuses a file from another environ
 JSON file, written and read by those two methods, is the artifact: vlaunch never parses or
 writes the format itself.
 
-    from vlaunch.cache.flashinfer_adapter import tuned
+    from vlaunch.cache.integrations.flashinfer_adapter import tuned
 
     with tuned(socket_path, rank=rank, ops=["fused_moe"], shapes=[(8192, 4096)]) as hit:
         if not hit:
@@ -25,8 +25,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .artifacts import artifact_key, fetch, hand_back
-from .errors import ArtifactError
+from vlaunch.cache.contract.errors import ArtifactError
+from vlaunch.cache.store.artifacts import artifact_key, fetch, hand_back
 
 log = logging.getLogger("vlaunch.cache.flashinfer")
 KIND = "flashinfer-autotune"

@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .errors import CacheBrokenError, DeviceError
+from vlaunch.cache.contract.errors import CacheBrokenError, DeviceError
 
 if TYPE_CHECKING:
     import torch

@@ -43,9 +43,9 @@ def cache_command(model: str, rank: int, tp: int, pp: int, dp: int, device: str,
                   artifact_dir: str, seed: str, seed_token: str, seed_fallback: bool,
                   seed_listen_host: str, seed_listen_port: int, seed_timeout: float) -> None:
     """Run one cache rank: load its shard, then serve it on its socket until SIGTERM."""
-    from .errors import UsageError
-    from .plan import Layout
-    from .rank import RankOptions, main
+    from vlaunch.cache.contract.errors import UsageError
+    from vlaunch.cache.rank.process import RankOptions, main
+    from vlaunch.cache.store.plan import Layout
 
     try:
         layout = Layout.from_global(rank, tp, pp, dp)

@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from .errors import UsageError
-from .protocol import MODES
+from vlaunch.cache.contract.errors import UsageError
+from vlaunch.cache.contract.protocol import MODES
 
 if TYPE_CHECKING:
     import torch
@@ -114,7 +114,7 @@ def _loader_class() -> type:
             """Bytes the rank will map from its cache (share mode), for vLLM's budget."""
             if self.options.mode != "share":
                 return 0
-            from .loader import cached_nbytes
+            from vlaunch.cache.client.loader import cached_nbytes
 
             model = vllm_config.model_config.model
             return cached_nbytes(model, **_where(vllm_config, self.options))
@@ -130,7 +130,7 @@ def _loader_class() -> type:
             from vllm.model_executor.model_loader.utils import process_weights_after_loading
             from vllm.utils.torch_utils import set_default_torch_dtype
 
-            from .meta import parameters_on_meta
+            from vlaunch.cache.integrations.meta import parameters_on_meta
 
             start = time.perf_counter()
             load_device = vllm_config.load_config.device or vllm_config.device_config.device
@@ -152,7 +152,7 @@ def _loader_class() -> type:
         def _cached(self, model_config: Any, vllm_config: Any) -> Any:
             from vllm.config import get_current_vllm_config
 
-            from .loader import load
+            from vlaunch.cache.client.loader import load
 
             config = vllm_config or get_current_vllm_config()
             return load(model_config.model, mode=self.options.mode,
@@ -182,7 +182,7 @@ def _where(vllm_config: Any, options: LoaderOptions) -> dict[str, Any]:
 
 def _assign(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Make each cached tensor that fits a read-only-processed parameter that parameter."""
-    from .meta import set_data
+    from vlaunch.cache.integrations.meta import set_data
 
     assigned = {}
     for module_name, module in model.named_modules():
@@ -205,7 +205,7 @@ def _fill(model: torch.nn.Module, weights: dict[str, torch.Tensor],
     """Allocate the other parameters and let the model's load_weights fill them."""
     import torch
 
-    from .meta import set_data
+    from vlaunch.cache.integrations.meta import set_data
 
     for param in model.parameters():
         if param.is_meta:

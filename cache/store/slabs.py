@@ -15,7 +15,7 @@ import os
 import warnings
 from typing import TYPE_CHECKING, Protocol
 
-from .errors import CacheBrokenError, DeviceError
+from vlaunch.cache.contract.errors import CacheBrokenError, DeviceError
 
 if TYPE_CHECKING:
     import torch
@@ -131,7 +131,7 @@ def get_backend(device: str) -> Backend:
     if device == "cpu":
         return CpuBackend()
     if device == "cuda" or device.startswith("cuda:"):
-        from .slabs_cuda import CudaBackend
+        from vlaunch.cache.store.slabs_cuda import CudaBackend
 
         return CudaBackend(cuda_index(device))
     raise DeviceError(f"unknown device {device!r}; use cpu, cuda, cuda:N or cuda:GPU-<uuid>")
@@ -143,7 +143,7 @@ def cuda_index(device: str) -> int:
     if spec.isdigit():
         return int(spec)
     if spec.startswith("GPU-"):
-        from .slabs_cuda import uuid_to_index
+        from vlaunch.cache.store.slabs_cuda import uuid_to_index
 
         index = uuid_to_index().get(spec)
         if index is None:

@@ -10,7 +10,7 @@ import stat
 import struct
 from pathlib import Path
 
-from .errors import CacheBusyError, ProtocolError, SocketDirError
+from vlaunch.cache.contract.errors import CacheBusyError, ProtocolError, SocketDirError
 
 MAX_SUN_PATH = 107
 

@@ -19,16 +19,16 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from .errors import CheckpointError, VlaunchError
-from .exitcodes import ExitStatus
+from vlaunch.cache.contract.errors import CheckpointError, VlaunchError
+from vlaunch.cache.contract.exitcodes import ExitStatus
 
 if TYPE_CHECKING:
     import torch
 
-    from .manifest import Manifest
-    from .plan import SliceSpec
+    from vlaunch.cache.store.manifest import Manifest
+    from vlaunch.cache.store.plan import SliceSpec
 
-log = logging.getLogger("vlaunch.cache.reader")
+log = logging.getLogger("vlaunch.cache.store.reader")
 CHUNK = 64 << 20
 CUDA_CHUNK = 16 << 20  # pinned staging is costly to allocate: 2 buffers x threads x this
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import CacheBrokenError
+from vlaunch.cache.contract.errors import CacheBrokenError
 
 if TYPE_CHECKING:
     import torch
@@ -59,7 +59,7 @@ class Manifest:
 
 
 def _parse(obj: Any) -> Manifest:
-    from .dtypes import DTYPES
+    from vlaunch.cache.store.dtypes import DTYPES
 
     sizes = tuple(_int(s, "slab size") for s in obj["slab_sizes"])
     rows = obj["tensors"]
@@ -133,7 +133,7 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 def pack(items: list[tuple[str, str, tuple[int, ...]]], *, backend: str, alignment: int,
          max_slab: int) -> Manifest:
     """Lay (name, dtype, shape) out in as few slabs as `max_slab` allows, aligned."""
-    from .dtypes import DTYPES
+    from vlaunch.cache.store.dtypes import DTYPES
 
     sizes: list[int] = [0]
     records = []
@@ -154,7 +154,7 @@ def views(manifest: Manifest, slabs: list[torch.Tensor]) -> dict[str, torch.Tens
     """Named tensors that view the slabs (zero copy): one as_strided per tensor."""
     import torch
 
-    from .dtypes import to_torch
+    from vlaunch.cache.store.dtypes import to_torch
 
     typed: dict[tuple[int, str], torch.Tensor] = {}
     out = {}

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .protocol import VERSION
-from .version import __version__
+from vlaunch.cache.contract.protocol import VERSION
+from vlaunch.cache.contract.version import __version__
 
 FIELDS = (
     "protocol", "vlaunch", "checkpoint", "plan", "tp_size", "tp_rank", "pp_size", "pp_rank",

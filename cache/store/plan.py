@@ -45,9 +45,9 @@ from typing import TYPE_CHECKING, Any
 
 import tomllib
 
-from .checkpoint import Checkpoint, TensorEntry
-from .dtypes import DTYPES
-from .errors import PlanError, UsageError
+from vlaunch.cache.contract.errors import PlanError, UsageError
+from vlaunch.cache.store.checkpoint import Checkpoint, TensorEntry
+from vlaunch.cache.store.dtypes import DTYPES
 
 if TYPE_CHECKING:
     import torch

@@ -30,9 +30,9 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import INDEX_NAME
+from vlaunch.cache.store.checkpoint import INDEX_NAME
 
-log = logging.getLogger("vlaunch.cache.refmodel")
+log = logging.getLogger("vlaunch.cache.reference.refmodel")
 
 CONFIG_NAME = "config.json"
 MARKER_NAME = "vlaunch-refmodel.json"  # the arguments that wrote a checkpoint
@@ -465,10 +465,10 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Write a random checkpoint (`python -m vlaunch.cache.refmodel PATH`); prints its path."""
+    """Write a random checkpoint (`python -m vlaunch.cache.reference.refmodel PATH`)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m vlaunch.cache.refmodel",
+    p = argparse.ArgumentParser(prog="python -m vlaunch.cache.reference.refmodel",
                                 description="Write a random Llama checkpoint for the vlaunch "
                                             "reference engine.")
     p.add_argument("path")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .exitcodes import ExitStatus
+from vlaunch.cache.contract.exitcodes import ExitStatus
 
 
 class VlaunchError(Exception):

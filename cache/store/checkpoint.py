@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .dtypes import DTYPES
-from .errors import CheckpointError, ModelNotFoundError
+from vlaunch.cache.contract.errors import CheckpointError, ModelNotFoundError
+from vlaunch.cache.store.dtypes import DTYPES
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1000 * 1000

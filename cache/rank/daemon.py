@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import artifacts as art
-from . import fingerprint as fp
-from . import protocol, wire
-from .artifacts import ArtifactStore
-from .errors import ArtifactError, ProtocolError
-from .manifest import Manifest
-from .sockdir import check_peer
+from vlaunch.cache.contract import fingerprint as fp
+from vlaunch.cache.contract import protocol, wire
+from vlaunch.cache.contract.errors import ArtifactError, ProtocolError
+from vlaunch.cache.contract.sockdir import check_peer
+from vlaunch.cache.store import artifacts as art
+from vlaunch.cache.store.artifacts import ArtifactStore
+from vlaunch.cache.store.manifest import Manifest
 
 log = logging.getLogger("vlaunch.cache")
 FRAME_TIMEOUT = 10.0

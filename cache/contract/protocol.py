@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ProtocolError
+from vlaunch.cache.contract.errors import ProtocolError
 
 MAGIC = b"VLCH"
 VERSION = 1

@@ -13,13 +13,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import fingerprint as fp
-from . import wire
-from .errors import ProtocolError, VlaunchError
-from .exitcodes import ExitStatus
-from .manifest import Manifest
-from .plan import Layout
-from .sockdir import RankLock, ensure_socket_dir
+from vlaunch.cache.contract import fingerprint as fp
+from vlaunch.cache.contract import wire
+from vlaunch.cache.contract.errors import ProtocolError, VlaunchError
+from vlaunch.cache.contract.exitcodes import ExitStatus
+from vlaunch.cache.contract.sockdir import RankLock, ensure_socket_dir
+from vlaunch.cache.store.manifest import Manifest
+from vlaunch.cache.store.plan import Layout
 
 log = logging.getLogger("vlaunch.cache")
 
@@ -75,15 +75,15 @@ def _exit_quietly(signum: int, frame: Any) -> None:
 
 
 def _run(opts: RankOptions, rank: int) -> int:
-    from .slabs import get_backend
-    from .sockdir import default_socket_dir
+    from vlaunch.cache.contract.sockdir import default_socket_dir
+    from vlaunch.cache.store.slabs import get_backend
 
     directory = ensure_socket_dir(opts.socket_dir or default_socket_dir())
     lock = RankLock(directory, rank)
     lock.acquire()
     try:
         backend = get_backend(opts.device)
-        from .artifacts import ArtifactStore
+        from vlaunch.cache.store.artifacts import ArtifactStore
 
         store = ArtifactStore(_artifact_dir(opts.artifact_dir, rank))
         if opts.adopt_fd >= 0:
@@ -92,7 +92,7 @@ def _run(opts: RankOptions, rank: int) -> int:
             manifest, fds, fingerprint, release = _seed_or_load(opts, backend, rank, store)
         else:
             manifest, fds, fingerprint, release = _load(opts, backend, rank)
-        from .daemon import CacheServer
+        from vlaunch.cache.rank.daemon import CacheServer
 
         server = CacheServer(rank=rank, fingerprint=fingerprint, manifest=manifest, fds=fds,
                              device=backend.device, release=release, artifacts=store)
@@ -105,9 +105,9 @@ def _run(opts: RankOptions, rank: int) -> int:
 
 def _load(opts: RankOptions, backend: Any, rank: int) -> tuple[Manifest, list[int],
                                                                fp.Fingerprint, Any]:
-    from .manifest import with_checksums
-    from .reader import checksums
-    from .shard import load_shard
+    from vlaunch.cache.store.manifest import with_checksums
+    from vlaunch.cache.store.reader import checksums
+    from vlaunch.cache.store.shard import load_shard
 
     shard = load_shard(opts.model, opts.plan, opts.layout, backend, threads=opts.threads,
                        label=f"rank {rank} loading")
@@ -152,9 +152,9 @@ def _seed_or_load(opts: RankOptions, backend: Any, rank: int, store: Any
                   ) -> tuple[Manifest, list[int], fp.Fingerprint, Any]:
     """Seed from a running replica; on failure, end with SEED_FAILED or (--seed-fallback)
     load from disk with a warning."""
-    from .errors import SeedError
-    from .seed import seed_into
-    from .shard import empty_shard
+    from vlaunch.cache.contract.errors import SeedError
+    from vlaunch.cache.rank.seed import seed_into
+    from vlaunch.cache.store.shard import empty_shard
 
     try:
         shard = empty_shard(opts.model, opts.plan, opts.layout, backend)
@@ -209,7 +209,7 @@ async def _serve(server: Any, lock: RankLock, opts: RankOptions) -> None:
         loop.add_signal_handler(sig, stop.set)
     seeding = None
     if opts.seed_listen_port and opts.seed_token:
-        from .seed import SeedSource, source_port
+        from vlaunch.cache.rank.seed import SeedSource, source_port
 
         seeding = await SeedSource(server, opts.seed_token, timeout=opts.seed_timeout).start(
             opts.seed_listen_host, source_port(opts.seed_listen_port, server.rank))

@@ -14,14 +14,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .errors import UsageError
-from .loader import load
-from .meta import parameters_on_meta
+from vlaunch.cache.client.loader import load
+from vlaunch.cache.contract.errors import UsageError
+from vlaunch.cache.integrations.meta import parameters_on_meta
 
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("vlaunch.cache.hf")
+log = logging.getLogger("vlaunch.cache.integrations.hf")
 
 
 class HFModelError(UsageError):

@@ -12,26 +12,26 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import fingerprint as fp
-from . import wire
-from .errors import (
+from vlaunch.cache.contract import fingerprint as fp
+from vlaunch.cache.contract import wire
+from vlaunch.cache.contract.errors import (
     CacheBrokenError,
     CacheUnavailableError,
     FingerprintMismatchError,
     ProtocolError,
     SocketDirError,
 )
-from .manifest import Manifest, _int, views
-from .sockdir import check_peer, ensure_socket_dir
+from vlaunch.cache.contract.sockdir import check_peer, ensure_socket_dir
+from vlaunch.cache.store.manifest import Manifest, _int, views
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     import torch
 
-    from .slabs import Backend
+    from vlaunch.cache.store.slabs import Backend
 
-log = logging.getLogger("vlaunch.cache.client")
+log = logging.getLogger("vlaunch.cache.client.connection")
 
 _BACKENDS: dict[str, Backend] = {}
 
@@ -40,7 +40,7 @@ def backend_for(device: str) -> Backend:
     """The slab backend of `device`, made once per process and reused by every handoff."""
     backend = _BACKENDS.get(device)
     if backend is None:
-        from .slabs import get_backend
+        from vlaunch.cache.store.slabs import get_backend
 
         backend = _BACKENDS[device] = get_backend(device)
     return backend
@@ -218,7 +218,7 @@ class CacheClient:
 
     def artifact_get(self, kind: str, key: str) -> bytes | None:
         """An artifact's bytes, or None when the cache does not hold it."""
-        from .artifacts import decode
+        from vlaunch.cache.store.artifacts import decode
 
         with self._lock:
             self._send({"op": "artifact_get", "kind": kind, "key": key})
@@ -232,7 +232,7 @@ class CacheClient:
 
     def artifact_put(self, kind: str, key: str, data: bytes) -> None:
         """Hand an artifact to the cache (checked here first: name and size)."""
-        from .artifacts import check_name, check_size, encode
+        from vlaunch.cache.store.artifacts import check_name, check_size, encode
 
         check_name(kind, key)
         check_size(kind, len(data))

@@ -27,10 +27,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .errors import ArtifactError, VlaunchError
-from .protocol import MAX_ARTIFACT
+from vlaunch.cache.contract.errors import ArtifactError, VlaunchError
+from vlaunch.cache.contract.protocol import MAX_ARTIFACT
 
-log = logging.getLogger("vlaunch.cache.artifacts")
+log = logging.getLogger("vlaunch.cache.store.artifacts")
 MAX_COUNT = 64
 MAGIC = b"VLART1"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
@@ -185,7 +185,7 @@ def decode(text: str) -> bytes:
 
 def fetch(socket: Path | str, kind: str, key: str, *, timeout: float = 5.0) -> bytes | None:
     """The artifact from the cache at `socket`, or None on a miss or on any failure (warned)."""
-    from .client import CacheClient
+    from vlaunch.cache.client.connection import CacheClient
 
     try:
         client = CacheClient(socket, timeout=timeout, client="artifacts")
@@ -201,7 +201,7 @@ def fetch(socket: Path | str, kind: str, key: str, *, timeout: float = 5.0) -> b
 def hand_back(socket: Path | str, kind: str, key: str, data: bytes, *,
               timeout: float = 5.0) -> bool:
     """Give a freshly produced artifact to the cache; any failure is one warning, never raised."""
-    from .client import CacheClient
+    from vlaunch.cache.client.connection import CacheClient
 
     try:
         client = CacheClient(socket, timeout=timeout, client="artifacts")

@@ -8,15 +8,19 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from . import checkpoint
-from . import fingerprint as fp
-from . import slabs as _slabs  # noqa: F401  (imported here, not during the first handoff)
-from . import slabs_cuda as _slabs_cuda  # noqa: F401  (the same; it needs no torch to import)
-from .client import CacheClient, backend_for
-from .errors import CacheBrokenError, CacheUnavailableError, FingerprintMismatchError
-from .plan import Layout
-from .protocol import MODES
-from .sockdir import default_socket_dir, socket_path
+from vlaunch.cache.client.connection import CacheClient, backend_for
+from vlaunch.cache.contract import fingerprint as fp
+from vlaunch.cache.contract.errors import (
+    CacheBrokenError,
+    CacheUnavailableError,
+    FingerprintMismatchError,
+)
+from vlaunch.cache.contract.protocol import MODES
+from vlaunch.cache.contract.sockdir import default_socket_dir, socket_path
+from vlaunch.cache.store import checkpoint
+from vlaunch.cache.store import slabs as _slabs  # noqa: F401  (imported here, not during the first handoff)
+from vlaunch.cache.store import slabs_cuda as _slabs_cuda  # noqa: F401  (the same; it needs no torch to import)
+from vlaunch.cache.store.plan import Layout
 
 if TYPE_CHECKING:
     pass
@@ -57,7 +61,7 @@ def default_device() -> str:
 def expected_fingerprint(model: str, layout: Layout, device: str, plan: str = "llama",
                          kernel_backends: str = "", loader: str = "vlaunch") -> fp.Fingerprint:
     """The fingerprint a cache must have for this engine rank."""
-    from .plan import load_plan
+    from vlaunch.cache.store.plan import load_plan
 
     backend = backend_for(device)
     info = _DEVICE_INFO.get(device)
@@ -146,7 +150,7 @@ def _from_cache(path: os.PathLike[str], model: str, layout: Layout, device: str,
 
 def load_from_disk(model: str, layout: Layout, device: str, plan: str = "llama") -> Weights:
     """Read the same shard from the checkpoint into the engine's own memory."""
-    from .shard import PlainBackend, load_shard
+    from vlaunch.cache.store.shard import PlainBackend, load_shard
 
     shard = load_shard(model, plan, layout, PlainBackend(device),
                        label=f"rank {layout.global_rank} loading from disk")

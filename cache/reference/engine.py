@@ -1,6 +1,7 @@
 """The reference engine: greedy generation of a Llama checkpoint over HTTP, a process per rank.
 
-    python -m vlaunch.cache.engine --model DIR [--tensor-parallel-size N] [--device cpu|cuda]
+    python -m vlaunch.cache.reference.engine --model DIR [--tensor-parallel-size N]
+        [--device cpu|cuda]
         [--mode share|copy|copy-release] [--no-fallback] [--timeout S] [--host H] [--port P]
         [--port-file FILE] [--socket-dir DIR]
 
@@ -47,12 +48,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import psutil
 
-from .errors import VlaunchError
-from .exitcodes import CONFIG_ERROR_STATUSES
-from .protocol import MODES
+from vlaunch.cache.contract.errors import VlaunchError
+from vlaunch.cache.contract.exitcodes import CONFIG_ERROR_STATUSES
+from vlaunch.cache.contract.protocol import MODES
 
 if TYPE_CHECKING:
-    from .refmodel import ModelConfig, TPLlama
+    from vlaunch.cache.reference.refmodel import ModelConfig, TPLlama
 
 log = logging.getLogger("vlaunch.engine")
 
@@ -95,7 +96,7 @@ class EngineOptions:
 
     def worker_argv(self, rank: int, store_port: int) -> list[str]:
         """The command line that starts worker `rank`."""
-        argv = [sys.executable, "-m", "vlaunch.cache.engine", "--model", self.model,
+        argv = [sys.executable, "-m", "vlaunch.cache.reference.engine", "--model", self.model,
                 "--tensor-parallel-size", str(self.tp_size), "--device", self.device,
                 "--mode", self.mode, "--timeout", str(self.timeout),
                 "--log-level", self.log_level, "--worker-rank", str(rank),
@@ -115,7 +116,7 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv: Sequence[str] | None) -> EngineOptions:
     """Parse the command line; ConfigError on a bad one."""
-    p = _Parser(prog="python -m vlaunch.cache.engine",
+    p = _Parser(prog="python -m vlaunch.cache.reference.engine",
                 description="The vlaunch reference engine: greedy generation over HTTP.")
     p.add_argument("--model", required=True, help="checkpoint directory (config.json + "
                    "safetensors)")
@@ -170,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def exit_status(exc: BaseException) -> int:
     """78 for an error a restart cannot fix, 1 for any other."""
-    from .refmodel import ModelConfigError
+    from vlaunch.cache.reference.refmodel import ModelConfigError
 
     if isinstance(exc, (ConfigError, ModelConfigError)):
         return EX_CONFIG
@@ -207,8 +208,8 @@ def device_for(kind: str, rank: int, tp_size: int) -> str:
     """
     if kind == "cpu":
         return "cpu"
-    from .errors import DeviceError
-    from .slabs import cuda_index
+    from vlaunch.cache.contract.errors import DeviceError
+    from vlaunch.cache.store.slabs import cuda_index
 
     raw = os.environ.get("VLAUNCH_ENGINE_DEVICES", "")
     items = [x.strip() for x in raw.split(",") if x.strip()]
@@ -229,8 +230,8 @@ def start_rank(opts: EngineOptions, rank: int, cfg: ModelConfig, store: Any) -> 
     import torch
     import torch.distributed as dist
 
-    from . import load
-    from .refmodel import SingleRank, TorchDistributed, TPLlama
+    from vlaunch.cache import load
+    from vlaunch.cache.reference.refmodel import SingleRank, TorchDistributed, TPLlama
 
     device = device_for(opts.device, rank, opts.tp_size)
     if device.startswith("cuda"):
@@ -283,7 +284,7 @@ def run_generate(state: RankState, tokens: list[int], max_new: int) -> list[int]
     import torch
     import torch.distributed as dist
 
-    from .refmodel import greedy
+    from vlaunch.cache.reference.refmodel import greedy
 
     if state.tp_size > 1:
         dist.broadcast(torch.tensor([OP_GENERATE, len(tokens), max_new], dtype=torch.int64,
@@ -306,7 +307,7 @@ def run_worker(opts: EngineOptions) -> int:
     import torch
     import torch.distributed as dist
 
-    from .refmodel import ModelConfig, greedy
+    from vlaunch.cache.reference.refmodel import ModelConfig, greedy
 
     _die_with_parent(opts.parent_pid)
     # the launcher signals the whole process group; rank 0 alone decides when workers stop
@@ -357,7 +358,7 @@ class Engine:
     """Rank 0: HTTP in a thread, workers as children, every forward in the main thread."""
 
     def __init__(self, opts: EngineOptions) -> None:
-        from .refmodel import ModelConfig
+        from vlaunch.cache.reference.refmodel import ModelConfig
 
         self.opts = opts
         self.cfg = ModelConfig.from_dir(opts.model)

@@ -6,14 +6,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import Checkpoint, open_checkpoint
-from .manifest import Manifest, pack, views
-from .plan import HookPlan, Layout, load_plan, plan_rank
+from vlaunch.cache.store.checkpoint import Checkpoint, open_checkpoint
+from vlaunch.cache.store.manifest import Manifest, pack, views
+from vlaunch.cache.store.plan import HookPlan, Layout, load_plan, plan_rank
 
 if TYPE_CHECKING:
     import torch
 
-    from .slabs import Backend
+    from vlaunch.cache.store.slabs import Backend
 
 MAX_SLAB = 64 << 30
 
@@ -37,7 +37,7 @@ class Shard:
 def load_shard(model: str, plan_spec: str, layout: Layout, backend: Backend, *,
                threads: int = 8, label: str = "loading") -> Shard:
     """Plan, allocate and read a rank's shard into fresh slabs of `backend`."""
-    from .reader import fill
+    from vlaunch.cache.store.reader import fill
 
     start = time.perf_counter()
     ckpt = open_checkpoint(model)
@@ -52,7 +52,7 @@ def load_shard(model: str, plan_spec: str, layout: Layout, backend: Backend, *,
 
 def empty_shard(model: str, plan_spec: str, layout: Layout, backend: Backend) -> Shard:
     """Plan and allocate a rank's shard without reading any tensor data (to be seeded)."""
-    from .errors import SeedError
+    from vlaunch.cache.contract.errors import SeedError
 
     ckpt = open_checkpoint(model)
     plan = load_plan(plan_spec)
@@ -76,7 +76,7 @@ def _allocate(ckpt: Checkpoint, plan: Any, layout: Layout, backend: Backend,
 def _from_hook(ckpt: Checkpoint, plan: HookPlan, layout: Layout, backend: Backend,
                start: float) -> Shard:
     """Let an engine's hook build the rank's tensors, then pack them into slabs."""
-    from .dtypes import from_torch
+    from vlaunch.cache.store.dtypes import from_torch
 
     built = plan.build(ckpt, layout)
     items = [(name, from_torch(t.dtype), tuple(t.shape)) for name, t in built.items()]

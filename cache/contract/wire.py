@@ -8,8 +8,8 @@ import os
 import socket
 from typing import Any
 
-from . import protocol
-from .errors import ProtocolError
+from vlaunch.cache.contract import protocol
+from vlaunch.cache.contract.errors import ProtocolError
 
 _CMSG_SPACE = socket.CMSG_SPACE(protocol.MAX_FDS * 4)
 

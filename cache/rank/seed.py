@@ -23,15 +23,15 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import fingerprint as fp
-from . import protocol, wire
-from .errors import ArtifactError, ProtocolError, SeedError, VlaunchError
-from .manifest import Manifest
+from vlaunch.cache.contract import fingerprint as fp
+from vlaunch.cache.contract import protocol, wire
+from vlaunch.cache.contract.errors import ArtifactError, ProtocolError, SeedError, VlaunchError
+from vlaunch.cache.store.manifest import Manifest
 
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger("vlaunch.cache.seed")
+log = logging.getLogger("vlaunch.cache.rank.seed")
 CHUNK = 16 << 20
 TIMEOUT = 30.0
 SEED_IGNORED = ("device_uuid", "driver")
@@ -85,8 +85,8 @@ def check_layout(source: Manifest, ours: Manifest) -> None:
 def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifest,
               slabs: list[torch.Tensor], device: str, *, timeout: float = TIMEOUT) -> Seeded:
     """Copy the source rank's slabs (mapped from its fds) into `slabs`."""
-    from .client import CacheClient, _import
-    from .sockdir import socket_path
+    from vlaunch.cache.client.connection import CacheClient, _import
+    from vlaunch.cache.contract.sockdir import socket_path
 
     start = time.perf_counter()
     try:
@@ -159,7 +159,7 @@ def seed_tcp(host: str, port: int, token: str, ours: fp.Fingerprint, manifest: M
             for kind, key, _ in reply.get("artifacts") or []:
                 got = _ask(sock, {"op": "artifact_get", "kind": kind, "key": key}, miss=True)
                 if got.get("ok"):
-                    from .artifacts import decode
+                    from vlaunch.cache.store.artifacts import decode
 
                     artifacts.append((str(kind), str(key), decode(got["data"])))
     except (OSError, EOFError, ProtocolError, ArtifactError, ValueError, TypeError) as exc:
@@ -181,7 +181,7 @@ def _ask(sock: socket.socket, message: dict[str, Any], *, miss: bool = False) ->
 
 def _recv_into(sock: socket.socket, slab: torch.Tensor, n: int) -> None:
     """Read exactly n raw bytes into a slab (CPU directly, CUDA through a host buffer)."""
-    from .reader import _host_view
+    from vlaunch.cache.store.reader import _host_view
 
     staging = None if slab.device.type == "cpu" else bytearray(CHUNK)
     done = 0
@@ -207,7 +207,7 @@ def _verify(source: Manifest, slabs: list[torch.Tensor]) -> None:
     """Check the copied bytes against the source manifest's checksums, when it has them."""
     if not source.tensors or any(t.checksum is None for t in source.tensors):
         return
-    from .reader import checksums
+    from vlaunch.cache.store.reader import checksums
 
     got = checksums(source, slabs)
     bad = [t.name for t in source.tensors if got.get(t.name) != t.checksum]
@@ -301,7 +301,7 @@ class SeedSource:
             raise ProtocolError(f"no slab {index}")
         slab = self._slabs()[index]
         await self._send(writer, {"ok": True, "slab": index, "nbytes": sizes[index]})
-        from .reader import _chunks
+        from vlaunch.cache.store.reader import _chunks
 
         for part in _chunks(slab[:sizes[index]]):
             for at in range(0, len(part), CHUNK):
@@ -311,7 +311,7 @@ class SeedSource:
     def _slabs(self) -> list[torch.Tensor]:
         """The cache's own slabs, mapped read-only once (from its fds)."""
         if self._mapped is None:
-            from .client import backend_for
+            from vlaunch.cache.client.connection import backend_for
 
             backend = backend_for(self.server.device)
             self._mapped = [backend.import_fd(fd, size, readonly=True) for fd, size in

@@ -1,0 +1,1 @@
+"""Engine integrations: the vLLM load format, the transformers helper, FlashInfer tables."""

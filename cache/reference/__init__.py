@@ -1,0 +1,1 @@
+"""The reference engine (a small torch model server) and the checkpoint writer behind it."""

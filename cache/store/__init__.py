@@ -1,0 +1,1 @@
+"""How weights are read and held: checkpoints, shard plans, manifests, slabs, artifacts."""

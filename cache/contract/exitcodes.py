@@ -19,6 +19,7 @@ class ExitStatus(enum.IntEnum):
     USAGE = 64
     BAD_CHECKPOINT = 65
     NO_MODEL = 66
+    CHECKPOINT_CHANGED = 67
     RANK_START_FAILED = 68
     RANK_EXITED = 69
     INTERNAL = 70
@@ -28,6 +29,7 @@ class ExitStatus(enum.IntEnum):
     CACHE_BUSY = 75
     SEED_FAILED = 76
     BAD_PLAN = 78
+    VERIFY_FAILED = 79
     ENGINE_BUDGET = 80
     ENGINE_CONFIG = 81
     STOP_TIMEOUT = 82
@@ -54,6 +56,9 @@ EXIT_TABLE: tuple[ExitInfo, ...] = (
              "out-of-range tensors, wrong dtype size).", False),
     ExitInfo(ExitStatus.NO_MODEL, "launcher, cache",
              "The model path does not exist or holds no .safetensors file.", False),
+    ExitInfo(ExitStatus.CHECKPOINT_CHANGED, "launcher, cache",
+             "A checkpoint file changed (size, modification time or inode) while a cache rank "
+             "read it, twice in a row; nothing was served.", True),
     ExitInfo(ExitStatus.RANK_START_FAILED, "launcher",
              "A cache rank exited before it was ready, with a status that is not in this "
              "table (a crash, a signal, the OOM killer).", True),
@@ -80,6 +85,9 @@ EXIT_TABLE: tuple[ExitInfo, ...] = (
     ExitInfo(ExitStatus.BAD_PLAN, "launcher, cache",
              "The shard plan does not fit the checkpoint (a split dimension does not divide "
              "evenly, a bad plan file or hook, more pipeline stages than layers).", False),
+    ExitInfo(ExitStatus.VERIFY_FAILED, "launcher, cache, verify",
+             "A full check (vlaunch verify, or --verify after the first load) found tensors "
+             "whose bytes in the cache differ from the checkpoint files.", True),
     ExitInfo(ExitStatus.ENGINE_BUDGET, "launcher",
              "The engine kept exiting: its restart budget was exhausted.", True),
     ExitInfo(ExitStatus.ENGINE_CONFIG, "launcher",

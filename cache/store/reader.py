@@ -1,9 +1,10 @@
 """Read each rank's slices straight into its slabs: several reader threads, bounded staging.
 
-CPU slabs are read into directly (`preadv` into the mapping). CUDA slabs go through pinned
-staging buffers, one pair per reader thread, so that one buffer is being read from disk while
-the other is copied to the device on the thread's own stream. A slice that is not contiguous
-in the file (a split along dimension 1) is read span by span, never as a whole-tensor copy.
+CPU slabs are read into directly (`preadv` into the mapping). CUDA slabs go through one pool
+of pinned staging buffers that all reader threads share: while one buffer is read from disk,
+others are being copied to the device on the threads' streams. A slice that is not contiguous
+in the file (a split along dimension 1) is read as spans of whole rows and split after the
+read by one strided copy per span (on the device for CUDA slabs), never row by row.
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import queue
 import sys
 import threading
 import time
 import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.contract.errors import CheckpointError, VlaunchError
 from vlaunch.cache.contract.exitcodes import ExitStatus
@@ -30,7 +33,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vlaunch.cache.store.reader")
 CHUNK = 64 << 20
-CUDA_CHUNK = 16 << 20  # pinned staging is costly to allocate: 2 buffers x threads x this
+CUDA_CHUNK = 16 << 20  # pinned staging is costly to allocate: up to 2 buffers x threads x this
+NARROW = 1 << 20  # a split narrower than this per row is read as whole spans (see pieces)
 
 
 class ReadError(VlaunchError):
@@ -94,73 +98,233 @@ def fill(specs: list[SliceSpec], manifest: Manifest, slabs: list[torch.Tensor], 
          threads: int = 8, chunk: int = CHUNK, label: str = "loading") -> None:
     """Read every slice into its place in the slabs."""
     records = {t.name: t for t in manifest.tensors}
-    fds = {str(f): os.open(f, os.O_RDONLY | os.O_CLOEXEC)
-           for f in {str(s.source.file) for s in specs}}
-    progress = Progress(sum(s.nbytes for s in specs), label)
     cuda = bool(slabs) and slabs[0].is_cuda
     if cuda:
         chunk = min(chunk, CUDA_CHUNK)
-    work = [(s, block) for s in specs for block in s.blocks(chunk)]
-    local = threading.local()
+    work = [(s, p) for s in specs for p in pieces(s, chunk)]
+    fds = {str(f): os.open(f, os.O_RDONLY | os.O_CLOEXEC)
+           for f in {str(s.source.file) for s in specs}}
+    progress = Progress(sum(s.nbytes for s in specs), label)
+    mover = (_CudaMover(slabs[0].device, chunk, 2 * max(1, threads)) if cuda
+             else _HostMover(chunk))
 
-    def one(item: tuple[SliceSpec, tuple[int, int, list[tuple[int, int, int]]]]) -> None:
-        spec, (span_off, span_len, runs) = item
+    def one(item: tuple[SliceSpec, Piece]) -> None:
+        spec, piece = item
         rec = records[spec.name]
-        dst = slabs[rec.slab][rec.offset:rec.offset + rec.nbytes]
+        at = rec.offset + piece.at
         file = str(spec.source.file)
-        if cuda:
-            _copy_cuda(local, fds[file], file, dst, span_off, span_len, runs, chunk)
-        elif len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == span_len:
-            _pread_into(fds[file], _host_view(dst)[runs[0][2]:runs[0][2] + span_len], span_off,
-                        file)
-        else:
-            staging = _staging(local, chunk)
-            _pread_into(fds[file], staging[:span_len], span_off, file)
-            view = _host_view(dst)
-            for src, n, at in runs:
-                view[at:at + n] = staging[src:src + n]
-        progress.add(sum(n for _, n, _ in runs))
+        mover.move(fds[file], file, piece, slabs[rec.slab][at:at + piece.nbytes])
+        progress.add(piece.nbytes)
 
     try:
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="vlaunch-read") as pool:
             for _ in pool.map(one, work):
                 pass
-        if cuda:
-            import torch
-
-            torch.cuda.synchronize(slabs[0].device)
+        mover.finish()
     finally:
+        mover.close()
         for fd in fds.values():
             os.close(fd)
 
 
-def _staging(local: threading.local, chunk: int) -> memoryview:
-    if not hasattr(local, "host"):
-        local.host = memoryview(bytearray(chunk))
-    return local.host
+@dataclass(frozen=True)
+class Piece:
+    """One read: `rows` rows of `row` bytes at file offset `offset`; bytes [lo, lo + width) of
+    each row land, packed, at byte `at` of the slice. A contiguous piece is one whole row."""
+
+    offset: int
+    rows: int
+    row: int
+    lo: int
+    width: int
+    at: int
+
+    @property
+    def span(self) -> int:
+        """Bytes read from the file."""
+        return self.rows * self.row
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes written into the slice."""
+        return self.rows * self.width
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether every byte read is kept."""
+        return self.row == self.width
 
 
-def _copy_cuda(local: threading.local, fd: int, file: str, dst: torch.Tensor, span_off: int,
-               span_len: int, runs: list[tuple[int, int, int]], chunk: int) -> None:
-    """Read a span into a pinned buffer and copy its runs to the device asynchronously."""
+def pieces(spec: SliceSpec, chunk: int) -> list[Piece]:
+    """Cut a slice into reads of at most `chunk` bytes of file span each.
+
+    A split whose part of each row is narrower than NARROW (o_proj and down_proj at TP > 1)
+    is read as spans of whole rows, the other ranks' bytes included, and split after the read
+    by one strided copy: one read and one host-to-device copy per span instead of one per row.
+    A wider part is read where it lies, row by row, without reading the other ranks' bytes.
+    """
+    runs = spec.runs()
+    if not runs:
+        return []
+    width = runs[0][1]
+    if len(runs) > 1 and width < NARROW and runs[1][0] - runs[0][0] <= chunk:
+        row = runs[1][0] - runs[0][0]
+        first = spec.source.begin
+        per = chunk // row
+        return [Piece(first + i * row, min(per, len(runs) - i), row, runs[0][0] - first, width,
+                      i * width) for i in range(0, len(runs), per)]
+    out = []
+    at = 0
+    for offset, length in runs:
+        for start in range(0, length, chunk):
+            n = min(chunk, length - start)
+            out.append(Piece(offset + start, 1, n, 0, n, at + start))
+        at += length
+    return out
+
+
+def _split_copy(dst: torch.Tensor, span: torch.Tensor, piece: Piece) -> None:
+    """Each row's part of a span's bytes into `dst`, packed: one strided copy, in the widest
+    integer words that the offsets and addresses allow."""
     import torch
 
-    if not hasattr(local, "pinned"):
-        local.pinned = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        local.events = [None, None]
-        local.turn = 0
-        local.stream = torch.cuda.Stream(dst.device)
-    i = local.turn = 1 - local.turn
-    if local.events[i] is not None:
-        local.events[i].synchronize()  # the copy that last used this buffer has finished
-    buf = local.pinned[i]
-    _pread_into(fd, _host_view(buf)[:span_len], span_off, file)
-    with torch.cuda.stream(local.stream):
-        for src, n, at in runs:
-            dst[at:at + n].copy_(buf[src:src + n], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(local.stream)
-    local.events[i] = event
+    unit = next(u for u in (8, 4, 2, 1) if not (piece.row | piece.lo | piece.width
+                                               | span.data_ptr() | dst.data_ptr()) % u)
+    word = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[unit]
+    rows = span[:piece.span].view(word).view(piece.rows, piece.row // unit)
+    dst.view(word).view(piece.rows, piece.width // unit).copy_(
+        rows[:, piece.lo // unit:(piece.lo + piece.width) // unit])
+
+
+class _HostMover:
+    """CPU slabs: contiguous pieces are read straight into the slab; split spans through a
+    per-thread staging buffer and one strided copy (torch copies without the GIL)."""
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
+        self._local = threading.local()
+
+    def move(self, fd: int, file: str, piece: Piece, dst: torch.Tensor) -> None:
+        """Read one piece into `dst`."""
+        if piece.contiguous:
+            _pread_into(fd, _host_view(dst), piece.offset, file)
+            return
+        stage = getattr(self._local, "stage", None)
+        if stage is None:
+            import torch
+
+            stage = self._local.stage = torch.empty(self.chunk, dtype=torch.uint8)
+        _pread_into(fd, _host_view(stage)[:piece.span], piece.offset, file)
+        _split_copy(dst, stage, piece)
+
+    def finish(self) -> None:
+        """Nothing is in flight on the CPU."""
+
+    def close(self) -> None:
+        """Nothing to free: the staging buffers go with their threads."""
+
+
+class _CudaMover:
+    """CUDA slabs through one pool of pinned staging buffers that every reader thread shares.
+
+    A thread takes a free buffer (waiting for the copy that last used it), reads a piece into
+    it without the GIL (preadv), and queues the host-to-device copy on its own stream: straight
+    into the slab, or for a split span into the thread's device scratch, then one strided
+    device copy into the slab. The pool grows to `limit` buffers as threads need them, so
+    allocating pinned memory (slow, proportional to size) overlaps the first reads; it is
+    allocated once per load and freed at the end.
+
+    Why hand-written: fastsafetensors, kvikio and cuFile readers were weighed. Without the
+    nvidia-fs kernel module (absent in containers and VMs), cuFile and kvikio fall back to
+    POSIX reads into pinned bounce buffers, which is this pipeline, at the cost of a large
+    native dependency each; fastsafetensors reads whole files per rank and measured 26 GB/s
+    against this reader's 20-31 GB/s on the same H200. None splits a tensor per rank on the
+    device. The pipeline is some 60 lines over torch and os.preadv.
+    """
+
+    def __init__(self, device: torch.device, chunk: int, limit: int) -> None:
+        import torch
+
+        self.device, self.chunk, self.limit = device, chunk, limit
+        self._free: queue.SimpleQueue[tuple[torch.Tensor, Any]] = queue.SimpleQueue()
+        self._made = 0
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._scratch: list[torch.Tensor] = []
+        self._pinned_s = 0.0
+        self._torch = torch
+
+    def _take(self) -> tuple[torch.Tensor, Any]:
+        """A free pinned buffer and the event of its last copy (None: new)."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            grow = self._made < self.limit
+            self._made += grow
+        if not grow:
+            return self._free.get()
+        start = time.perf_counter()
+        buf = self._torch.empty(self.chunk, dtype=self._torch.uint8, pin_memory=True)
+        with self._lock:
+            self._pinned_s += time.perf_counter() - start
+        return buf, None
+
+    def _thread(self) -> tuple[Any, torch.Tensor | None]:
+        """This thread's stream and device scratch (made on first use)."""
+        local = self._local
+        if not hasattr(local, "stream"):
+            local.stream = self._torch.cuda.Stream(self.device)
+            local.scratch = None
+        return local.stream, local.scratch
+
+    def move(self, fd: int, file: str, piece: Piece, dst: torch.Tensor) -> None:
+        """Read one piece and queue its copies to `dst`."""
+        torch = self._torch
+        buf, event = self._take()
+        try:
+            if event is not None:
+                event.synchronize()  # the copy that last used this buffer has finished
+            _pread_into(fd, _host_view(buf)[:piece.span], piece.offset, file)
+            stream, scratch = self._thread()
+            with torch.cuda.stream(stream):
+                if piece.contiguous:
+                    dst.copy_(buf[:piece.span], non_blocking=True)
+                else:
+                    if scratch is None:
+                        scratch = self._local.scratch = torch.empty(
+                            self.chunk, dtype=torch.uint8, device=self.device)
+                        with self._lock:
+                            self._scratch.append(scratch)
+                    scratch[:piece.span].copy_(buf[:piece.span], non_blocking=True)
+                    _split_copy(dst, scratch, piece)  # in stream order: scratch is reused
+                event = torch.cuda.Event()
+                event.record(stream)
+        finally:
+            self._free.put((buf, event))
+
+    def finish(self) -> None:
+        """Wait for every queued copy."""
+        self._torch.cuda.synchronize(self.device)
+        log.debug("staging: %d pinned buffers of %d MiB, %.0f ms allocating them", self._made,
+                  self.chunk >> 20, self._pinned_s * 1e3)
+
+    def close(self) -> None:
+        """Free the pool and the scratch buffers (after finish, or on an error)."""
+        torch = self._torch
+        torch.cuda.synchronize(self.device)
+        while True:
+            try:
+                self._free.get_nowait()
+            except queue.Empty:
+                break
+        self._scratch.clear()
+        self._local = threading.local()
+        torch.cuda.empty_cache()
+        empty_host = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host is not None:  # torch keeps freed pinned blocks cached otherwise
+            empty_host()
 
 
 def checksums(manifest: Manifest, slabs: list[torch.Tensor], threads: int = 8) -> dict[str, int]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import struct
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from vlaunch.cache.contract.errors import CheckpointError, ModelNotFoundError
-from vlaunch.cache.store.dtypes import DTYPES
+from vlaunch.cache.store.dtypes import DTYPES, nbytes, shape_problem, unknown_dtype_message
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1000 * 1000
@@ -284,8 +283,7 @@ def _entry(file: Path, name: str, info: object, data_start: int, size: int) -> T
         raise CheckpointError(file, "entry is not a JSON object", tensor=name)
     dtype = info.get("dtype")
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise CheckpointError(file, f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})",
-                              tensor=name)
+        raise CheckpointError(file, unknown_dtype_message(dtype), tensor=name)
     shape = info.get("shape")
     if (not isinstance(shape, list) or len(shape) > MAX_RANK
             or not all(type(d) is int and d >= 0 for d in shape)):
@@ -297,7 +295,12 @@ def _entry(file: Path, name: str, info: object, data_start: int, size: int) -> T
         raise CheckpointError(file, f"data_offsets {offsets!r} is not [begin, end] with "
                               "0 <= begin <= end", tensor=name)
     begin, end = offsets
-    need = math.prod(shape) * DTYPES[dtype].itemsize
+    try:
+        need = nbytes(dtype, shape)
+    except ValueError as e:
+        raise CheckpointError(file, str(e), tensor=name) from None
+    if problem := shape_problem(dtype, shape):
+        raise CheckpointError(file, problem, tensor=name)
     if end - begin != need:
         dims = ",".join(map(str, shape))
         raise CheckpointError(file, f"{dtype} tensor of shape [{dims}] needs {need} bytes, "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,13 +64,13 @@ def _parse(obj: Any) -> Manifest:
     rows = obj["tensors"]
     if not isinstance(rows, list) or len(rows) > MAX_TENSORS or len(sizes) > 4096:
         raise ValueError("too many tensors or slabs")
-    itemsizes = {name: d.itemsize for name, d in DTYPES.items()}
+    bitsizes = {name: d.bits for name, d in DTYPES.items()}
     nslabs = len(sizes)
     tensors = []
     # One pass per row with the checks inlined: this runs on every handoff, for every tensor.
     for row in rows:
         name, dtype, shape, stride, slab, offset, nbytes, checksum = row
-        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or dtype not in itemsizes:
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or dtype not in bitsizes:
             raise ValueError(f"bad tensor name or dtype in row {row[:2]!r}")
         if len(shape) > MAX_DIMS or len(stride) != len(shape):
             raise ValueError(f"{name}: bad rank")
@@ -87,11 +86,13 @@ def _parse(obj: Any) -> Manifest:
         for value, what in ((slab, "slab"), (offset, "offset"), (nbytes, "nbytes")):
             if type(value) is not int or not 0 <= value <= _LIMIT:
                 _int(value, what)
-        item = itemsizes[dtype]
-        if nbytes != count * item or slab >= nslabs or offset % item:
+        bits = bitsizes[dtype]
+        if nbytes * 8 != count * bits or slab >= nslabs or offset % (bits >> 3 or 1):
             raise ValueError(f"{name}: size, slab or alignment inconsistent")
+        if bits & 7 and stride_t != contiguous_stride(shape_t):
+            raise ValueError(f"{name}: a {dtype} tensor must be laid out contiguously")
         # nbytes > 0 means every dim is > 0, so `span` is the strided view's extent
-        if nbytes and offset + span * item > sizes[slab]:
+        if nbytes and offset * 8 + span * bits > sizes[slab] * 8:
             raise ValueError(f"{name}: extends past the end of slab {slab}")
         if checksum is not None:
             _int(checksum, "checksum")
@@ -133,12 +134,12 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 def pack(items: list[tuple[str, str, tuple[int, ...]]], *, backend: str, alignment: int,
          max_slab: int) -> Manifest:
     """Lay (name, dtype, shape) out in as few slabs as `max_slab` allows, aligned."""
-    from vlaunch.cache.store.dtypes import DTYPES
+    from vlaunch.cache.store.dtypes import nbytes as size_of
 
     sizes: list[int] = [0]
     records = []
     for name, dtype, shape in items:
-        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        nbytes = size_of(dtype, shape)
         offset = -(-sizes[-1] // alignment) * alignment
         if offset + nbytes > max_slab and sizes[-1] > 0:
             sizes.append(0)
@@ -154,11 +155,14 @@ def views(manifest: Manifest, slabs: list[torch.Tensor]) -> dict[str, torch.Tens
     """Named tensors that view the slabs (zero copy): one as_strided per tensor."""
     import torch
 
-    from vlaunch.cache.store.dtypes import to_torch
+    from vlaunch.cache.store.dtypes import is_plain, to_torch
 
     typed: dict[tuple[int, str], torch.Tensor] = {}
     out = {}
     for t in manifest.tensors:
+        if not is_plain(t.dtype):  # packed or raw-byte dtypes: contiguous by construction
+            out[t.name] = _packed_view(slabs[t.slab], t)
+            continue
         base = typed.get((t.slab, t.dtype))
         if base is None:
             base = slabs[t.slab].view(to_torch(t.dtype))
@@ -166,6 +170,17 @@ def views(manifest: Manifest, slabs: list[torch.Tensor]) -> dict[str, torch.Tens
         item = base.element_size()
         out[t.name] = torch.as_strided(base, t.shape, t.stride, t.offset // item)
     return out
+
+
+def _packed_view(slab: torch.Tensor, t: TensorRecord) -> torch.Tensor:
+    """A view of a packed (F4) or raw-byte (F6, dtypes torch lacks) tensor's bytes."""
+    from vlaunch.cache.store.dtypes import served_shape, to_torch
+
+    if t.stride != contiguous_stride(t.shape):
+        raise CacheBrokenError(f"tensor {t.name!r} of dtype {t.dtype} is not contiguous; it "
+                               "can be served only as contiguous bytes")
+    raw = slab[t.offset:t.offset + t.nbytes]
+    return raw.view(to_torch(t.dtype)).reshape(served_shape(t.dtype, t.shape))
 
 
 def with_checksums(manifest: Manifest, checksums: dict[str, int]) -> Manifest:

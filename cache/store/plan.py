@@ -47,7 +47,8 @@ import tomllib
 
 from vlaunch.cache.contract.errors import PlanError, UsageError
 from vlaunch.cache.store.checkpoint import Checkpoint, TensorEntry
-from vlaunch.cache.store.dtypes import DTYPES
+from vlaunch.cache.store.dtypes import DTYPES, shape_problem
+from vlaunch.cache.store.dtypes import nbytes as size_of
 
 if TYPE_CHECKING:
     import torch
@@ -132,6 +133,8 @@ class SliceSpec:
         elif not 0 <= self.dim < len(self.full_shape) or self.full_shape[self.dim] % self.parts:
             raise ValueError(f"cannot split shape {self.full_shape} in {self.parts} along "
                              f"dim {self.dim}")
+        elif split_problem(self.dtype, self.full_shape, self.dim, self.parts):
+            raise ValueError(split_problem(self.dtype, self.full_shape, self.dim, self.parts))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -145,7 +148,7 @@ class SliceSpec:
     @property
     def nbytes(self) -> int:
         """Size of the slice in bytes."""
-        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+        return size_of(self.dtype, self.shape)
 
     def runs(self) -> list[Run]:
         """Return the slice's contiguous byte runs in the file, in row-major order."""
@@ -153,9 +156,9 @@ class SliceSpec:
             return []
         if self.dim is None or self.parts == 1:
             return [(self.source.begin, self.source.nbytes)]
-        inner = math.prod(self.full_shape[self.dim + 1:]) * DTYPES[self.dtype].itemsize
-        row = self.full_shape[self.dim] * inner  # source bytes per index of the outer dims
-        chunk = self.shape[self.dim] * inner
+        inner = math.prod(self.full_shape[self.dim + 1:]) * DTYPES[self.dtype].bits
+        row = self.full_shape[self.dim] * inner // 8  # source bytes per index of outer dims
+        chunk = self.shape[self.dim] * inner // 8  # whole bytes: checked in __post_init__
         first = self.source.begin + self.part * chunk
         return [(first + i * row, chunk) for i in range(math.prod(self.full_shape[:self.dim]))]
 
@@ -186,6 +189,19 @@ class SliceSpec:
                 blocks.append((offset, take, [(0, take, dst)]))
                 offset, length, dst = offset + take, length - take, dst + take
         return blocks
+
+
+def split_problem(dtype: str, shape: tuple[int, ...], dim: int, parts: int) -> str:
+    """Why splitting a sub-byte tensor this way would cut a byte; "" when it would not."""
+    if DTYPES[dtype].bits % 8 == 0:
+        return ""
+    part = list(shape)
+    part[dim] //= parts
+    inner = math.prod(shape[dim + 1:]) * DTYPES[dtype].bits
+    if part[dim] * inner % 8:
+        return (f"a part of {dtype} shape {list(shape)} split {parts} ways along dim {dim} "
+                "would end inside a byte")
+    return shape_problem(dtype, part)
 
 
 def _compile(pattern: re.Pattern[str] | str, plan: str) -> re.Pattern[str]:
@@ -338,6 +354,9 @@ def _slice(entry: TensorEntry, plan: ShardPlan, layout: Layout) -> SliceSpec:
                         f"{dim} (size {entry.shape[dim]}) does not divide evenly by tp size "
                         f"{layout.tp_size}; use a tp size that divides it, or a plan file or "
                         "hook for this model")
+    if dim is not None and (why := split_problem(entry.dtype, entry.shape, dim, layout.tp_size)):
+        raise PlanError(f"plan {plan.name}: tensor {entry.name!r}: {why}; use a tp size that "
+                        "keeps whole bytes, or split it along another dimension")
     parts, part = (1, 0) if dim is None else (layout.tp_size, layout.tp_rank)
     return SliceSpec(name=entry.name, dtype=entry.dtype, full_shape=entry.shape, dim=dim,
                      part=part, parts=parts, source=entry)

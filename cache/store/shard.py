@@ -76,16 +76,17 @@ def _allocate(ckpt: Checkpoint, plan: Any, layout: Layout, backend: Backend,
 def _from_hook(ckpt: Checkpoint, plan: HookPlan, layout: Layout, backend: Backend,
                start: float) -> Shard:
     """Let an engine's hook build the rank's tensors, then pack them into slabs."""
-    from vlaunch.cache.store.dtypes import from_torch
+    from vlaunch.cache.store.dtypes import from_torch, header_shape
 
     built = plan.build(ckpt, layout)
-    items = [(name, from_torch(t.dtype), tuple(t.shape)) for name, t in built.items()]
+    items = [(name, from_torch(t.dtype), header_shape(t.dtype, tuple(t.shape)))
+             for name, t in built.items()]
     manifest = pack(items, backend=backend.name, alignment=backend.alignment,
                     max_slab=MAX_SLAB)
     slabs = [backend.allocate(size) for size in manifest.slab_sizes]
     tensors = [s.tensor() for s in slabs]
     for name, view in views(manifest, tensors).items():
-        view.copy_(built[name])
+        view.copy_(built[name].view(view.dtype))  # packed dtypes (F4) copy as they are
     return Shard(manifest, slabs, tensors, ckpt, plan.identity, time.perf_counter() - start)
 
 

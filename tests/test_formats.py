@@ -1,0 +1,198 @@
+"""Every safetensors dtype, quantized layers and MoE experts: served as a serving engine needs."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from vlaunch.cache import load
+from vlaunch.cache.contract.errors import CheckpointError, PlanError
+from vlaunch.cache.contract.exitcodes import ExitStatus
+from vlaunch.cache.store import dtypes
+from vlaunch.cache.store.checkpoint import open_checkpoint
+from vlaunch.cache.store.dtypes import DTYPES
+
+from .conftest import spawn_cache
+
+# --- helpers --------------------------------------------------------------------------------
+
+
+def write_raw(path: Path, tensors: dict[str, tuple[str, list[int], bytes]]) -> None:
+    """Write a safetensors file by hand: header JSON + bytes (any dtype, even F6)."""
+    header, offset = {}, 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape,
+                        "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text
+                     + b"".join(d for _, _, d in tensors.values()))
+
+
+def random_bytes(n: int, seed: int) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes in row-major order, whatever its dtype."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor, what: object) -> None:
+    """Same dtype, shape, stride and bytes."""
+    assert (got.dtype, tuple(got.shape), got.stride()) == \
+        (want.dtype, tuple(want.shape), want.stride()), what
+    assert raw_bytes(got) == raw_bytes(want), what
+
+
+# --- dtypes ---------------------------------------------------------------------------------
+
+SHAPES = {"matrix": [4, 8], "scalar": [], "empty": [0, 8], "vector": [16]}
+
+
+@pytest.fixture(scope="module")
+def every_dtype(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One file with every dtype in several shapes, written by hand."""
+    path = tmp_path_factory.mktemp("dtypes") / "all.safetensors"
+    tensors = {}
+    for i, name in enumerate(DTYPES):
+        for j, (kind, shape) in enumerate(SHAPES.items()):
+            if dtypes.shape_problem(name, shape):
+                continue  # a 0-d F4 is half a byte: not a valid tensor
+            data = random_bytes(dtypes.nbytes(name, shape), 10 * i + j)
+            if name == "BOOL":
+                data = bytes(b & 1 for b in data)
+            tensors[f"{name}.{kind}"] = (name, shape, data)
+    write_raw(path, tensors)
+    return path
+
+
+def expected(path: Path) -> dict[str, torch.Tensor]:
+    """What an engine should get: safetensors' own tensors; raw uint8 bytes where it has none."""
+    out = {}
+    with safe_open(str(path), "pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            dtype = f.get_slice(name).get_dtype()
+            if dtypes.is_plain(dtype) or dtype == "F4":
+                out[name] = f.get_tensor(name)
+                continue
+            shape = f.get_slice(name).get_shape()
+            entry = open_checkpoint(path).tensors[name]
+            with open(path, "rb") as fh:
+                fh.seek(entry.begin)
+                data = fh.read(entry.nbytes)
+            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
+                torch.empty(0, dtype=torch.uint8)
+            out[name] = flat.reshape(dtypes.served_shape(dtype, tuple(shape)))
+    return out
+
+
+def test_every_safetensors_dtype_is_known() -> None:
+    for name in ("F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "C64"):
+        assert name in DTYPES
+    assert dtypes.to_torch("F8_E8M0") == torch.float8_e8m0fnu
+    assert dtypes.to_torch("F4") == torch.float4_e2m1fn_x2
+    assert dtypes.to_torch("C64") == torch.complex64
+    assert dtypes.to_torch("F6_E2M3") == torch.uint8  # torch has no 6-bit dtype: raw bytes
+    assert dtypes.nbytes("F4", (4, 8)) == 16 and dtypes.nbytes("F6_E3M2", (4, 8)) == 24
+    assert dtypes.served_shape("F4", (4, 8)) == (4, 4)
+    assert dtypes.served_shape("F6_E2M3", (4, 8)) == (4, 6)
+    assert dtypes.header_shape(torch.float4_e2m1fn_x2, (4, 4)) == (4, 8)
+    with pytest.raises(ValueError, match="not whole bytes"):
+        dtypes.nbytes("F4", (3,))
+    with pytest.raises(ValueError, match="not whole bytes"):
+        _ = DTYPES["F4"].itemsize
+
+
+def test_every_dtype_served_bit_exactly_in_share_copy_and_fallback(every_dtype: Path,
+                                                                    sockdir: Path,
+                                                                    caches) -> None:
+    want = expected(every_dtype)
+    assert {n.split(".")[0] for n in want} == set(DTYPES)
+    caches.append(spawn_cache(every_dtype, sockdir, "--plan", "replicate"))
+    for mode in ("share", "copy", "fallback"):
+        got = load(str(every_dtype), socket_dir=str(sockdir if mode != "fallback" else
+                                                     sockdir / "none"),
+                   plan="replicate", mode="copy" if mode == "fallback" else mode, timeout=10)
+        assert got.source == ("disk" if mode == "fallback" else "cache")
+        assert set(got) == set(want)
+        for name, ref in want.items():
+            assert_same(got[name], ref, (mode, name))
+
+
+def test_sub_byte_dtypes_split_on_byte_boundaries(tmp_path: Path, sockdir: Path,
+                                                  caches) -> None:
+    path = tmp_path / "packed.safetensors"
+    write_raw(path, {"rows.f4": ("F4", [8, 16], random_bytes(64, 1)),
+                     "cols.f4": ("F4", [8, 16], random_bytes(64, 2)),
+                     "cols.f6": ("F6_E2M3", [4, 16], random_bytes(48, 3)),
+                     "rows.e8m0": ("F8_E8M0", [8, 2], random_bytes(16, 4))})
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"rules": [{"pattern": "^rows", "dim": 0},
+                                          {"pattern": "^cols", "dim": 1}]}))
+    want = expected(path)
+    for rank in range(2):
+        caches.append(spawn_cache(path, sockdir, "--plan", str(plan), rank=rank, tp=2))
+    for rank in range(2):
+        for mode in ("share", "fallback"):
+            got = load(str(path), rank=rank, tensor_parallel_size=2, plan=str(plan),
+                       socket_dir=str(sockdir if mode == "share" else sockdir / "none"),
+                       timeout=10)
+            for name, ref in want.items():
+                dim = 0 if name.startswith("rows") else 1  # a served F4/F6 row is whole bytes
+                assert_same(got[name], ref.chunk(2, dim)[rank].contiguous(), (rank, mode, name))
+
+
+def test_a_split_inside_a_byte_is_refused(tmp_path: Path) -> None:
+    from vlaunch.cache.store.plan import Layout, ShardPlan, plan_rank
+
+    path = tmp_path / "m.safetensors"
+    write_raw(path, {"w": ("F4", [4, 6], random_bytes(12, 0))})
+    ckpt = open_checkpoint(path)
+    with pytest.raises(PlanError, match=r"inside a byte|multiple of 2"):
+        plan_rank(ckpt, ShardPlan("cols", ((r"^w$", 1),)), Layout(2, 0))
+
+
+def test_unknown_and_unpackable_dtypes_are_refused(tmp_path: Path, sockdir: Path) -> None:
+    import safetensors
+
+    write_raw(tmp_path / "odd.safetensors", {"w": ("F4", [2, 3], random_bytes(3, 0))})
+    with pytest.raises(CheckpointError, match="last dimension of shape \\[2,3\\] must be a "
+                       "multiple of 2"):
+        open_checkpoint(tmp_path / "odd.safetensors")
+    write_raw(tmp_path / "new.safetensors", {"w": ("F2_E1M0", [8], random_bytes(2, 0))})
+    with pytest.raises(CheckpointError) as err:
+        open_checkpoint(tmp_path / "new.safetensors")
+    assert f"safetensors {safetensors.__version__}" in str(err.value)
+    assert f"torch {torch.__version__}" in str(err.value)
+    assert "'F2_E1M0'" in str(err.value)
+    cache = spawn_cache(tmp_path / "new.safetensors", sockdir)
+    assert cache.proc.wait(30) == ExitStatus.BAD_CHECKPOINT == 65
+    assert b"F2_E1M0" in cache.proc.stderr.read()  # type: ignore[union-attr]
+
+
+def test_a_hook_may_build_packed_fp4_tensors(tmp_path: Path, monkeypatch) -> None:
+    from vlaunch.cache.store.plan import Layout
+    from vlaunch.cache.store.shard import PlainBackend, load_shard
+
+    write_raw(tmp_path / "m.safetensors", {"x": ("U8", [4], bytes(4))})
+    (tmp_path / "fp4hook.py").write_text(
+        "import torch\n"
+        "def build(ckpt, layout):\n"
+        "    raw = torch.arange(24, dtype=torch.uint8).reshape(4, 6)\n"
+        "    return {'w': raw.view(torch.float4_e2m1fn_x2), 'e': raw.view(torch.float8_e8m0fnu)}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    shard = load_shard(str(tmp_path), "fp4hook:build", Layout(1, 0), PlainBackend("cpu"))
+    rec = {t.name: t for t in shard.manifest.tensors}
+    assert (rec["w"].dtype, rec["w"].shape) == ("F4", (4, 12))
+    got = shard.named()
+    raw = torch.arange(24, dtype=torch.uint8).reshape(4, 6)
+    assert_same(got["w"], raw.view(torch.float4_e2m1fn_x2), "w")
+    assert_same(got["e"], raw.view(torch.float8_e8m0fnu), "e")

@@ -10,10 +10,13 @@ from typing import Any, TypeVar
 
 import click
 
+from vlaunch.cache.contract.cliopt import SourceOption
 from vlaunch.cache.contract.errors import VlaunchError
 from vlaunch.cache.contract.exitcodes import EXIT_TABLE, ExitStatus
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger("vlaunch.launcher")
+LOG_FORMAT = "%(asctime)s vlaunch[%(process)d] %(levelname)s %(message)s"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -53,7 +56,8 @@ def _config_callback(ctx: click.Context, param: click.Parameter, value: str | No
 
 
 def _opt(name: str, env: str, **kw: Any) -> Callable[[F], F]:
-    return click.option(name, envvar=f"VLAUNCH_{env}", show_envvar=True, show_default=True, **kw)
+    return click.option(name, cls=SourceOption, envvar=f"VLAUNCH_{env}", show_envvar=True,
+                        show_default=True, **kw)
 
 
 @cli.command("run", context_settings={"ignore_unknown_options": False})
@@ -145,17 +149,33 @@ def run(engine: tuple[str, ...], **options: Any) -> None:
     Without an engine command only the cache ranks run (the two-container layout). The exit
     status says what happened: see `vlaunch exit-codes`.
     """
-    from .executor import run as run_executor
     from .options import build_spec
 
-    logging.basicConfig(level=options["log_level"], stream=sys.stderr,
-                        format="%(asctime)s vlaunch[%(process)d] %(levelname)s %(message)s")
-    model = options["model"] or _embedded_model()
+    logging.basicConfig(level=options["log_level"], stream=sys.stderr, format=LOG_FORMAT)
     try:
-        spec = build_spec(options, engine, model)
+        spec = build_spec(options, engine, options["model"] or _embedded_model())
     except VlaunchError as exc:
+        if exc.status != ExitStatus.USAGE:
+            log.error("%s", exc)
+            sys.exit(int(exc.status))
         raise click.UsageError(str(exc)) from None
-    sys.exit(run_executor(spec))
+    sys.exit(_supervise(spec))
+
+
+def _supervise(spec: Any) -> int:
+    """Run the launcher in its socket directory; every failure becomes its exit status."""
+    from .executor import run as run_executor
+    from .preflight import owned_socket_dir
+
+    try:
+        with owned_socket_dir(spec.socket_dir, spec.health_host, spec.health_port):
+            return run_executor(spec)
+    except VlaunchError as exc:
+        log.error("%s", exc)
+        return int(exc.status)
+    except Exception:
+        log.exception("internal error (a bug: please report it with this traceback)")
+        return int(ExitStatus.INTERNAL)
 
 
 def _embedded_model() -> str:
@@ -171,9 +191,12 @@ def demo(tensor_parallel_size: int) -> None:
     """Run the embedded default: caches + reference engine on CPU, restart it, compare."""
     from .demo import run_demo
 
-    logging.basicConfig(level="INFO", stream=sys.stderr,
-                        format="%(asctime)s vlaunch[%(process)d] %(levelname)s %(message)s")
-    sys.exit(run_demo(tensor_parallel_size))
+    logging.basicConfig(level="INFO", stream=sys.stderr, format=LOG_FORMAT)
+    try:
+        sys.exit(run_demo(tensor_parallel_size))
+    except VlaunchError as exc:
+        log.error("%s", exc)
+        sys.exit(int(exc.status))
 
 
 @cli.command("status")

@@ -20,7 +20,9 @@ Contract with the executor:
 - Engine readiness, by `SupervisorConfig.engine_readiness`: "notify": the executor relays the
   engine's own sd_notify `READY=1` as `EngineReady`; "http": it polls the health URL and sends
   `EngineReady` when it first answers, then `EngineHealth` for each later probe; "none": the
-  engine's `Spawned` counts as ready (an `EngineReady` sent anyway is ignored).
+  engine counts as ready once it has stayed up `engine_settle` seconds after its `Spawned`
+  (at once when 0; an `EngineReady` sent anyway is ignored), so an engine that exits at once
+  is never reported ready.
 - `RunPreload` (only with `SupervisorConfig.preload`, once, when every rank is first ready) is
   answered by exactly one `PreloadDone`, after the command ended, timed out or failed to
   start; the engine is spawned (or READY=1 sent) only then. The executor kills a preload
@@ -221,6 +223,7 @@ class Supervisor:
         self._reload_deadline: float | None = None  # SIGHUP asked the engine to stop
         self._next_extend = -math.inf
         self._next_watchdog = -math.inf
+        self._settle_due: float | None = None  # readiness "none": when the engine counts ready
         self._handlers: dict[type, Callable[[Any], list[Action]]] = {
             Started: self._on_started, CacheReady: self._on_cache_ready,
             ChildExited: self._on_child_exited, EngineReady: self._on_engine_ready,
@@ -333,8 +336,16 @@ class Supervisor:
         actions: list[Action] = [Log("INFO", f"engine started (pid {e.pid}, attempt "
                                              f"{engine.attempt})")]
         if self.config.engine_readiness == "none":
-            actions += self._engine_became_ready(e.now)
+            self._settle_due = e.now + self.config.engine_settle
+            actions += self._settle_if_due(e.now)
         return actions
+
+    def _settle_if_due(self, now: float) -> list[Action]:
+        """Readiness "none": the engine is ready once it has stayed up engine_settle seconds."""
+        if self._settle_due is None or now < self._settle_due:
+            return []
+        self._settle_due = None
+        return self._engine_became_ready(now)
 
     def _on_cache_ready(self, e: CacheReady) -> list[Action]:
         """Mark a rank ready; the last one of the startup starts the engine (or READY=1)."""
@@ -375,7 +386,8 @@ class Supervisor:
 
     def _on_tick(self, e: Tick) -> list[Action]:
         """Fire whatever is due: watchdog, timeout extension, backoff, kill deadlines."""
-        return [*self._watchdog(e.now), *self._extend(e.now), *self._respawn_if_due(e.now),
+        return [*self._watchdog(e.now), *self._extend(e.now), *self._settle_if_due(e.now),
+                *self._respawn_if_due(e.now),
                 *self._reload_timeout(e.now), *self._stop_timeout(e.now)]
 
     def _on_child_exited(self, e: ChildExited) -> list[Action]:
@@ -493,8 +505,10 @@ class Supervisor:
         if engine.state not in _ENGINE_ALIVE or _stale(engine.pid, e.pid):
             return []
         self._reset_budget_if_stable(e.now)
+        self._settle_due = None
         self._engine = replace(engine, state=EngineState.EXITED, pid=None, last_exit=e.status)
-        what = f"engine (pid {e.pid}) exited: {describe_exit(e.status)}"
+        what = (f"engine (pid {e.pid}) exited: {describe_exit(e.status)}" if e.pid else
+                f"engine could not be started: {describe_exit(e.status)}")
         if self._stop is not None:
             return [Log("INFO", what), *self._stop_ranks(), *self._finish_if_done()]
         if self._reload_deadline is not None:

@@ -16,6 +16,17 @@ from typing import Any
 
 import click
 
+from vlaunch.cache.contract.errors import VlaunchError
+from vlaunch.cache.contract.exitcodes import ExitStatus
+
+
+class DemoError(VlaunchError):
+    """The demo could not run; `status` is the launcher's when it ended the demo."""
+
+    def __init__(self, message: str, status: int = int(ExitStatus.INTERNAL)) -> None:
+        super().__init__(message)
+        self.status = status  # type: ignore[assignment]
+
 
 def demo_dir() -> Path:
     """Where the demo checkpoint lives: $VLAUNCH_CACHE_DIR, else ~/.cache/vlaunch/demo."""
@@ -31,7 +42,11 @@ def ensure_demo_checkpoint() -> Path:
         code = ("import sys; from vlaunch.cache.reference.refmodel import make_checkpoint; "
                 "make_checkpoint(sys.argv[1], hidden=512, layers=8, heads=8, kv_heads=4, "
                 "intermediate=1536, vocab=8192, shards=2)")
-        subprocess.run([sys.executable, "-c", code, str(path)], check=True)
+        made = subprocess.run([sys.executable, "-c", code, str(path)], check=False)
+        if made.returncode:
+            raise DemoError(f"creating the demo checkpoint in {path} failed (status "
+                            f"{made.returncode}); its error is above; set VLAUNCH_CACHE_DIR to "
+                            "a writable directory, or reinstall vlaunch")
     return path
 
 
@@ -51,9 +66,11 @@ def _wait(what: str, fn: Callable[[], Any], proc: subprocess.Popen[bytes],
         if value:
             return value
         if proc.poll() is not None:
-            raise click.ClickException(f"{what}: process exited with {proc.returncode}")
+            status = proc.returncode if proc.returncode > 0 else int(ExitStatus.INTERNAL)
+            raise DemoError(f"{what}: process exited with {proc.returncode}; its error is "
+                            "above", status)
         time.sleep(0.05)
-    raise click.ClickException(f"timed out waiting for {what}")
+    raise DemoError(f"timed out waiting for {what}; check the machine's load")
 
 
 def _engine_cmd(model: Path, tp: int, port_file: Path, socket_dir: Path | None) -> list[str]:

@@ -35,6 +35,7 @@ class SupervisorConfig:
     engine_config_error_statuses: frozenset[int] = frozenset({78})
     on_rank_exit: RankPolicy = "shutdown"
     engine_readiness: Readiness = "none"
+    engine_settle: float = 0.0  # readiness "none": seconds the engine must stay up first
     stop_on_engine_success: bool = False
     watchdog_interval: float | None = None
     preload: bool = False  # run the preload command once, after the caches, before the engine
@@ -58,7 +59,7 @@ def _config_problems(c: SupervisorConfig) -> Iterator[str]:
     for name in ("restart_window", "stop_timeout"):
         if not _finite(getattr(c, name)) or getattr(c, name) <= 0:
             yield f"{name} must be a finite number > 0 (got {getattr(c, name)!r})"
-    for name in ("stable_after", "backoff_initial"):
+    for name in ("stable_after", "backoff_initial", "engine_settle"):
         if not _finite(getattr(c, name)) or getattr(c, name) < 0:
             yield f"{name} must be a finite number >= 0 (got {getattr(c, name)!r})"
     if not _finite(c.backoff_max) or c.backoff_max < c.backoff_initial:

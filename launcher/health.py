@@ -6,8 +6,10 @@ read the latest one, so a slow scrape never holds up a decision.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,6 +17,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+
+from vlaunch.cache.contract.errors import UsageError
 
 log = logging.getLogger("vlaunch.launcher")
 
@@ -91,7 +95,10 @@ class HealthServer:
             def log_message(self, fmt: str, *args: Any) -> None:
                 log.debug("http: " + fmt, *args)
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), Handler)
+        except OSError as exc:
+            raise _bind_error(host, port, exc) from None
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="vlaunch-http",
@@ -109,3 +116,21 @@ class HealthServer:
         """Stop serving."""
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def check_port(host: str, port: int) -> None:
+    """Raise UsageError now if the health server could not listen on host:port."""
+    try:
+        with socket.create_server((host, port), reuse_port=False) as sock:
+            sock.close()
+    except OSError as exc:
+        raise _bind_error(host, port, exc) from None
+
+
+def _bind_error(host: str, port: int, exc: OSError) -> UsageError:
+    """The usage error for a health address that cannot be listened on."""
+    if exc.errno == errno.EADDRINUSE:
+        return UsageError(f"health port {port} on {host} is already in use; pick another "
+                          "--health-port (0: a free one, -1: no HTTP)")
+    return UsageError(f"cannot serve health on {host}:{port} ({exc.strerror or exc}); fix "
+                      "--health-host or --health-port")

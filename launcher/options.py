@@ -15,6 +15,11 @@ from vlaunch.cache.contract.sockdir import default_socket_dir
 from .events import SupervisorConfig
 from .executor import RunSpec
 from .notify import watchdog_interval
+from .preflight import check_command
+
+ENGINE_SETTLE = 1.0
+"""Seconds an engine without a readiness check (--engine-ready none) must stay up before it
+counts as ready: one that exits at once is never reported ready."""
 
 
 def load_config(path: str) -> dict[str, Any]:
@@ -65,6 +70,12 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
         readiness = "http" if o["engine_health_url"] else "none"
     if readiness == "http" and not o["engine_health_url"]:
         raise UsageError("--engine-ready http needs --engine-health-url")
+    if o["seed_listen_port"] and not o["seed_token"]:
+        raise UsageError("--seed-listen-port needs a seed token: set VLAUNCH_SEED_TOKEN (or "
+                         "--seed-token) to a long secret, or drop --seed-listen-port")
+    check_command(engine, "engine command", "the command after --")
+    preload = _preload(o["preload_autotune"])
+    check_command(preload, "preload command", "--preload-autotune")
     try:
         config = SupervisorConfig(
             ranks=ranks, has_engine=bool(engine), restart_max=o["restart_max"],
@@ -73,6 +84,7 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
             stop_timeout=o["stop_timeout"],
             engine_config_error_statuses=frozenset(o["engine_config_error_status"]),
             on_rank_exit=o["on_rank_exit"], engine_readiness=readiness,
+            engine_settle=ENGINE_SETTLE if readiness == "none" else 0.0,
             stop_on_engine_success=o["stop_on_engine_success"],
             watchdog_interval=watchdog_interval(os.environ),
             preload=bool(o["preload_autotune"]))
@@ -89,7 +101,7 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
                    artifact_dir=o["artifact_dir"], seed=o["seed"], seed_token=o["seed_token"],
                    seed_fallback=o["seed_fallback"], seed_listen_host=o["seed_listen_host"],
                    seed_listen_port=o["seed_listen_port"],
-                   preload=_preload(o["preload_autotune"]),
+                   preload=preload,
                    preload_timeout=o["preload_timeout"])
 
 

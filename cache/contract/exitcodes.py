@@ -76,7 +76,8 @@ EXIT_TABLE: tuple[ExitInfo, ...] = (
     ExitInfo(ExitStatus.IO_ERROR, "launcher, cache", "Reading the checkpoint failed (I/O error).",
              True),
     ExitInfo(ExitStatus.CACHE_BUSY, "launcher, cache",
-             "Another cache process already holds this rank's lock in the socket directory.",
+             "Another cache process already holds this rank's lock in the socket directory, "
+             "or another launcher uses the socket directory.",
              True),
     ExitInfo(ExitStatus.SEED_FAILED, "launcher, cache",
              "Seeding a cache rank from a running replica failed (unreachable source, wrong "

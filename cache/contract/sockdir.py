@@ -28,8 +28,13 @@ def ensure_socket_dir(path: Path | str, *, create: bool = True) -> Path:
     """Create (0700) or check the directory: a real directory, ours, no group/other access."""
     path = Path(path)
     if create:
-        with contextlib.suppress(FileExistsError):
+        try:
             path.mkdir(mode=0o700, parents=True)
+        except FileExistsError:
+            pass
+        except OSError as exc:  # a parent that is a file, no permission, a read-only mount
+            raise SocketDirError(f"socket directory {path} is not usable: {exc.strerror}; "
+                                 "create it or pass --socket-dir") from None
     try:
         st = os.lstat(path)
     except OSError as exc:
@@ -86,6 +91,40 @@ class RankLock:
         for p in (self.socket, self.path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
+        os.close(self._fd)
+        self._fd = -1
+
+
+class LauncherLock:
+    """An exclusive flock on SOCKET_DIR/launcher.lock: one launcher per socket directory."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / "launcher.lock"
+        self._fd = -1
+
+    def acquire(self) -> None:
+        """Take the lock (held until release or exit) or raise CacheBusyError naming the
+        launcher that holds it."""
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                           0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self._fd)
+            self._fd = -1
+            raise CacheBusyError(f"another launcher (pid {holder}) uses socket directory "
+                                 f"{self.path.parent}; stop it first or use another "
+                                 "--socket-dir") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        """Remove the lock file, then drop the lock."""
+        if self._fd < 0:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
         os.close(self._fd)
         self._fd = -1
 

@@ -1,0 +1,58 @@
+"""Checks `vlaunch run` makes before it starts anything, and the socket directory it owns.
+
+Everything here fails with a documented status and leaves nothing behind: a bad socket
+directory (73), a second launcher on the same directory (75), a health port in use or an engine
+command that cannot run (64) are found before a rank spends minutes loading.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from vlaunch.cache.contract.errors import UsageError
+from vlaunch.cache.contract.sockdir import LauncherLock, ensure_socket_dir
+
+from .health import check_port
+
+log = logging.getLogger("vlaunch.launcher")
+
+
+def check_command(argv: tuple[str, ...], what: str, option: str,
+                  env: Mapping[str, str] | None = None) -> None:
+    """Raise UsageError when argv[0] is neither an executable path nor found on PATH."""
+    if not argv:
+        return
+    path = (env if env is not None else os.environ).get("PATH", os.defpath)
+    if shutil.which(argv[0], path=path) is None:
+        raise UsageError(f"{what} {argv[0]!r} is not an executable file and not found on "
+                         f"PATH; fix {option} (a full path, or install the program)")
+
+
+@contextlib.contextmanager
+def owned_socket_dir(directory: Path, health_host: str,
+                     health_port: int | None) -> Iterator[Path]:
+    """Create/check the socket directory and hold its launcher lock while the body runs.
+
+    The health port is checked before the directory is made; a directory this launcher
+    created is removed again at the end if nothing is left in it.
+    """
+    if health_port:
+        check_port(health_host, health_port)
+    created = not os.path.lexists(directory)
+    lock: LauncherLock | None = None
+    try:
+        directory = ensure_socket_dir(directory)
+        lock = LauncherLock(directory)
+        lock.acquire()
+        yield directory
+    finally:
+        if lock is not None:
+            lock.release()
+        if created:
+            with contextlib.suppress(OSError):
+                directory.rmdir()

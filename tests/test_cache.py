@@ -209,6 +209,7 @@ def test_32_concurrent_clients(llama_ckpt: Path, one_cache) -> None:
     errors: list[BaseException] = []
     barrier = threading.Barrier(32)
     clients: list[CacheClient] = []
+    held: list[dict] = []  # a share lease lasts while its tensors do
 
     def one() -> None:
         try:
@@ -217,6 +218,7 @@ def test_32_concurrent_clients(llama_ckpt: Path, one_cache) -> None:
             barrier.wait(10)
             c.hello(engine)
             tensors = c.map(c.manifest())
+            held.append(tensors)
             for name, t in ref.items():
                 assert _same_bits(tensors[name], t)
         except BaseException as exc:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import _thread
+import contextlib
 import logging
 import os
 import select
 import socket
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vlaunch.cache.client.connection")
 
+IO_TIMEOUT = 30.0
+"""Seconds each step of a handoff (a reply, the slab fds) may take: a stalled cache fails."""
+
 _BACKENDS: dict[str, Backend] = {}
 
 
@@ -49,14 +54,17 @@ def backend_for(device: str) -> Backend:
 class CacheClient:
     """One connection to a cache rank; while it is open, the engine holds a lease."""
 
-    def __init__(self, path: Path | str, *, timeout: float = 0.0, client: str = "") -> None:
+    def __init__(self, path: Path | str, *, timeout: float = 0.0, client: str = "",
+                 io_timeout: float | None = None) -> None:
         self.path = Path(path)
         self.client = client or f"pid {os.getpid()}"
         self.bytes_mapped = 0
         self.mode = ""
+        self.io_timeout = io_timeout_default() if io_timeout is None else io_timeout
         self._lock = threading.Lock()
-        self._sock = _connect(self.path, timeout)
+        self._sock = _connect(self.path, timeout, self.io_timeout)
         self._watching = False
+        self._slabs_alive: list[None] = []  # one entry per mapped slab still referenced
         self._unread = 0  # replies to notify() not read yet; read before the next request
 
     def request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -84,6 +92,8 @@ class CacheClient:
                     log.warning("the vlaunch cache at %s refused a notification: %s: %s",
                                 self.path, reply.get("error"), reply.get("message"))
             wire.send_frame(self._sock, message)
+        except TimeoutError:
+            raise self._stalled() from None
         except (OSError, EOFError) as exc:
             raise CacheUnavailableError(f"cache at {self.path} went away: {exc}") from None
 
@@ -91,8 +101,17 @@ class CacheClient:
         """Receive one reply frame (lock held)."""
         try:
             return wire.recv_frame(self._sock)
+        except TimeoutError:
+            raise self._stalled() from None
         except (OSError, EOFError) as exc:
             raise CacheUnavailableError(f"cache at {self.path} went away: {exc}") from None
+
+    def _stalled(self) -> CacheUnavailableError:
+        """The error for a cache that stopped answering: the connection is unusable now."""
+        self.close()
+        return CacheUnavailableError(
+            f"the cache at {self.path} did not answer within {self.io_timeout:g} s (stopped or "
+            "overloaded?); check the rank with vlaunch status, or raise VLAUNCH_IO_TIMEOUT")
 
     def _checked(self, reply: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         """The reply if it is ok; else its fds are closed and its error raised."""
@@ -118,16 +137,18 @@ class CacheClient:
         """The validated manifest of the rank."""
         return Manifest.from_wire(self.request({"op": "manifest"})[0]["manifest"])
 
-    def map(self, manifest: Manifest, *, mode: str = "share",
-            device: str = "cpu") -> dict[str, torch.Tensor]:
-        """Map the slabs (share) or copy them into our own memory (copy, copy-release)."""
-        _, fds = self.request({"op": "open", "mode": mode})
+    def map(self, manifest: Manifest, *, mode: str = "share", device: str = "cpu",
+            layout: str = "") -> dict[str, torch.Tensor]:
+        """Map the slabs (share) or copy them into our own memory (copy, copy-release);
+        `layout`: an engine layout's key (docs/engine-layout.md), else the raw layout."""
+        _, fds = self.request({"op": "open", "mode": mode, **({"layout": layout} if layout
+                                                              else {})})
         slabs = _import(fds, manifest.slab_sizes, device)
         if mode != "share":
             slabs = [s.clone() for s in slabs]  # one device copy per slab; mappings drop here
         tensors = views(manifest, slabs)
         with self._lock:
-            self._mapped(manifest, mode)
+            self._mapped(manifest, mode, slabs)
         return tensors
 
     def handoff(self, fingerprint: Callable[[], fp.Fingerprint], *, mode: str = "share",
@@ -190,13 +211,14 @@ class CacheClient:
             except BaseException:
                 self._unread += owed
                 raise
+            held = list(mapped) if mode == "share" else []
             mapped.clear()  # copy modes: waits for the copies, then unmaps
-            self._mapped(manifest, mode)
+            self._mapped(manifest, mode, held)
         return tensors
 
-    def _mapped(self, manifest: Manifest, mode: str) -> None:
+    def _mapped(self, manifest: Manifest, mode: str, slabs: list[torch.Tensor]) -> None:
         """Tell the cache what we hold, without a round trip; after copy-release, have it drop
-        its copy and wait for that (lock held)."""
+        its copy and wait for that (lock held). A share lease ends once `slabs` are unused."""
         self.mode, self.bytes_mapped = mode, manifest.nbytes if mode == "share" else 0
         self._send({"op": "mapped", "mode": mode, "bytes": self.bytes_mapped})
         if mode == "copy-release":
@@ -206,7 +228,24 @@ class CacheClient:
         else:
             self._unread += 1
         if mode == "share":  # a lease; the copy modes hold nothing of the cache's
+            self._hold(slabs)
             self.watch()
+
+    def _hold(self, slabs: list[torch.Tensor]) -> None:
+        """End the lease when the last tensor over these slabs is gone (any view keeps it)."""
+        self._slabs_alive = [None] * len(slabs)
+        for slab in slabs:
+            # A storage's Python object lives exactly as long as its memory (torch keeps it
+            # alive while any tensor uses the storage), so this fires when the mapping goes.
+            weakref.finalize(slab.untyped_storage(), self._slab_gone)
+
+    def _slab_gone(self) -> None:
+        """A mapped slab was freed; after the last one, the lease ends (GC may call this)."""
+        with contextlib.suppress(IndexError):
+            self._slabs_alive.pop()  # atomic under the GIL: no lock a finalizer could block on
+        if not self._slabs_alive:
+            log.debug("lease on %s ended: the engine dropped its tensors", self.path)
+            self.close()
 
     def status(self) -> dict[str, Any]:
         """The cache's status snapshot."""
@@ -246,31 +285,114 @@ class CacheClient:
         return [(str(k), str(h), int(n)) for k, h, n in rows]
 
     def watch(self) -> None:
-        """Warn once, from a daemon thread, when the cache process goes away."""
-        if not self._watching:
+        """Warn once when the cache process goes away (one watcher thread serves every lease)."""
+        if not self._watching and self._sock.fileno() >= 0:
             self._watching = True
-            # _thread, not threading: Thread.start() waits until the new thread has run, which
-            # costs a scheduler wake-up (a quarter of a millisecond) inside the handoff.
-            _thread.start_new_thread(self._watch, ())
+            _WATCHER.add(self)
 
-    def _watch(self) -> None:
-        poller = select.poll()
-        try:
-            poller.register(self._sock.fileno(), select.POLLRDHUP | select.POLLHUP)
-        except (ValueError, OSError):  # closed before this thread ran: nothing to watch
-            return
-        while self._sock.fileno() >= 0:
-            for _, event in poller.poll(1000):
-                if event & (select.POLLRDHUP | select.POLLHUP | select.POLLNVAL):
-                    if self._sock.fileno() >= 0:
-                        log.warning("the vlaunch cache at %s went away; the %d bytes already "
-                                    "mapped stay valid and the engine keeps serving", self.path,
-                                    self.bytes_mapped)
-                    return
+    def went_away(self) -> None:
+        """Called by the watcher when the cache closed this lease's connection."""
+        log.warning("the vlaunch cache at %s went away; the %d bytes already mapped stay valid "
+                    "and the engine keeps serving", self.path, self.bytes_mapped)
 
     def close(self) -> None:
         """End the lease (mapped tensors stay valid: the mappings hold the memory)."""
+        if self._watching:
+            self._watching = False
+            _WATCHER.remove(self)
         self._sock.close()
+
+
+class _Watcher:
+    """One daemon thread that polls every lease's connection for the cache hanging up."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._clients: dict[int, CacheClient] = {}  # fd -> client
+        self._wake_r, self._wake_w = -1, -1
+        self._thread = False
+
+    def add(self, client: CacheClient) -> None:
+        """Watch `client`'s connection until it is removed or hangs up."""
+        with self._lock:
+            self._clients[client._sock.fileno()] = client
+            self._start()
+        self._wake()
+
+    def remove(self, client: CacheClient) -> None:
+        """Stop watching (before the socket closes, so its fd number is never misread)."""
+        with self._lock:
+            fd = next((f for f, c in self._clients.items() if c is client), None)
+            if fd is not None:
+                del self._clients[fd]
+        if fd is not None:
+            self._wake()
+
+    def count(self) -> int:
+        """Leases being watched."""
+        return len(self._clients)
+
+    def _start(self) -> None:
+        """Start the thread once per process (lock held)."""
+        if self._thread:
+            return
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._thread = True
+        # _thread, not threading: Thread.start() waits until the new thread has run, which
+        # costs a scheduler wake-up (a quarter of a millisecond) inside the first handoff.
+        _thread.start_new_thread(self._run, (self._wake_r,))
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"x")
+
+    def _run(self, wake: int) -> None:
+        hangup = select.POLLRDHUP | select.POLLHUP
+        while True:
+            poller = select.poll()
+            poller.register(wake, select.POLLIN)
+            with self._lock:
+                watched = dict(self._clients)
+            for fd in watched:
+                poller.register(fd, hangup)
+            for fd, event in poller.poll():
+                if fd == wake:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(wake, 4096)
+                elif event & (hangup | select.POLLERR | select.POLLNVAL):
+                    self._hung_up(fd, watched[fd], warn=not event & select.POLLNVAL)
+
+    def _hung_up(self, fd: int, client: CacheClient, *, warn: bool) -> None:
+        with self._lock:
+            if self._clients.get(fd) is not client:
+                return  # removed (and maybe closed) while we polled
+            del self._clients[fd]
+        if warn and client._sock.fileno() >= 0:
+            client.went_away()
+
+    def after_fork(self) -> None:
+        """A forked child has no watcher thread and no leases of its own."""
+        self._lock = threading.Lock()
+        self._clients.clear()
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._wake_r, self._wake_w, self._thread = -1, -1, False
+
+
+_WATCHER = _Watcher()
+os.register_at_fork(after_in_child=_WATCHER.after_fork)
+
+
+def io_timeout_default() -> float:
+    """$VLAUNCH_IO_TIMEOUT (seconds), else IO_TIMEOUT."""
+    raw = os.environ.get("VLAUNCH_IO_TIMEOUT", "")
+    try:
+        value = float(raw) if raw else IO_TIMEOUT
+    except ValueError:
+        value = IO_TIMEOUT
+    return value if value > 0 else IO_TIMEOUT
 
 
 def _slab_sizes(obj: Any) -> tuple[int, ...]:
@@ -297,15 +419,20 @@ def _import(fds: list[int], sizes: tuple[int, ...], device: str) -> list[torch.T
             os.close(fd)
 
 
-def _connect(path: Path, timeout: float) -> socket.socket:
-    """Connect to a cache socket, retrying until `timeout`; checks the directory and peer."""
+def _connect(path: Path, timeout: float, io_timeout: float = IO_TIMEOUT) -> socket.socket:
+    """Connect to a cache socket, retrying until `timeout`; checks the directory and peer.
+
+    The socket comes back with `io_timeout` set: every later send and receive is bounded."""
     deadline = time.monotonic() + timeout
+    busy_until = time.monotonic() + max(timeout, io_timeout)
     while True:
         try:
             ensure_socket_dir(path.parent, create=False)
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             try:
+                sock.setblocking(False)  # a full backlog (a stalled cache) answers EAGAIN
                 sock.connect(str(path))
+                sock.settimeout(io_timeout)
                 check_peer(sock)
             except BaseException:
                 sock.close()
@@ -315,6 +442,13 @@ def _connect(path: Path, timeout: float) -> socket.socket:
             if time.monotonic() >= deadline:
                 raise CacheUnavailableError(f"no cache is serving {path} ({exc.strerror}); "
                                             "start it with vlaunch run or vlaunch cache") from None
+            time.sleep(0.05)
+        except BlockingIOError:
+            if time.monotonic() >= busy_until:
+                raise CacheUnavailableError(
+                    f"the cache at {path} accepts no connection (its backlog is full for "
+                    f"{max(timeout, io_timeout):g} s: stopped or overloaded?); check the rank "
+                    "with vlaunch status, or raise VLAUNCH_IO_TIMEOUT") from None
             time.sleep(0.05)
         except SocketDirError as exc:
             if path.parent.exists() or time.monotonic() >= deadline:

@@ -215,6 +215,9 @@ def _add_cache_command() -> None:
     from vlaunch.cache.rank.cli import cache_command
 
     cli.add_command(cache_command)
+    from .verify import verify
+
+    cli.add_command(verify)
 
 
 _add_cache_command()

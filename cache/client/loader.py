@@ -6,8 +6,7 @@ import contextlib
 import gc
 import logging
 import os
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vlaunch.cache.client.connection import CacheClient, backend_for
 from vlaunch.cache.contract import fingerprint as fp
@@ -18,7 +17,7 @@ from vlaunch.cache.contract.errors import (
 )
 from vlaunch.cache.contract.protocol import MODES
 from vlaunch.cache.contract.sockdir import default_socket_dir, socket_path
-from vlaunch.cache.store import identity
+from vlaunch.cache.store import checkpoint
 from vlaunch.cache.store import slabs as _slabs  # noqa: F401  (imported here, not during the first handoff)
 from vlaunch.cache.store import slabs_cuda as _slabs_cuda  # noqa: F401  (the same; it needs no torch to import)
 from vlaunch.cache.store.plan import Layout
@@ -47,9 +46,6 @@ class Weights(dict):  # type: ignore[type-arg]
     client: CacheClient | None = None
     bytes_outside: int = 0
     reason: str = ""
-    layout: str = ""  # the engine layout's key when these are the engine's own tensors
-    copied: frozenset[str] = frozenset()  # engine layout tensors that are private copies
-    layout_miss: str = ""  # why load(layout=...) got the raw tensors instead
 
 
 def default_device() -> str:
@@ -62,21 +58,15 @@ def default_device() -> str:
 
 
 def expected_fingerprint(model: str, layout: Layout, device: str, plan: str = "llama",
-                         kernel_backends: str = "", loader: str = "vlaunch",
-                         socket: os.PathLike[str] | None = None,
-                         identities: tuple[str, str] | None = None) -> fp.Fingerprint:
-    """The fingerprint a cache must have for this engine rank (`socket`: the rank's, whose
-    identity memo spares reading samples of files that did not change; `identities`: the
-    checkpoint's (header, data) identities when they are known already)."""
+                         kernel_backends: str = "", loader: str = "vlaunch") -> fp.Fingerprint:
+    """The fingerprint a cache must have for this engine rank."""
     from vlaunch.cache.store.plan import load_plan
 
     backend = backend_for(device)
     info = _DEVICE_INFO.get(device)
     if info is None:
         info = _DEVICE_INFO[device] = backend.device_info()
-    header, data = identities or identity.identities(
-        model, identity.memo_path(socket) if socket else None)
-    return fp.build(checkpoint=header, checkpoint_data=data, plan=load_plan(plan).identity,
+    return fp.build(checkpoint=checkpoint.checkpoint_identity(model), plan=load_plan(plan).identity,
                     layout=layout.as_dict(), dtype="checkpoint", backend=backend.name,
                     device=info, kernel_backends=kernel_backends, loader=loader)
 
@@ -85,44 +75,18 @@ def load(model: str, *, rank: int = 0, tensor_parallel_size: int = 1,
          pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
          socket_dir: str | None = None, mode: str = "share", fallback: bool = True,
          timeout: float = 60.0, device: str | None = None, plan: str = "llama",
-         kernel_backends: str = "", loader: str = "vlaunch",
-         layout: Mapping[str, Any] | None = None) -> Weights:
-    """The rank's shard as named tensors: from the cache, else (fallback) from disk.
-
-    `layout`: the fields of the engine layout to map first (docs/engine-layout.md); when the
-    cache holds none that matches, the raw tensors come back with `layout_miss` set.
-    """
+         kernel_backends: str = "", loader: str = "vlaunch") -> Weights:
+    """The rank's shard as named tensors: from the cache, else (fallback) from disk."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
-    fields, layout = layout, Layout.from_global(rank, tensor_parallel_size,
-                                                pipeline_parallel_size, data_parallel_size)
+    layout = Layout.from_global(rank, tensor_parallel_size, pipeline_parallel_size,
+                                data_parallel_size)
     device = device or default_device()
     path = socket_path(socket_dir or default_socket_dir(), rank)
-    if not fallback and timeout > 0 and not os.path.exists(path):
-        log.warning("rank %d: waiting up to %g s for the cache at %s (fallback=False)", rank,
-                    timeout, path)
-    miss = ""
-    if fields is not None and mode != "copy-release":
-        from vlaunch.cache.client import layout as engine_layout
-
-        try:
-            return engine_layout.load_layout(path, model, layout, device, fields, mode=mode,
-                                             plan=plan, kernel_backends=kernel_backends,
-                                             loader=loader, timeout=0.0 if fallback else timeout)
-        except (engine_layout.LayoutMissError, CacheUnavailableError,
-                FingerprintMismatchError, CacheBrokenError) as exc:
-            miss = str(exc)
-            log.info("rank %d: no engine layout to map (%s); taking the raw layout", rank, exc)
     try:
-        weights = _from_cache(path, model, layout, device, mode, plan, kernel_backends, loader,
-                              0.0 if fallback else timeout)
-        weights.layout_miss = miss
-        return weights
+        return _from_cache(path, model, layout, device, mode, plan, kernel_backends, loader,
+                           0.0 if fallback else timeout)
     except (CacheUnavailableError, FingerprintMismatchError, CacheBrokenError) as exc:
-        if not fallback and isinstance(exc, CacheUnavailableError):
-            raise CacheUnavailableError(f"{exc}; waited {timeout:g} s for it: pass a larger "
-                                        "timeout to load() (the engine's --timeout) to wait "
-                                        "longer") from None
         if not fallback:
             raise
         kind = {CacheUnavailableError: "unavailable", FingerprintMismatchError: "mismatched",
@@ -130,7 +94,7 @@ def load(model: str, *, rank: int = 0, tensor_parallel_size: int = 1,
         log.warning("vlaunch cache for rank %d is %s (%s); loading from disk instead", rank,
                     kind, exc)
         weights = load_from_disk(model, layout, device, plan)
-        weights.reason, weights.layout_miss = f"{kind}: {exc}", miss
+        weights.reason = f"{kind}: {exc}"
         return weights
 
 
@@ -152,8 +116,7 @@ def cached_nbytes(model: str, *, rank: int = 0, tensor_parallel_size: int = 1,
     except CacheUnavailableError:
         return 0
     try:
-        client.hello(expected_fingerprint(model, layout, device, plan, kernel_backends, loader,
-                                          path))
+        client.hello(expected_fingerprint(model, layout, device, plan, kernel_backends, loader))
         return client.manifest().nbytes
     except (CacheUnavailableError, FingerprintMismatchError, CacheBrokenError):
         return 0
@@ -168,8 +131,7 @@ def _from_cache(path: os.PathLike[str], model: str, layout: Layout, device: str,
     gc.disable()  # a collection pass would cost more than the rest of the handoff
     try:
         tensors = client.handoff(lambda: expected_fingerprint(
-            model, layout, device, plan, kernel_backends, loader, path), mode=mode,
-            device=device)
+            model, layout, device, plan, kernel_backends, loader), mode=mode, device=device)
     except BaseException:
         client.close()
         raise

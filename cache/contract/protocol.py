@@ -106,6 +106,7 @@ REQUESTS: dict[str, dict[str, tuple[type, bool]]] = {
     "artifact_get": {"kind": (_STR, True), "key": (_STR, True)},
     "artifact_put": {"kind": (_STR, True), "key": (_STR, True), "data": (_STR, True)},
     "artifact_list": {},
+    "digest": {"start": (_INT, True), "count": (_INT, True)},  # vlaunch verify, a page a time
     # seeding over TCP: the token comes first, then the manifest, then each slab's raw bytes
     "seed_auth": {"token": (_STR, True)},
     "seed_manifest": {},

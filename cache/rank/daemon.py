@@ -55,6 +55,7 @@ class CacheServer:
         self.leases: dict[int, Lease] = {}
         self.started = time.time()
         self._release = release
+        self.integrity: Any = None  # rank.integrity.Integrity: the files, their watch, digests
         self._next = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -99,7 +100,8 @@ class CacheServer:
                 op, fields = await wire.read_request(loop, conn, frame_timeout=FRAME_TIMEOUT)
                 if op.startswith("seed_"):
                     raise ProtocolError(f"{op} is only served on the seeding TCP port")
-                reply, fds = self._dispatch(cid, op, fields)
+                result = self._dispatch(cid, op, fields)
+                reply, fds = await result if asyncio.iscoroutine(result) else result
                 await wire.write_frame(loop, conn, reply, fds)
         except (EOFError, ConnectionError, asyncio.CancelledError):
             pass
@@ -164,6 +166,12 @@ class CacheServer:
         """status: state, memory, leases (the asking connection is not one), fingerprint."""
         return {"ok": True, "status": self.status(exclude=lease)}, []
 
+    def handle_digest(self, lease: Lease, f: dict[str, Any]) -> Any:
+        """digest: a page of (tensor, blake2b of its bytes in the slabs), for vlaunch verify."""
+        if self.integrity is None:
+            return protocol.error("refused", "this rank does not digest its slabs"), []
+        return self.integrity.digest_reply(f)  # a coroutine: hashing runs in a thread
+
     def handle_memory(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """memory: bytes held per device."""
         return {"ok": True, "bytes_held": self.bytes_held()}, []
@@ -206,6 +214,7 @@ class CacheServer:
                 "slabs": len(self.manifest.slab_sizes), "uptime": time.time() - self.started,
                 "artifacts": len(self.artifacts),
                 "leases": [vars(x) for x in self.leases.values() if x is not exclude],
+                "checkpoint": self.integrity.status() if self.integrity else None,
                 "fingerprint": self.fingerprint}
 
     def drop(self, *, later: bool = False) -> None:

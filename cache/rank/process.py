@@ -96,6 +96,9 @@ def _run(opts: RankOptions, rank: int) -> int:
 
         server = CacheServer(rank=rank, fingerprint=fingerprint, manifest=manifest, fds=fds,
                              device=backend.device, release=release, artifacts=store)
+        from vlaunch.cache.rank.integrity import Integrity
+
+        server.integrity = Integrity(server, opts.model, opts.plan, lock.socket).start()
         asyncio_run(_serve(server, lock, opts))
         log.info("stopped; socket and lock removed")
         return int(ExitStatus.OK)
@@ -105,12 +108,14 @@ def _run(opts: RankOptions, rank: int) -> int:
 
 def _load(opts: RankOptions, backend: Any, rank: int) -> tuple[Manifest, list[int],
                                                                fp.Fingerprint, Any]:
+    from vlaunch.cache.rank.integrity import checked_load
     from vlaunch.cache.store.manifest import with_checksums
     from vlaunch.cache.store.reader import checksums
     from vlaunch.cache.store.shard import load_shard
 
-    shard = load_shard(opts.model, opts.plan, opts.layout, backend, threads=opts.threads,
-                       label=f"rank {rank} loading")
+    shard = checked_load(opts.model, rank, lambda: load_shard(
+        opts.model, opts.plan, opts.layout, backend, threads=opts.threads,
+        label=f"rank {rank} loading"))
     manifest = shard.manifest
     if opts.checksum if opts.checksum is not None else backend.name == "cpu":
         manifest = with_checksums(manifest, checksums(manifest, shard.tensors, opts.threads))
@@ -137,7 +142,10 @@ def _finish(opts: RankOptions, backend: Any, shard: Any, manifest: Manifest
 
 
 def _fingerprint(opts: RankOptions, backend: Any, shard: Any) -> fp.Fingerprint:
-    return fp.build(checkpoint=shard.checkpoint.identity, plan=shard.plan_identity,
+    from vlaunch.cache.rank.integrity import data_identity
+
+    return fp.build(checkpoint=shard.checkpoint.identity,
+                    checkpoint_data=data_identity(opts.model, shard), plan=shard.plan_identity,
                     layout=opts.layout.as_dict(), dtype="checkpoint", backend=backend.name,
                     device=backend.device_info(), kernel_backends=opts.kernel_backends,
                     loader=opts.loader)

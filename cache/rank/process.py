@@ -8,15 +8,15 @@ import logging
 import os
 import signal
 import socket
-import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from vlaunch.cache.contract import fingerprint as fp
 from vlaunch.cache.contract import wire
 from vlaunch.cache.contract.errors import ProtocolError, VlaunchError
 from vlaunch.cache.contract.exitcodes import ExitStatus
+from vlaunch.cache.contract.launch import RankArgs
+from vlaunch.cache.contract.logs import setup_logging
 from vlaunch.cache.contract.sockdir import RankLock, ensure_socket_dir
 from vlaunch.cache.store.manifest import Manifest
 from vlaunch.cache.store.plan import Layout
@@ -24,38 +24,13 @@ from vlaunch.cache.store.plan import Layout
 log = logging.getLogger("vlaunch.cache")
 
 
-@dataclass(frozen=True)
-class RankOptions:
-    """Everything a cache rank needs to know."""
-
-    model: str
-    layout: Layout
-    device: str = "cpu"
-    socket_dir: str = ""
-    plan: str = "llama"
-    threads: int = 8
-    checksum: bool | None = None  # None: on for CPU, off for CUDA (it costs a host pass)
-    kernel_backends: str = ""
-    loader: str = "vlaunch"
-    ready_fd: int = -1
-    adopt_fd: int = -1
-    artifact_dir: str = ""
-    seed: str = ""  # unix:/source/socket-dir or tcp://host:base_port
-    seed_token: str = ""
-    seed_fallback: bool = False
-    seed_listen_host: str = "127.0.0.1"
-    seed_listen_port: int = 0  # 0: do not serve seeding over TCP
-    seed_timeout: float = 30.0
-
-
-def main(opts: RankOptions) -> int:
+def main(opts: RankArgs) -> int:
     """Run a cache rank to completion; returns its exit status."""
-    rank = opts.layout.global_rank
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s vlaunch-cache[rank {rank} pid {os.getpid()}] "
-                               "%(levelname)s %(message)s")
+    rank = opts.rank
+    setup_logging("vlaunch-cache", "INFO", rank)
     signal.signal(signal.SIGTERM, _exit_quietly)  # while loading; the loop takes over later
     try:
+        _layout(opts)  # a rank outside its layout is a usage error before anything else
         return _run(opts, rank)
     except VlaunchError as exc:
         log.error("%s", exc)
@@ -74,7 +49,7 @@ def _exit_quietly(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _run(opts: RankOptions, rank: int) -> int:
+def _run(opts: RankArgs, rank: int) -> int:
     from vlaunch.cache.contract.sockdir import default_socket_dir
     from vlaunch.cache.store.slabs import get_backend
 
@@ -106,7 +81,7 @@ def _run(opts: RankOptions, rank: int) -> int:
         lock.release()
 
 
-def _load(opts: RankOptions, backend: Any, rank: int) -> tuple[Manifest, list[int],
+def _load(opts: RankArgs, backend: Any, rank: int) -> tuple[Manifest, list[int],
                                                                fp.Fingerprint, Any]:
     from vlaunch.cache.rank.integrity import checked_load
     from vlaunch.cache.store.manifest import with_checksums
@@ -114,7 +89,7 @@ def _load(opts: RankOptions, backend: Any, rank: int) -> tuple[Manifest, list[in
     from vlaunch.cache.store.shard import load_shard
 
     shard = checked_load(opts.model, rank, lambda: load_shard(
-        opts.model, opts.plan, opts.layout, backend, threads=opts.threads,
+        opts.model, opts.plan, _layout(opts), backend, threads=opts.threads,
         label=f"rank {rank} loading"))
     manifest = shard.manifest
     if opts.checksum if opts.checksum is not None else backend.name == "cpu":
@@ -125,7 +100,7 @@ def _load(opts: RankOptions, backend: Any, rank: int) -> tuple[Manifest, list[in
     return _finish(opts, backend, shard, manifest)
 
 
-def _finish(opts: RankOptions, backend: Any, shard: Any, manifest: Manifest
+def _finish(opts: RankArgs, backend: Any, shard: Any, manifest: Manifest
             ) -> tuple[Manifest, list[int], fp.Fingerprint, Any]:
     """Seal and export a filled shard; its fingerprint and release hook."""
     for slab in shard.slabs:
@@ -141,14 +116,20 @@ def _finish(opts: RankOptions, backend: Any, shard: Any, manifest: Manifest
     return manifest, fds, fingerprint, release
 
 
-def _fingerprint(opts: RankOptions, backend: Any, shard: Any) -> fp.Fingerprint:
+def _fingerprint(opts: RankArgs, backend: Any, shard: Any) -> fp.Fingerprint:
     from vlaunch.cache.rank.integrity import data_identity
 
     return fp.build(checkpoint=shard.checkpoint.identity,
                     checkpoint_data=data_identity(opts.model, shard), plan=shard.plan_identity,
-                    layout=opts.layout.as_dict(), dtype="checkpoint", backend=backend.name,
+                    layout=_layout(opts).as_dict(), dtype="checkpoint", backend=backend.name,
                     device=backend.device_info(), kernel_backends=opts.kernel_backends,
                     loader=opts.loader)
+
+
+def _layout(opts: RankArgs) -> Layout:
+    """Where this rank sits in the tensor/pipeline/data-parallel world."""
+    return Layout.from_global(opts.rank, opts.tensor_parallel_size,
+                              opts.pipeline_parallel_size, opts.data_parallel_size)
 
 
 def _artifact_dir(root: str, rank: int) -> str:
@@ -156,7 +137,7 @@ def _artifact_dir(root: str, rank: int) -> str:
     return os.path.join(root, f"rank-{rank}") if root else ""
 
 
-def _seed_or_load(opts: RankOptions, backend: Any, rank: int, store: Any
+def _seed_or_load(opts: RankArgs, backend: Any, rank: int, store: Any
                   ) -> tuple[Manifest, list[int], fp.Fingerprint, Any]:
     """Seed from a running replica; on failure, end with SEED_FAILED or (--seed-fallback)
     load from disk with a warning."""
@@ -165,7 +146,7 @@ def _seed_or_load(opts: RankOptions, backend: Any, rank: int, store: Any
     from vlaunch.cache.store.shard import empty_shard
 
     try:
-        shard = empty_shard(opts.model, opts.plan, opts.layout, backend)
+        shard = empty_shard(opts.model, opts.plan, _layout(opts), backend)
         try:
             seeded = seed_into(opts.seed, opts.seed_token, rank,
                                _fingerprint(opts, backend, shard), shard.manifest,
@@ -209,7 +190,7 @@ def asyncio_run(coro: Any) -> None:
     uvloop.run(coro)
 
 
-async def _serve(server: Any, lock: RankLock, opts: RankOptions) -> None:
+async def _serve(server: Any, lock: RankLock, opts: RankArgs) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -234,7 +215,7 @@ async def _serve(server: Any, lock: RankLock, opts: RankOptions) -> None:
         seeding.close()
 
 
-def _report_ready(server: Any, lock: RankLock, opts: RankOptions) -> None:
+def _report_ready(server: Any, lock: RankLock, opts: RankArgs) -> None:
     """Tell whoever waits: the launcher (ready fd, with escrow), systemd, and the log."""
     rank = server.rank
     log.info("ready: serving %.2f GB on %s", server.manifest.nbytes / 1e9, lock.socket)

@@ -1,0 +1,14 @@
+"""One log-line format for every vlaunch process: time, who (with rank and pid), level, text."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+
+def setup_logging(program: str, level: str | int = "INFO", rank: int | None = None) -> None:
+    """Log to stderr as `<time> <program>[rank R pid P] LEVEL message` (rank when given)."""
+    who = f"rank {rank} pid {os.getpid()}" if rank is not None else f"pid {os.getpid()}"
+    logging.basicConfig(level=level, stream=sys.stderr, force=True,
+                        format=f"%(asctime)s {program}[{who}] %(levelname)s %(message)s")

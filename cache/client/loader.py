@@ -83,10 +83,17 @@ def load(model: str, *, rank: int = 0, tensor_parallel_size: int = 1,
                                 data_parallel_size)
     device = device or default_device()
     path = socket_path(socket_dir or default_socket_dir(), rank)
+    if not fallback and timeout > 0 and not os.path.exists(path):
+        log.warning("rank %d: no cache at %s yet; waiting up to %g s for it (fallback=False)",
+                    rank, path, timeout)
     try:
         return _from_cache(path, model, layout, device, mode, plan, kernel_backends, loader,
                            0.0 if fallback else timeout)
     except (CacheUnavailableError, FingerprintMismatchError, CacheBrokenError) as exc:
+        if not fallback and isinstance(exc, CacheUnavailableError):
+            raise CacheUnavailableError(f"{exc}; to wait longer than the {timeout:g} s it "
+                                        "waited, pass a larger timeout to load() (the engine's "
+                                        "--timeout)") from None
         if not fallback:
             raise
         kind = {CacheUnavailableError: "unavailable", FingerprintMismatchError: "mismatched",

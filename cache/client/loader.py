@@ -17,7 +17,7 @@ from vlaunch.cache.contract.errors import (
 )
 from vlaunch.cache.contract.protocol import MODES
 from vlaunch.cache.contract.sockdir import default_socket_dir, socket_path
-from vlaunch.cache.store import checkpoint
+from vlaunch.cache.store import identity
 from vlaunch.cache.store import slabs as _slabs  # noqa: F401  (imported here, not during the first handoff)
 from vlaunch.cache.store import slabs_cuda as _slabs_cuda  # noqa: F401  (the same; it needs no torch to import)
 from vlaunch.cache.store.plan import Layout
@@ -58,15 +58,18 @@ def default_device() -> str:
 
 
 def expected_fingerprint(model: str, layout: Layout, device: str, plan: str = "llama",
-                         kernel_backends: str = "", loader: str = "vlaunch") -> fp.Fingerprint:
-    """The fingerprint a cache must have for this engine rank."""
+                         kernel_backends: str = "", loader: str = "vlaunch",
+                         socket: os.PathLike[str] | None = None) -> fp.Fingerprint:
+    """The fingerprint a cache must have for this engine rank (`socket`: the rank's, whose
+    identity memo spares reading samples of files that did not change)."""
     from vlaunch.cache.store.plan import load_plan
 
     backend = backend_for(device)
     info = _DEVICE_INFO.get(device)
     if info is None:
         info = _DEVICE_INFO[device] = backend.device_info()
-    return fp.build(checkpoint=checkpoint.checkpoint_identity(model), plan=load_plan(plan).identity,
+    header, data = identity.identities(model, identity.memo_path(socket) if socket else None)
+    return fp.build(checkpoint=header, checkpoint_data=data, plan=load_plan(plan).identity,
                     layout=layout.as_dict(), dtype="checkpoint", backend=backend.name,
                     device=info, kernel_backends=kernel_backends, loader=loader)
 
@@ -123,7 +126,8 @@ def cached_nbytes(model: str, *, rank: int = 0, tensor_parallel_size: int = 1,
     except CacheUnavailableError:
         return 0
     try:
-        client.hello(expected_fingerprint(model, layout, device, plan, kernel_backends, loader))
+        client.hello(expected_fingerprint(model, layout, device, plan, kernel_backends, loader,
+                                          path))
         return client.manifest().nbytes
     except (CacheUnavailableError, FingerprintMismatchError, CacheBrokenError):
         return 0
@@ -138,7 +142,8 @@ def _from_cache(path: os.PathLike[str], model: str, layout: Layout, device: str,
     gc.disable()  # a collection pass would cost more than the rest of the handoff
     try:
         tensors = client.handoff(lambda: expected_fingerprint(
-            model, layout, device, plan, kernel_backends, loader), mode=mode, device=device)
+            model, layout, device, plan, kernel_backends, loader, path), mode=mode,
+            device=device)
     except BaseException:
         client.close()
         raise

@@ -90,3 +90,15 @@ class SeedError(VlaunchError):
 
 class ArtifactError(VlaunchError):
     """An artifact was refused (too large, bad key) or could not be read back."""
+
+
+class CheckpointChangedError(VlaunchError):
+    """A checkpoint file changed while a cache rank read it; nothing was served."""
+
+    status = ExitStatus.CHECKPOINT_CHANGED
+
+
+class VerifyError(VlaunchError):
+    """A full check found bytes in a cache that differ from the checkpoint files."""
+
+    status = ExitStatus.VERIFY_FAILED

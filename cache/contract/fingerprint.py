@@ -9,25 +9,26 @@ from vlaunch.cache.contract.protocol import VERSION
 from vlaunch.cache.contract.version import __version__
 
 FIELDS = (
-    "protocol", "vlaunch", "checkpoint", "plan", "tp_size", "tp_rank", "pp_size", "pp_rank",
-    "dp_size", "dp_rank", "dtype", "backend", "device_uuid", "compute_capability", "driver",
-    "torch", "cuda", "kernel_backends", "loader",
+    "protocol", "vlaunch", "checkpoint", "checkpoint_data", "plan", "tp_size", "tp_rank",
+    "pp_size", "pp_rank", "dp_size", "dp_rank", "dtype", "backend", "device_uuid",
+    "compute_capability", "driver", "torch", "cuda", "kernel_backends", "loader",
 )
 """Field order as reported; a mismatch lists every differing field."""
 
 Fingerprint = dict[str, str]
 
 
-def build(*, checkpoint: str, plan: str, layout: Mapping[str, int], dtype: str, backend: str,
-          device: Mapping[str, str], kernel_backends: str = "", loader: str = "vlaunch",
-          torch_version: str | None = None) -> Fingerprint:
+def build(*, checkpoint: str, checkpoint_data: str, plan: str, layout: Mapping[str, int],
+          dtype: str, backend: str, device: Mapping[str, str], kernel_backends: str = "",
+          loader: str = "vlaunch", torch_version: str | None = None) -> Fingerprint:
     """Assemble a fingerprint from its parts (all values as strings)."""
     if torch_version is None:
         import torch
 
         torch_version = torch.__version__
     fields: dict[str, Any] = {
-        "protocol": VERSION, "vlaunch": __version__, "checkpoint": checkpoint, "plan": plan,
+        "protocol": VERSION, "vlaunch": __version__, "checkpoint": checkpoint,
+        "checkpoint_data": checkpoint_data, "plan": plan,
         **{k: layout[k] for k in ("tp_size", "tp_rank", "pp_size", "pp_rank", "dp_size",
                                   "dp_rank")},
         "dtype": dtype, "backend": backend, "device_uuid": device.get("device_uuid", ""),

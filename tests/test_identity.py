@@ -1,0 +1,214 @@
+"""Checkpoint identity: sampled bytes, the cache's record of what it read, changes, verify."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vlaunch.cache.client.connection import CacheClient
+from vlaunch.cache.client.loader import load
+from vlaunch.cache.contract.errors import CheckpointChangedError, FingerprintMismatchError
+from vlaunch.cache.contract.exitcodes import ExitStatus
+from vlaunch.cache.contract.sockdir import socket_path
+from vlaunch.cache.store import identity
+from vlaunch.cache.store.checkpoint import open_checkpoint
+
+from .conftest import CacheProc, llama_tensors, spawn_cache
+
+NAME = "model.safetensors"
+
+
+def _write(root: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """A one-file checkpoint in `root`, written beside it and renamed into place."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root.parent / f".{root.name}.tmp"
+    save_file(tensors, str(tmp))
+    os.replace(tmp, root / NAME)
+    return root
+
+
+def _fine_tune(scale: float = 1e-2) -> dict[str, torch.Tensor]:
+    """The same names, dtypes and shapes as llama_tensors(), other values."""
+    g = torch.Generator().manual_seed(1)
+    return {k: (v.float() + scale * torch.randn(v.shape, generator=g)).to(v.dtype)
+            for k, v in llama_tensors().items()}
+
+
+def _wait(what: str, cond, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _status(sockdir: Path) -> dict:
+    client = CacheClient(socket_path(sockdir, 0))
+    try:
+        return client.status()
+    finally:
+        client.close()
+
+
+# ----------------------------------------------------------------------- the identity itself
+
+
+def test_two_fine_tunes_share_the_header_identity_not_the_sampled_one(tmp_path: Path) -> None:
+    a = _write(tmp_path / "a", llama_tensors())
+    b = _write(tmp_path / "b", _fine_tune())
+    ra, _ = identity.record(a)
+    rb, _ = identity.record(b)
+    assert ra.header == rb.header  # names, dtypes, shapes, offsets: the same
+    assert ra.data != rb.data
+    c = _write(tmp_path / "c", llama_tensors())  # the same bytes elsewhere: the same identity
+    assert identity.record(c)[0].data == ra.data
+
+
+def test_samples_are_bounded_whatever_the_tensor_count(tmp_path: Path) -> None:
+    many = {f"t{i}": torch.full((300,), float(i)) for i in range(4000)}
+    root = _write(tmp_path / "m", many)
+    regions = identity.sample_regions(open_checkpoint(root))
+    assert len(regions) <= identity.MAX_REGIONS
+    assert sum(n for _, _, n in regions) <= identity.SAMPLE_BUDGET
+    small = identity.sample_regions(open_checkpoint(_write(tmp_path / "s", llama_tensors())))
+    assert len(small) == 3 * len(llama_tensors())  # head, tail and one inside each tensor
+
+
+def test_engine_reuses_the_memo_only_while_every_stat_matches(tmp_path: Path) -> None:
+    root = _write(tmp_path / "a", llama_tensors())
+    rec, _ = identity.record(root)
+    memo = tmp_path / "rank-0.identity.json"
+    identity.write_memo(memo, rec)
+    rec.data = "from-the-memo"  # a memo hit returns the memo's value, not a fresh read
+    identity.write_memo(memo, rec)
+    identity._SEEN.clear()
+    assert identity.identities(root, memo) == (rec.header, "from-the-memo")
+    st = os.stat(root / NAME)
+    os.utime(root / NAME, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # touched: read again
+    identity._SEEN.clear()
+    assert identity.identities(root, memo)[1] not in ("from-the-memo", "")
+    assert rec.restat() == [NAME]
+
+
+# ------------------------------------------------------------------------- real cache ranks
+
+
+def test_same_header_other_values_is_a_mismatch_not_a_handoff(tmp_path: Path, sockdir: Path,
+                                                              caches: list[CacheProc],
+                                                              caplog: pytest.LogCaptureFixture
+                                                              ) -> None:
+    a = _write(tmp_path / "a", llama_tensors())
+    b = _write(tmp_path / "b", _fine_tune())
+    cache = spawn_cache(a, sockdir, "--plan", "replicate")
+    caches.append(cache)
+    assert cache.ready, cache.proc.stderr.read().decode() if cache.proc.stderr else ""
+    good = load(str(a), socket_dir=str(sockdir), fallback=False, device="cpu", plan="replicate")
+    assert good.source == "cache"
+    with pytest.raises(FingerprintMismatchError) as err:
+        load(str(b), socket_dir=str(sockdir), fallback=False, device="cpu", plan="replicate")
+    assert [m[0] for m in err.value.mismatches] == ["checkpoint_data"]
+    assert "checkpoint_data" in str(err.value)
+    with caplog.at_level(logging.WARNING, logger="vlaunch.cache"):
+        w = load(str(b), socket_dir=str(sockdir), fallback=True, device="cpu", plan="replicate")
+    assert w.source == "disk" and "mismatched" in caplog.text
+    expected = load_file(str(b / NAME))
+    assert all(torch.equal(w[k], expected[k]) for k in expected)
+
+
+def test_checkpoint_rewritten_under_a_serving_cache(tmp_path: Path, sockdir: Path,
+                                                   caches: list[CacheProc]) -> None:
+    model = _write(tmp_path / "m", llama_tensors())
+    cache = spawn_cache(model, sockdir, "--plan", "replicate",
+                        env={**os.environ, "VLAUNCH_WATCH_EVERY": "0.1"})
+    caches.append(cache)
+    assert cache.ready
+    held = load(str(model), socket_dir=str(sockdir), fallback=False, device="cpu",
+                plan="replicate")
+    assert held.source == "cache" and _status(sockdir)["checkpoint"]["changed"] == []
+    _write(model, _fine_tune())  # a new checkpoint of the same architecture, replaced in place
+    changed = _wait("the change in the rank's status",
+                    lambda: _status(sockdir)["checkpoint"]["changed"])
+    assert changed == [NAME]
+    with pytest.raises(FingerprintMismatchError) as err:
+        load(str(model), socket_dir=str(sockdir), fallback=False, device="cpu", plan="replicate")
+    assert [m[0] for m in err.value.mismatches] == ["checkpoint_data"]
+    assert "changed on disk since loaded" in str(err.value)
+    fresh = load(str(model), socket_dir=str(sockdir), device="cpu", plan="replicate")
+    new = load_file(str(model / NAME))
+    assert fresh.source == "disk" and all(torch.equal(fresh[k], new[k]) for k in new)
+    cache.proc.terminate()
+    cache.proc.wait(20)
+    log = cache.proc.stderr.read().decode() if cache.proc.stderr else ""
+    assert f"checkpoint file(s) {NAME} changed under the serving cache" in log
+
+
+def _verify(sockdir: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vlaunch.launcher.cli", "verify",
+                           "--socket-dir", str(sockdir), "--threads", "2"],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_verify_passes_on_a_good_cache_and_names_a_tampered_tensor(
+        tmp_path: Path, sockdir: Path, caches: list[CacheProc], llama_ckpt: Path) -> None:
+    model = tmp_path / "m"
+    shutil.copytree(llama_ckpt, model)
+    cache = spawn_cache(model, sockdir, "--tensor-parallel-size", "1")
+    caches.append(cache)
+    assert cache.ready
+    ok = _verify(sockdir)
+    assert ok.returncode == 0, ok.stderr
+    assert "rank 0:" in ok.stdout and "ok" in ok.stdout
+    ckpt = open_checkpoint(model)
+    victim = ckpt.tensors["model.layers.1.mlp.down_proj.weight"]
+    with open(victim.file, "r+b") as f:  # one value, same size: only a full check sees it
+        f.seek(victim.begin + victim.nbytes // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    bad = _verify(sockdir)
+    assert bad.returncode == ExitStatus.VERIFY_FAILED, bad.stdout + bad.stderr
+    assert "model.layers.1.mlp.down_proj.weight" in bad.stderr
+    assert "1 MISMATCH" in bad.stdout
+
+
+# ------------------------------------------------------------------ a change during the load
+
+
+def test_bytes_changed_during_the_load_are_read_again_then_refused(tmp_path: Path) -> None:
+    from vlaunch.cache.rank.integrity import checked_load
+    from vlaunch.cache.store.plan import Layout
+    from vlaunch.cache.store.shard import load_shard
+    from vlaunch.cache.store.slabs import get_backend
+
+    model = _write(tmp_path / "m", llama_tensors())
+    backend = get_backend("cpu")
+    loads = []
+
+    def load_then_rewrite(times: int):  # type: ignore[no-untyped-def]
+        def run():  # type: ignore[no-untyped-def]
+            shard = load_shard(str(model), "replicate", Layout(1, 0), backend)
+            loads.append(shard)
+            if len(loads) <= times:  # the file is replaced after the read, before the re-stat
+                _write(model, _fine_tune(scale=len(loads)))
+            return shard
+        return run
+
+    shard = checked_load(str(model), 0, load_then_rewrite(1))
+    assert len(loads) == 2 and shard is loads[-1]
+    new = load_file(str(model / NAME))
+    assert all(torch.equal(shard.named()[k], new[k]) for k in new)
+    loads.clear()
+    with pytest.raises(CheckpointChangedError, match=f"{NAME} in .* changed while rank 0") as e:
+        checked_load(str(model), 0, load_then_rewrite(2))
+    assert e.value.status == ExitStatus.CHECKPOINT_CHANGED and len(loads) == 2

@@ -1,8 +1,10 @@
 """The asyncio layer: feeds the supervisor's core with events and executes its actions.
 
-Everything that touches a process, a socket, a signal or the clock is here; every decision
-is in `core`. Child exits, ready reports, signals and ticks all become events on one queue,
-handled one at a time, so the core sees a single ordered history.
+Wiring only. Every decision is in `core`; every process operation goes through `hooks`
+(`OsHooks` for real, a fake in the tests); the escrow and the status view are their own
+modules. Child exits, ready reports, signals and ticks all become events on one queue,
+handled one at a time, so the core sees a single ordered history. Each action type has one
+handler in `Executor.handlers`.
 """
 
 from __future__ import annotations
@@ -16,103 +18,89 @@ import signal
 import socket
 import sys
 import time
-import urllib.request
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from vlaunch.cache.contract import wire
+from vlaunch.cache.contract import protocol
 from vlaunch.cache.contract.errors import VlaunchError
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.sockdir import RankLock, ensure_socket_dir, socket_path
 
-from . import core, events
-from .children import (
-    become_subreaper,
-    child_env,
-    die_with_parent,
-    reap_orphans,
-    signal_group,
-    sweep,
-)
+from . import core, events, statusview
+from .children import child_env
+from .escrow import Escrow
 from .health import HealthServer
+from .hooks import Child, OsHooks, ProcessHooks
 from .notify import EngineNotifySocket, Notifier
+from .progress import LoadDisplay, recv_ready
+from .spec import RunSpec
+
+__all__ = ["Executor", "RunSpec", "run"]
 
 log = logging.getLogger("vlaunch.launcher")
 TICK = 0.1
 STATUS_EVERY = 2.0
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """What `vlaunch run` starts: the ranks of this node, the engine, and the surfaces."""
-
-    model: str
-    socket_dir: Path
-    ranks: tuple[int, ...]
-    devices: Mapping[int, str]
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    plan: str = "llama"
-    threads: int = 8
-    engine: tuple[str, ...] = ()
-    engine_health_url: str = ""
-    health_host: str = "127.0.0.1"
-    health_port: int | None = 0
-    kernel_backends: str = ""
-    supervisor: events.SupervisorConfig | None = None
-    artifact_dir: str = ""
-    seed: str = ""
-    seed_token: str = ""
-    seed_fallback: bool = False
-    seed_listen_host: str = "127.0.0.1"
-    seed_listen_port: int = 0
-    preload: tuple[str, ...] = ()
-    preload_timeout: float = 600.0
+PROBE_EVERY = 1.0
 
 
 @dataclass
-class _Child:
-    pid: int
-    proc: asyncio.subprocess.Process
-    info: dict[str, Any] = field(default_factory=dict)
+class _Running:
+    """A child the executor started, by role."""
+
+    child: Child
+    role: events.Role
+    rank: int | None
+    exited: bool = False
 
 
 class Executor:
     """Runs a `RunSpec` until the core says exit; returns the exit status."""
 
-    def __init__(self, spec: RunSpec, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, spec: RunSpec, env: Mapping[str, str] | None = None,
+                 hooks: ProcessHooks | None = None) -> None:
         self.spec = spec
         self.env = dict(os.environ if env is None else env)
+        self.hooks: ProcessHooks = hooks or OsHooks()
         assert spec.supervisor is not None
         self.core = core.Supervisor(spec.supervisor)
         self.notifier = Notifier(self.env)
         self.queue: asyncio.Queue[events.Event] = asyncio.Queue()
-        self.ranks: dict[int, _Child] = {}
-        self.engine: _Child | None = None
-        self.escrow: dict[int, tuple[dict[str, Any], list[int]]] = {}
-        self.rank_status: dict[int, dict[str, Any]] = {}
+        self.ranks: dict[int, _Running] = {}
+        self.engine: _Running | None = None
+        self.preload: _Running | None = None
+        self.escrow = Escrow()
+        self.rank_detail: dict[int, dict[str, Any]] = {}  # each rank's own last report
         self.engine_devices: dict[int, str] = {}
         self.health: HealthServer | None = None
         self.engine_notify: EngineNotifySocket | None = None
+        self.display = LoadDisplay()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.preload: _Child | None = None
+        self.handlers: dict[type, Callable[[Any], Awaitable[None]]] = {
+            events.SpawnCache: self._spawn_cache, events.SpawnEngine: self._spawn_engine,
+            events.SignalChild: self._signal_child, events.KillAll: self._kill_all,
+            events.RunPreload: self._start_preload, events.Notify: self._notify,
+            events.Log: self._log, events.Exit: self._exit,
+        }
+        self._channel_handlers: dict[str, Callable[[int, dict[str, Any], list[int]], None]] = {
+            "ready": self._rank_ready, "layout": self._rank_layout,
+            "release": self._rank_release,
+        }
 
     # ----------------------------------------------------------------------- main loop
 
     async def run(self) -> int:
         """Start everything, handle events until Exit, sweep, return the status."""
         loop = asyncio.get_running_loop()
-        become_subreaper()
+        self.hooks.prepare()
         directory = ensure_socket_dir(self.spec.socket_dir)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.add_signal_handler(sig, self._post, events.SignalReceived(sig, 0.0))
+            loop.add_signal_handler(sig, self.post, events.SignalReceived(sig, 0.0))
         self._start_surfaces(directory, loop)
-        self._post(events.Started(0.0))
+        self.post(events.Started(0.0))
         self._spawn_task(self._ticker())
-        self._spawn_task(self._poll_caches())
+        self._spawn_task(self._poll_ranks())
         status = int(ExitStatus.INTERNAL)
         try:
             status = await self._loop()
@@ -135,16 +123,15 @@ class Executor:
 
     async def _loop(self) -> int:
         while True:
-            event = await self.queue.get()
-            event = _stamp(event)
+            event = replace(await self.queue.get(), now=time.monotonic())
             for action in self.core.handle(event):
+                await self.handlers[type(action)](action)
                 if isinstance(action, events.Exit):
-                    self._publish()
                     return action.status
-                await self._execute(action)
             self._publish()
 
-    def _post(self, event: events.Event) -> None:
+    def post(self, event: events.Event) -> None:
+        """Queue an event for the core (its `now` is stamped when it is taken)."""
         self.queue.put_nowait(event)
 
     def _spawn_task(self, coro: Any) -> None:
@@ -155,157 +142,189 @@ class Executor:
     async def _ticker(self) -> None:
         while True:
             await asyncio.sleep(TICK)
-            self._post(events.Tick(0.0))
+            self.post(events.Tick(0.0))
 
     # ------------------------------------------------------------------------ actions
 
-    async def _execute(self, action: events.Action) -> None:
-        if isinstance(action, events.SpawnCache):
-            await self._spawn_cache(action.rank, action.adopt)
-        elif isinstance(action, events.SpawnEngine):
-            await self._spawn_engine(action.attempt)
-        elif isinstance(action, events.SignalChild):
-            child = self.engine if action.role == "engine" else self.ranks.get(action.rank or 0)
-            if child is not None:
-                signal_group(child.pid, action.sig)
-        elif isinstance(action, events.KillAll):
-            for child in self._children():
-                signal_group(child.pid, signal.SIGKILL)
-        elif isinstance(action, events.RunPreload):
-            self._spawn_task(self._run_preload())
-        elif isinstance(action, events.Notify):
-            self.notifier.send(action.fields)
-        elif isinstance(action, events.Log):
-            log.log(logging.getLevelName(action.level), "%s", action.message)
+    async def _signal_child(self, action: events.SignalChild) -> None:
+        """Signal the engine's or a rank's process group."""
+        running = self.engine if action.role == "engine" else self.ranks.get(action.rank or 0)
+        if running is not None:
+            self.hooks.signal(running.child.pid, action.sig)
 
-    def _children(self) -> list[_Child]:
+    async def _kill_all(self, action: events.KillAll) -> None:
+        """SIGKILL every child's process group."""
+        for running in self._children():
+            self.hooks.signal(running.child.pid, signal.SIGKILL)
+
+    async def _notify(self, action: events.Notify) -> None:
+        """One sd_notify message to systemd (never blocks)."""
+        self.notifier.send(action.fields)
+
+    async def _log(self, action: events.Log) -> None:
+        """One log line at the core's level."""
+        log.log(logging.getLevelName(action.level), "%s", action.message)
+
+    async def _exit(self, action: events.Exit) -> None:
+        """The last action: publish the final status (the loop returns it)."""
+        self._publish()
+
+    def _children(self) -> list[_Running]:
         return [*self.ranks.values(), *([self.engine] if self.engine else []),
                 *([self.preload] if self.preload else [])]
 
-    async def _spawn(self, cmd: list[str], env: dict[str, str], pass_fds: tuple[int, ...],
-                     role: events.Role, rank: int | None) -> _Child | None:
+    async def _spawn(self, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...],
+                     role: events.Role, rank: int | None) -> _Running | None:
+        """Start a child and watch for its exit; a failed start is its exit (126/127)."""
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *cmd, env=env, pass_fds=pass_fds, start_new_session=True,
-                preexec_fn=die_with_parent)
+            child = await self.hooks.spawn(argv, env, pass_fds)
         except OSError as exc:
-            log.error("cannot start %s: %s; check the command and PATH", cmd[0], exc)
+            log.error("cannot start %s: %s; check the command and PATH", argv[0], exc)
             code = 127 if isinstance(exc, FileNotFoundError) else 126
-            self._post(events.ChildExited(role, rank, 0, code, 0.0))
+            self.post(events.ChildExited(role, rank, 0, code, 0.0))
             return None
-        child = _Child(proc.pid, proc)
-        self._post(events.Spawned(role, rank, proc.pid, 0.0))
-        self._spawn_task(self._reap(child, role, rank))
-        return child
+        running = _Running(child, role, rank)
+        self.post(events.Spawned(role, rank, child.pid, 0.0))
+        self._spawn_task(self._reap(running))
+        return running
 
-    async def _reap(self, child: _Child, role: events.Role, rank: int | None) -> None:
-        status = await child.proc.wait()
-        signal_group(child.pid, signal.SIGKILL)  # its group dies with it: no orphaned workers
-        if role == "cache" and rank is not None:
-            _clear_stale(self.spec.socket_dir, rank)
-        self._post(events.ChildExited(role, rank, child.pid, status, 0.0))
+    async def _reap(self, running: _Running) -> None:
+        status = await running.child.wait()
+        running.exited = True
+        self.hooks.signal(running.child.pid, signal.SIGKILL)  # no orphaned workers
+        if running.role == "cache" and running.rank is not None:
+            _clear_stale(self.spec.socket_dir, running.rank)
+        self.post(events.ChildExited(running.role, running.rank, running.child.pid, status,
+                                     0.0))
 
-    async def _spawn_cache(self, rank: int, adopt: bool) -> None:
-        spec = self.spec
+    async def _spawn_cache(self, action: events.SpawnCache) -> None:
+        """Start a rank; with `adopt`, hand it the escrowed slabs instead of the disk."""
+        rank = action.rank
         ours, theirs = socket.socketpair()
-        cmd = [sys.executable, "-m", "vlaunch.cache", "--model", spec.model, "--rank", str(rank),
-               "--tensor-parallel-size", str(spec.tp), "--pipeline-parallel-size", str(spec.pp),
-               "--data-parallel-size", str(spec.dp), "--device", spec.devices[rank],
-               "--socket-dir", str(spec.socket_dir), "--plan", spec.plan,
-               "--threads", str(spec.threads), "--kernel-backends", spec.kernel_backends,
-               "--ready-fd", str(theirs.fileno())]
-        cmd += _seed_args(spec)
         fds = [theirs.fileno()]
-        adopt_ours = None
-        if adopt and rank in self.escrow:
+        adopt_ours = adopt_theirs = None
+        if action.adopt and rank in self.escrow:
             adopt_ours, adopt_theirs = socket.socketpair()
-            cmd += ["--adopt-fd", str(adopt_theirs.fileno())]
             fds.append(adopt_theirs.fileno())
+        args = self.spec.rank_args(rank, theirs.fileno(),
+                                   adopt_theirs.fileno() if adopt_theirs else -1)
         # the token travels in the environment, never on a command line that ps shows
-        env = child_env(self.env, {"VLAUNCH_SEED_TOKEN": spec.seed_token}
-                        if spec.seed_token else {}, None)
-        child = await self._spawn(cmd, env, tuple(fds), "cache", rank)
-        for fd in fds:
-            os.close(fd)
-        if child is None:
+        env = child_env(self.env, args.secret_env(), None)
+        running = await self._spawn([sys.executable, "-m", "vlaunch.cache", *args.to_argv()],
+                                    env, tuple(fds), "cache", rank)
+        theirs.close()
+        if adopt_theirs is not None:
+            adopt_theirs.close()
+        if running is None:
             ours.close()
+            if adopt_ours is not None:
+                adopt_ours.close()
             return
-        self.ranks[rank] = child
+        self.ranks[rank] = running
         if adopt_ours is not None:
-            ready, slab_fds = self.escrow[rank]
             with adopt_ours:
-                wire.send_frame(adopt_ours, {"event": "escrow", "manifest": ready["manifest"],
-                                             "fingerprint": ready["fingerprint"]}, slab_fds)
-        self._spawn_task(self._await_ready(ours, rank, child))
+                self.escrow.hand_over(rank, adopt_ours)
+        self._spawn_task(self._rank_channel(ours, running))
 
-    async def _await_ready(self, sock: socket.socket, rank: int, child: _Child) -> None:
+    async def _rank_channel(self, sock: socket.socket, running: _Running) -> None:
+        """Read a rank's reports until it exits: ready, then engine layouts and releases."""
         loop = asyncio.get_running_loop()
-        try:
-            ready, fds = await loop.run_in_executor(None, wire.recv_frame, sock)
-        except (EOFError, ConnectionError):
-            return  # it died first: its ChildExited tells the core
-        except (OSError, ValueError) as exc:  # a malformed report: the rank has failed
-            log.error("cache rank %d sent a bad ready report (%s): killing it", rank, exc)
-            signal_group(child.pid, signal.SIGKILL)
-            return
-        finally:
-            sock.close()
-        old = self.escrow.pop(rank, None)
-        if old is not None:
-            for fd in old[1]:
-                os.close(fd)
-        self.escrow[rank] = (ready, fds)  # duplicates of the slab fds: no CUDA context needed
-        child.info = {k: ready.get(k) for k in ("socket", "device", "bytes")}
-        uuid = str(ready.get("fingerprint", {}).get("device_uuid", ""))
+        rank = running.rank
+        assert rank is not None
+
+        def progress(loaded: int, total: int) -> None:  # a loading rank's bytes (reader thread)
+            loop.call_soon_threadsafe(self.post, events.CacheProgress(rank, loaded, total, 0.0))
+
+        expect: tuple[str, ...] = ("ready",)
+        with sock:
+            while True:
+                try:
+                    msg, fds = await loop.run_in_executor(None, recv_ready, sock, progress)
+                except (EOFError, ConnectionError):
+                    return  # it exited: its ChildExited tells the core
+                except (OSError, VlaunchError) as exc:
+                    self._bad_report(running, str(exc))
+                    return
+                try:
+                    protocol.validate_event(msg, *expect)
+                except VlaunchError as exc:
+                    for fd in fds:
+                        os.close(fd)
+                    self._bad_report(running, str(exc))
+                    return
+                self._channel_handlers[msg["event"]](rank, msg, fds)
+                expect = ("layout", "release")
+
+    def _bad_report(self, running: _Running, why: str) -> None:
+        log.error("cache rank %s sent a bad report (%s): killing it", running.rank, why)
+        self.hooks.signal(running.child.pid, signal.SIGKILL)
+
+    def _rank_ready(self, rank: int, ready: dict[str, Any], fds: list[int]) -> None:
+        """Escrow the slab fds (no CUDA context needed) and tell the core."""
+        self.escrow.keep(rank, ready, fds)
+        self.rank_detail[rank] = {"bytes_held": {ready["device"]: ready["bytes"]}}
+        uuid = str(ready["fingerprint"].get("device_uuid", ""))
         if uuid.startswith("GPU-"):  # the engine pairs its ranks with these GPUs by UUID
             self.engine_devices[rank] = f"cuda:{uuid}"
-        self._post(events.CacheReady(rank, 0.0))
+        self.post(events.CacheReady(rank, 0.0))
 
-    async def _spawn_engine(self, attempt: int) -> None:
-        spec = self.spec
+    def _rank_layout(self, rank: int, frame: dict[str, Any], fds: list[int]) -> None:
+        """The rank adopted an engine layout: escrow its fds too."""
+        self.escrow.keep_layout(rank, frame, fds)
+
+    def _rank_release(self, rank: int, msg: dict[str, Any], fds: list[int]) -> None:
+        """The rank dropped its raw copy (copy-release, or an engine layout replaced it): drop
+        our duplicates, or the memory stays allocated."""
+        for fd in fds:
+            os.close(fd)
+        if msg["layout"] != "raw":
+            return
+        closed = self.escrow.release_raw(rank)
+        detail = self.rank_detail.get(rank, {})
+        self.rank_detail[rank] = {**detail, "bytes_held": dict.fromkeys(
+            detail.get("bytes_held", {}), 0)}
+        log.info("cache rank %d released its checkpoint slabs: closed %d escrowed fd(s)%s",
+                 rank, closed, "" if rank in self.escrow else "; a respawn reads the disk")
+        self._publish()
+
+    async def _spawn_engine(self, action: events.SpawnEngine) -> None:
+        """Start the engine command with the contract's environment."""
         notify = str(self.engine_notify.path) if self.engine_notify else None
-        self.engine = await self._spawn(list(spec.engine),
-                                        child_env(self.env, self._engine_env(attempt), notify),
-                                        (), "engine", None)
-        if self.engine and spec.supervisor and spec.supervisor.engine_readiness == "http":
+        env = child_env(self.env, self._engine_env(action.attempt), notify)
+        self.engine = await self._spawn(list(self.spec.engine), env, (), "engine", None)
+        if self.engine and self.core.config.engine_readiness == "http":
             self._spawn_task(self._probe_engine(self.engine))
 
+    def _engine_env(self, attempt: int, preload: bool = False) -> dict[str, str]:
+        return self.spec.engine_env(attempt, self.engine_devices, preload).to_env()
+
+    async def _start_preload(self, action: events.RunPreload) -> None:
+        """Run the preload command in the background; it answers PreloadDone."""
+        self._spawn_task(self._run_preload())
+
     async def _run_preload(self) -> None:
-        """Run the preload command once (the engine's environment, no notify socket), bounded by
-        its timeout; its outcome goes to the core as PreloadDone."""
+        """Run the preload command once (the engine's environment, no notify socket), bounded
+        by its timeout; its outcome goes to the core as PreloadDone."""
         spec = self.spec
-        env = child_env(self.env, {**self._engine_env(0), "VLAUNCH_PRELOAD": "1"}, None)
+        env = child_env(self.env, self._engine_env(0, preload=True), None)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *spec.preload, env=env, start_new_session=True, preexec_fn=die_with_parent)
+            child = await self.hooks.spawn(list(spec.preload), env)
         except OSError as exc:
-            self._post(events.PreloadDone(False, f"could not start: {exc}", 0.0))
+            self.post(events.PreloadDone(False, f"could not start: {exc}", 0.0))
             return
-        self.preload = _Child(proc.pid, proc)
+        self.preload = _Running(child, "engine", None)
         try:
-            status = await asyncio.wait_for(proc.wait(), spec.preload_timeout)
+            status = await asyncio.wait_for(child.wait(), spec.preload_timeout)
         except asyncio.TimeoutError:
-            signal_group(proc.pid, signal.SIGKILL)
-            await proc.wait()
-            self._post(events.PreloadDone(False, f"ran past --preload-timeout "
+            self.hooks.signal(child.pid, signal.SIGKILL)
+            await child.wait()
+            self.post(events.PreloadDone(False, f"ran past --preload-timeout "
                                                f"({spec.preload_timeout:g} s)", 0.0))
             return
         finally:
-            signal_group(proc.pid, signal.SIGKILL)  # nothing it started outlives it
+            self.hooks.signal(child.pid, signal.SIGKILL)  # nothing it started outlives it
             self.preload = None
-        self._post(events.PreloadDone(status == 0, f"exited with status {status}", 0.0))
-
-    def _engine_env(self, attempt: int) -> dict[str, str]:
-        spec = self.spec
-        return {"VLAUNCH_SOCKET_DIR": str(spec.socket_dir), "VLAUNCH_MODEL": spec.model,
-                 "VLAUNCH_TENSOR_PARALLEL_SIZE": str(spec.tp),
-                 "VLAUNCH_PIPELINE_PARALLEL_SIZE": str(spec.pp),
-                 "VLAUNCH_DATA_PARALLEL_SIZE": str(spec.dp),
-                 "VLAUNCH_RANKS": ",".join(map(str, spec.ranks)),
-                 "VLAUNCH_DEVICE": _device_kind(spec.devices),
-                 "VLAUNCH_ENGINE_DEVICES": ",".join(self.engine_devices.get(r, spec.devices[r])
-                                                    for r in spec.ranks),
-                 "VLAUNCH_PLAN": spec.plan, "VLAUNCH_ATTEMPT": str(attempt)}
+        self.post(events.PreloadDone(status == 0, f"exited with status {status}", 0.0))
 
     # ---------------------------------------------------------------------- readiness
 
@@ -313,74 +332,53 @@ class Executor:
         assert self.engine_notify is not None
         for fields in self.engine_notify.read():
             if fields.get("READY") == "1":
-                self._post(events.EngineReady(0.0))
+                self.post(events.EngineReady(0.0))
 
-    async def _probe_engine(self, engine: _Child) -> None:
+    async def _probe_engine(self, engine: _Running) -> None:
         """Poll the engine's health URL while this engine process lives."""
-        loop = asyncio.get_running_loop()
-        while engine.proc.returncode is None and self.engine is engine:
-            ok = await loop.run_in_executor(None, _http_ok, self.spec.engine_health_url)
-            if engine.proc.returncode is None and self.engine is engine:
-                self._post(events.EngineHealth(ok, 0.0) if self.core.engine_ready or not ok
-                           else events.EngineReady(0.0))
-            await asyncio.sleep(1.0)
+        while self.engine is engine and not engine.exited:
+            ok = await self.hooks.http_ok(self.spec.engine_health_url)
+            if self.engine is engine and not engine.exited:
+                self.post(events.EngineHealth(ok, 0.0) if self.core.engine_ready or not ok
+                          else events.EngineReady(0.0))
+            await asyncio.sleep(PROBE_EVERY)
 
-    async def _poll_caches(self) -> None:
-        """Refresh per-rank detail (bytes, leases) for the status surface."""
-        from vlaunch.cache.client.connection import CacheClient
-
-        loop = asyncio.get_running_loop()
-
-        def query(rank: int) -> dict[str, Any]:
-            client = CacheClient(socket_path(self.spec.socket_dir, rank))
-            try:
-                return client.status()
-            finally:
-                client.close()
-
+    async def _poll_ranks(self) -> None:
+        """Refresh each ready rank's own report (bytes, leases) for the status surface."""
         while True:
-            reap_orphans(c.pid for c in self._children())
+            self.hooks.reap_orphans(r.child.pid for r in self._children())
             for rank in list(self.ranks):
                 if self.core.ranks[rank].state is core.RankState.READY:
-                    with contextlib.suppress(Exception):
-                        self.rank_status[rank] = await loop.run_in_executor(None, query, rank)
+                    path = socket_path(self.spec.socket_dir, rank)
+                    with contextlib.suppress(OSError, EOFError, VlaunchError):
+                        self.rank_detail[rank] = await self.hooks.rank_status(path)
             await asyncio.sleep(STATUS_EVERY)
 
     # ------------------------------------------------------------------------- status
 
     def _publish(self) -> None:
+        snapshot = self.core.snapshot()
+        self.display.show(snapshot)
         if self.health is None:
             return
-        snap = self.core.snapshot()
-        ranks = {}
-        for r in snap["ranks"]:
-            rank = r["rank"]
-            detail = self.rank_status.get(rank, {})
-            child = self.ranks.get(rank)
-            ranks[rank] = {**r, "device": self.spec.devices.get(rank),
-                           "bytes": sum(detail.get("bytes_held", {}).values())
-                           if detail else (child.info.get("bytes", 0) if child else 0),
-                           "leases": detail.get("leases", []),
-                           "socket": str(socket_path(self.spec.socket_dir, rank))}
-        snap["ranks"] = ranks
-        snap["launcher"] = {"pid": os.getpid(), "model": self.spec.model,
-                            "engine_command": list(self.spec.engine)}
-        self.health.publish(snap)
+        self.health.publish(statusview.merge(
+            snapshot, socket_dir=self.spec.socket_dir, devices=self.spec.devices,
+            details=self.rank_detail,
+            launcher={"pid": os.getpid(), "model": self.spec.model,
+                      "engine_command": list(self.spec.engine)}))
 
     # ----------------------------------------------------------------------- shutdown
 
     async def _shutdown(self, directory: Path) -> None:
         for task in list(self._tasks):
             task.cancel()
-        killed = sweep(c.pid for c in self._children())
+        killed = self.hooks.sweep(r.child.pid for r in self._children())
         if killed:
             log.warning("swept %d leftover process(es): %s", len(killed), killed)
         for rank in self.spec.ranks:
             _clear_stale(self.spec.socket_dir, rank)
-        for _, fds in self.escrow.values():
-            for fd in fds:
-                os.close(fd)
-        self.escrow.clear()
+        self.escrow.close()
+        self.notifier.close()
         if self.engine_notify:
             self.engine_notify.close()
         if self.health:
@@ -395,36 +393,6 @@ def _clear_stale(directory: Path, rank: int) -> None:
     with contextlib.suppress(VlaunchError, OSError):
         lock.acquire()
         lock.release()
-
-
-def _stamp(event: events.Event) -> events.Event:
-    """Give an event the current monotonic time (events are queued with a placeholder)."""
-    from dataclasses import replace
-
-    return replace(event, now=time.monotonic())
-
-
-def _seed_args(spec: RunSpec) -> list[str]:
-    """The cache rank's artifact and seeding options (the token goes by environment)."""
-    args = ["--artifact-dir", spec.artifact_dir] if spec.artifact_dir else []
-    if spec.seed:
-        args += ["--seed", spec.seed] + (["--seed-fallback"] if spec.seed_fallback else [])
-    if spec.seed_listen_port:
-        args += ["--seed-listen-host", spec.seed_listen_host,
-                 "--seed-listen-port", str(spec.seed_listen_port)]
-    return args
-
-
-def _device_kind(devices: Mapping[int, str]) -> str:
-    return "cuda" if any(d.startswith("cuda") for d in devices.values()) else "cpu"
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return 200 <= resp.status < 300
-    except OSError:
-        return False
 
 
 def run(spec: RunSpec) -> int:

@@ -3,42 +3,32 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
-log = logging.getLogger("vlaunch.launcher")
+from vlaunch.cache.contract.notify import SdNotify, parse_fields
 
 
 class Notifier:
-    """Sends sd_notify messages when NOTIFY_SOCKET is set; failures are logged, not hidden."""
+    """The launcher's sd_notify: adds MONOTONIC_USEC to RELOADING=1; never blocks the loop."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
-        self.enabled = bool(env.get("NOTIFY_SOCKET"))
-        self._notifier = None
-        self._failed = False
-        if self.enabled:
-            import sdnotify
-
-            self._notifier = sdnotify.SystemdNotifier(debug=True)  # debug: raise, not swallow
+        self._out = SdNotify(env)
+        self.enabled = self._out.enabled
 
     def send(self, fields: Mapping[str, str]) -> None:
-        """Send one message made of these assignments."""
-        if self._notifier is None:
-            return
+        """Send one message made of these assignments (dropped, logged once, on failure)."""
         items = dict(fields)
         if "RELOADING" in items:  # systemd needs the time the reload began
             items["MONOTONIC_USEC"] = str(time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000)
-        try:
-            self._notifier.notify("\n".join(f"{k}={v}" for k, v in items.items()))
-        except OSError as exc:
-            if not self._failed:
-                log.warning("sd_notify to %s failed: %s; systemd will not see our state",
-                            os.environ.get("NOTIFY_SOCKET"), exc)
-            self._failed = True
+        self._out.send(items)
+
+    def close(self) -> None:
+        """Close the socket."""
+        self._out.close()
 
 
 def watchdog_interval(env: Mapping[str, str]) -> float | None:
@@ -75,12 +65,7 @@ class EngineNotifySocket:
                 data = self.sock.recv(4096)
             except BlockingIOError:
                 return out
-            fields = {}
-            for line in data.decode("utf-8", "replace").splitlines():
-                key, sep, value = line.partition("=")
-                if sep:
-                    fields[key] = value
-            out.append(fields)
+            out.append(parse_fields(data))
 
     def close(self) -> None:
         """Close and remove the socket."""

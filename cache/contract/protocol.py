@@ -164,3 +164,52 @@ def _check_value(where: str, value: Any, kind: type) -> None:
 def error(code: str, message: str, **extra: Any) -> dict[str, Any]:
     """An error reply."""
     return {"ok": False, "error": code, "message": message, **extra}
+
+
+# Launcher <-> rank frames. A rank reports on its ready channel (a socketpair from the launcher,
+# kept open while it lives): "ready" once serving, with duplicates of its slab fds for the
+# launcher's escrow; "layout" for each engine layout it adopts (docs/engine-layout.md), with its
+# fds; "release" when it dropped a layout ("raw": the checkpoint's, after a copy-release or once
+# an engine layout replaced it), so that the launcher closes its duplicates: held fds would keep
+# the memory allocated. A respawned rank gets "escrow" (then its "layout" frames) on its adopt
+# channel. Field -> (type, required); "layout" frames are checked by the rank that adopts them.
+EVENTS: dict[str, dict[str, tuple[type, bool]] | None] = {
+    "ready": {"rank": (_INT, True), "pid": (_INT, True), "socket": (_STR, True),
+              "at": (float, True), "bytes": (_INT, True), "device": (_STR, True),
+              "manifest": (_DICT, True), "fingerprint": (_DICT, True)},
+    "escrow": {"manifest": (_DICT, True), "fingerprint": (_DICT, True),
+               "released": (_BOOL, False)},
+    "layout": None,
+    "release": {"layout": (_STR, True)},
+}
+
+
+def event(name: str, **fields: Any) -> dict[str, Any]:
+    """A launcher <-> rank frame body, checked against EVENTS."""
+    return validate_event({"event": name, **fields}, name)
+
+
+def validate_event(msg: dict[str, Any], *expected: str) -> dict[str, Any]:
+    """Check a launcher <-> rank frame: one of `expected`, with every field of its type."""
+    name = msg.get("event")
+    if name not in expected or name not in EVENTS:
+        raise ProtocolError(f"expected a {' or '.join(expected)} frame, got {str(name)[:64]!r}")
+    schema = EVENTS[name]
+    if schema is None:
+        return msg
+    unknown = set(msg) - {"event", *schema}
+    missing = [k for k, (_, required) in schema.items() if required and k not in msg]
+    if unknown or missing:
+        raise ProtocolError(f"{name} frame: unknown field(s) {sorted(unknown)[:8]}, missing "
+                            f"{missing}")
+    for key, (kind, _) in schema.items():
+        if key in msg and not _is(msg[key], kind):
+            raise ProtocolError(f"{name}.{key}: expected {kind.__name__}")
+    return msg
+
+
+def _is(value: Any, kind: type) -> bool:
+    """A JSON value of `kind` (float accepts an int; no bool is a number)."""
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return type(value) is kind

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -12,11 +11,12 @@ import time
 from typing import Any
 
 from vlaunch.cache.contract import fingerprint as fp
-from vlaunch.cache.contract import wire
+from vlaunch.cache.contract import protocol, wire
 from vlaunch.cache.contract.errors import ProtocolError, VlaunchError
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.launch import RankArgs
 from vlaunch.cache.contract.logs import setup_logging
+from vlaunch.cache.contract.notify import SdNotify
 from vlaunch.cache.contract.sockdir import RankLock, ensure_socket_dir
 from vlaunch.cache.store.manifest import Manifest
 from vlaunch.cache.store.plan import Layout
@@ -221,14 +221,11 @@ def _report_ready(server: Any, lock: RankLock, opts: RankArgs) -> None:
     log.info("ready: serving %.2f GB on %s", server.manifest.nbytes / 1e9, lock.socket)
     if opts.ready_fd >= 0:
         with socket.socket(fileno=opts.ready_fd) as sock:
-            wire.send_frame(sock, {"event": "ready", "rank": rank, "pid": os.getpid(),
-                                   "socket": str(lock.socket), "at": time.time(),
-                                   "bytes": server.manifest.nbytes,
-                                   "device": server.device,
-                                   "manifest": server.manifest.to_wire(),
-                                   "fingerprint": server.fingerprint}, server.fds)
-    if os.environ.get("NOTIFY_SOCKET"):
-        import sdnotify
-
-        with contextlib.suppress(OSError):
-            sdnotify.SystemdNotifier().notify(f"READY=1\nSTATUS=rank {rank} serving")
+            wire.send_frame(sock, protocol.event(
+                "ready", rank=rank, pid=os.getpid(), socket=str(lock.socket), at=time.time(),
+                bytes=server.manifest.nbytes, device=server.device,
+                manifest=server.manifest.to_wire(), fingerprint=server.fingerprint),
+                server.fds)
+    notify = SdNotify()  # `vlaunch cache` under its own unit; never blocks, never raises
+    notify.send({"READY": "1", "STATUS": f"rank {rank} serving"})
+    notify.close()

@@ -1,0 +1,95 @@
+"""The launcher's escrow: duplicates of each ready rank's slab fds, held with no CUDA context.
+
+While the launcher holds them, the slabs outlive their rank: a rank respawned after a crash
+adopts them instead of reading the disk. What a rank holds, the escrow holds: its checkpoint
+("raw") slabs from its ready report, each engine layout it adopts, and nothing of a layout it
+released (copy-release, or an engine layout that replaced the raw one): held fds would keep
+that memory allocated forever.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from vlaunch.cache.contract import protocol, wire
+
+
+@dataclass
+class Held:
+    """One rank's escrow: its ready report, raw slab fds, and its engine layouts' frames."""
+
+    ready: dict[str, Any]
+    fds: list[int]
+    released: bool = False
+    layouts: list[tuple[dict[str, Any], list[int]]] = field(default_factory=list)
+
+
+def _close(fds: list[int]) -> int:
+    for fd in fds:
+        os.close(fd)
+    return len(fds)
+
+
+class Escrow:
+    """Slab fds by rank; every fd is closed exactly once (replaced, released or closed)."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, Held] = {}
+
+    def __contains__(self, rank: object) -> bool:
+        """Whether a respawn of `rank` has anything to adopt."""
+        return rank in self._held
+
+    def keep(self, rank: int, ready: dict[str, Any], fds: list[int]) -> None:
+        """Hold a rank's ready report and raw fds (closing what an earlier life left)."""
+        self.drop(rank)
+        self._held[rank] = Held(ready, fds)
+
+    def keep_layout(self, rank: int, frame: dict[str, Any], fds: list[int]) -> None:
+        """Hold an engine layout the rank adopted (fds closed if the rank is not held)."""
+        held = self._held.get(rank)
+        if held is None:
+            _close(fds)
+            return
+        held.layouts.append((frame, fds))
+
+    def release_raw(self, rank: int) -> int:
+        """The rank dropped its raw slabs: close ours; returns how many fds were closed. With
+        no engine layout left either, nothing is held: a respawn reads the disk."""
+        held = self._held.get(rank)
+        if held is None:
+            return 0
+        closed = _close(held.fds)
+        held.fds, held.released = [], True
+        if not held.layouts:
+            del self._held[rank]
+        return closed
+
+    def drop(self, rank: int) -> int:
+        """Close everything held for `rank`; returns how many fds were closed."""
+        held = self._held.pop(rank, None)
+        if held is None:
+            return 0
+        return _close(held.fds) + sum(_close(fds) for _, fds in held.layouts)
+
+    def hand_over(self, rank: int, sock: socket.socket) -> None:
+        """Send a respawned rank its escrow on its adopt channel (we keep our duplicates)."""
+        held = self._held[rank]
+        extra = {"released": True} if held.released else {}
+        wire.send_frame(sock, protocol.event("escrow", manifest=held.ready["manifest"],
+                                             fingerprint=held.ready["fingerprint"], **extra),
+                        held.fds)
+        for frame, fds in held.layouts:
+            wire.send_frame(sock, frame, fds)
+
+    def fd_count(self) -> int:
+        """Fds held, over every rank."""
+        return sum(len(h.fds) + sum(len(f) for _, f in h.layouts) for h in self._held.values())
+
+    def close(self) -> None:
+        """Close everything (the launcher is exiting)."""
+        for rank in list(self._held):
+            self.drop(rank)

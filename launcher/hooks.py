@@ -1,0 +1,100 @@
+"""The process operations the executor needs, behind one interface (the torch elastic shape).
+
+`OsHooks` does them for real: asyncio subprocesses in their own process groups that die with
+the launcher, process-group signals, the psutil sweep, HTTP probes, rank status queries.
+Tests hand the executor a fake with scripted results instead (tests/fakes.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from .children import become_subreaper, die_with_parent, reap_orphans, signal_group, sweep
+from .statusview import query_rank
+
+
+class Child(Protocol):
+    """A started child process."""
+
+    pid: int
+
+    async def wait(self) -> int:
+        """Its exit status once it has exited (negative: killed by that signal)."""
+
+
+class ProcessHooks(Protocol):
+    """Everything the executor does to processes and the network."""
+
+    def prepare(self) -> None:
+        """Once, before anything starts (become the subreaper of our descendants)."""
+
+    async def spawn(self, argv: Sequence[str], env: Mapping[str, str],
+                    pass_fds: Sequence[int] = ()) -> Child:
+        """Start argv in its own process group, dying with us; OSError if it cannot start."""
+
+    def signal(self, pid: int, sig: int) -> None:
+        """Signal a child's process group (a vanished one is fine)."""
+
+    def sweep(self, pids: Iterable[int]) -> list[str]:
+        """SIGKILL these groups and every descendant left; names of what was killed."""
+
+    def reap_orphans(self, pids: Iterable[int]) -> None:
+        """Collect exited descendants that are not our own children."""
+
+    async def http_ok(self, url: str) -> bool:
+        """Whether `url` answers 2xx."""
+
+    async def rank_status(self, path: Path) -> dict[str, Any]:
+        """A rank's status report from its socket; OSError (or a VlaunchError) if none."""
+
+
+class _Proc:
+    """An asyncio subprocess as a Child."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+
+    async def wait(self) -> int:
+        return await self.proc.wait()
+
+
+class OsHooks:
+    """The real process operations."""
+
+    def prepare(self) -> None:
+        become_subreaper()
+
+    async def spawn(self, argv: Sequence[str], env: Mapping[str, str],
+                    pass_fds: Sequence[int] = ()) -> Child:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, env=dict(env), pass_fds=tuple(pass_fds), start_new_session=True,
+            preexec_fn=die_with_parent)
+        return _Proc(proc)
+
+    def signal(self, pid: int, sig: int) -> None:
+        signal_group(pid, sig)
+
+    def sweep(self, pids: Iterable[int]) -> list[str]:
+        return sweep(pids)
+
+    def reap_orphans(self, pids: Iterable[int]) -> None:
+        reap_orphans(pids)
+
+    async def http_ok(self, url: str) -> bool:
+        return await asyncio.get_running_loop().run_in_executor(None, _http_ok, url)
+
+    async def rank_status(self, path: Path) -> dict[str, Any]:
+        return await asyncio.get_running_loop().run_in_executor(None, query_rank, path)
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return 200 <= resp.status < 300
+    except OSError:
+        return False

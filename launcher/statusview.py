@@ -1,0 +1,51 @@
+"""The status surface's data: each rank's own report (asked over its socket) merged into the
+supervisor's snapshot."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from vlaunch.cache.contract import wire
+from vlaunch.cache.contract.sockdir import check_peer, socket_path
+
+QUERY_TIMEOUT = 2.0
+
+
+def query_rank(path: Path, timeout: float = QUERY_TIMEOUT) -> dict[str, Any]:
+    """A cache rank's own status (bytes held, leases), asked on its socket; OSError if none."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+        sock.settimeout(timeout)
+        sock.connect(str(path))
+        check_peer(sock)
+        wire.send_frame(sock, {"op": "status"})
+        reply, fds = wire.recv_frame(sock)
+    for fd in fds:  # a status reply carries none; never leak what a broken peer sends
+        os.close(fd)
+    if reply.get("ok") is not True or not isinstance(reply.get("status"), dict):
+        raise OSError(f"rank at {path} answered {reply.get('error')!r} to status")
+    return reply["status"]
+
+
+def rank_bytes(detail: Mapping[str, Any]) -> int:
+    """Slab bytes a rank's status says it holds, over its devices."""
+    held = detail.get("bytes_held", {})
+    return sum(v for v in held.values() if isinstance(v, int)) if isinstance(held, dict) else 0
+
+
+def merge(snapshot: dict[str, Any], *, socket_dir: Path, devices: Mapping[int, str],
+          details: Mapping[int, Mapping[str, Any]], launcher: dict[str, Any]) -> dict[str, Any]:
+    """The supervisor's snapshot with each rank's device, bytes, leases and socket."""
+    ranks = {}
+    for r in snapshot["ranks"]:
+        rank = r["rank"]
+        detail = details.get(rank, {})
+        held = rank_bytes(detail) if detail else r.get("loaded_bytes", 0)  # loading: so far
+        ranks[rank] = {**r, "device": devices.get(rank), "bytes": held,
+                       "leases": detail.get("leases", []),
+                       "checkpoint": detail.get("checkpoint"),
+                       "socket": str(socket_path(socket_dir, rank))}
+    return {**snapshot, "ranks": ranks, "launcher": launcher}

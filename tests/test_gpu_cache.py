@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("cuda.bindings.driver")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 

@@ -29,12 +29,9 @@ log = logging.getLogger("vlaunch.cache")
 
 _DEVICE_INFO: dict[str, dict[str, str]] = {}  # device -> its fingerprint fields, per process
 
-# The CUDA driver bindings (and numpy, which torch.as_tensor needs to wrap a mapping) take
-# tens of milliseconds to import when torch has not already loaded them. This module is
-# imported when the engine starts; the first handoff must not pay for those imports. No driver
-# call happens here: cuInit runs on first use.
-with contextlib.suppress(Exception):
-    import cuda.bindings.driver  # noqa: F401
+# numpy, which torch.as_tensor needs to wrap a CUDA mapping, is imported here rather than in
+# the first handoff (torch has usually imported it already). CUDA driver calls go through
+# ctypes (store/cudadrv.py): nothing to import for them, and cuInit runs on first use.
 with contextlib.suppress(Exception):
     import numpy  # noqa: F401
 

@@ -196,3 +196,144 @@ def test_a_hook_may_build_packed_fp4_tensors(tmp_path: Path, monkeypatch) -> Non
     raw = torch.arange(24, dtype=torch.uint8).reshape(4, 6)
     assert_same(got["w"], raw.view(torch.float4_e2m1fn_x2), "w")
     assert_same(got["e"], raw.view(torch.float8_e8m0fnu), "e")
+
+
+# --- quantization: the fingerprint ----------------------------------------------------------
+
+
+def quantized_dir(root: Path, config: dict | None) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    write_raw(root / "model.safetensors", {"x.weight": ("BF16", [4, 4], random_bytes(32, 0))})
+    body = {"architectures": ["LlamaForCausalLM"]}
+    if config is not None:
+        body["quantization_config"] = config
+    (root / "config.json").write_text(json.dumps(body))
+    return root
+
+
+def test_the_fingerprint_carries_the_quantization_config_and_method(tmp_path: Path) -> None:
+    from vlaunch.cache.client.loader import expected_fingerprint
+    from vlaunch.cache.contract import fingerprint as fp
+    from vlaunch.cache.store.plan import Layout
+
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
+    model = quantized_dir(tmp_path / "m", gptq)
+    cache = expected_fingerprint(str(model), Layout(1, 0), "cpu")
+    assert cache["quantization"] == "gptq" and cache["quantization_config"].startswith("sha256:")
+    assert fp.compare(cache, expected_fingerprint(str(model), Layout(1, 0), "cpu")) == []
+    engine = expected_fingerprint(str(model), Layout(1, 0), "cpu", quantization="gptq_marlin")
+    assert fp.compare(cache, engine) == [("quantization", "gptq", "gptq_marlin")]
+    (model / "config.json").write_text(json.dumps({"quantization_config": {**gptq,
+                                                                           "desc_act": True}}))
+    engine = expected_fingerprint(str(model), Layout(1, 0), "cpu")
+    assert [m[0] for m in fp.compare(cache, engine)] == ["quantization_config"]
+    plain = expected_fingerprint(str(quantized_dir(tmp_path / "p", None)), Layout(1, 0), "cpu")
+    assert (plain["quantization_config"], plain["quantization"]) == ("none", "none")
+
+
+# --- quantization: placement per method, against the engine's own sharding ----------------
+#
+# The reference is written the way a serving engine shards (vLLM's ColumnParallelLinear /
+# RowParallelLinear): each parameter declares its output and input dimension (or none); a
+# column-parallel layer splits the output dim, a row-parallel one the input dim, and a
+# parameter without that dim is whole on every rank. Packed dims (8 int4 in an int32, 2 fp4 in
+# a byte) split like the dim they pack. Nothing here reads vlaunch's plan rules.
+
+HIDDEN, INTER, GROUP = 1024, 2048, 64
+COLUMN = {"self_attn.q_proj": (HIDDEN, HIDDEN), "self_attn.k_proj": (HIDDEN // 2, HIDDEN),
+          "self_attn.v_proj": (HIDDEN // 2, HIDDEN), "mlp.gate_proj": (INTER, HIDDEN),
+          "mlp.up_proj": (INTER, HIDDEN)}
+ROW = {"self_attn.o_proj": (HIDDEN, HIDDEN), "mlp.down_proj": (HIDDEN, INTER)}
+
+
+def method_params(method: str, out: int, inp: int) -> dict[str, tuple[str, list[int], object,
+                                                                       object]]:
+    """suffix -> (dtype, shape, output dim, input dim) of one linear layer's parameters."""
+    if method == "fp8-tensor":
+        return {"weight": ("F8_E4M3", [out, inp], 0, 1), "weight_scale": ("F32", [], None, None),
+                "input_scale": ("F32", [], None, None)}
+    if method == "fp8-channel":
+        return {"weight": ("F8_E4M3", [out, inp], 0, 1),
+                "weight_scale": ("F32", [out, 1], 0, None)}
+    if method == "fp8-block":
+        return {"weight": ("F8_E4M3", [out, inp], 0, 1),
+                "weight_scale_inv": ("F32", [out // 128, inp // 128], 0, 1)}
+    if method in ("gptq", "gptq-act-order"):
+        groups_in = None if method == "gptq-act-order" else 0
+        return {"qweight": ("I32", [inp // 8, out], 1, 0),
+                "qzeros": ("I32", [inp // GROUP, out // 8], 1, groups_in),
+                "scales": ("F16", [inp // GROUP, out], 1, groups_in),
+                "g_idx": ("I32", [inp], None, 0)}
+    if method == "awq":
+        return {"qweight": ("I32", [inp, out // 8], 1, 0),
+                "qzeros": ("I32", [inp // GROUP, out // 8], 1, 0),
+                "scales": ("F16", [inp // GROUP, out], 1, 0)}
+    if method == "mxfp4":
+        return {"weight": ("U8", [out, inp // 2], 0, 1),
+                "weight_scale": ("F8_E8M0", [out, inp // 32], 0, 1)}
+    if method == "mxfp4-f4":  # the same, with the packed weight as safetensors' F4
+        return {"weight": ("F4", [out, inp], 0, 1),
+                "weight_scale": ("F8_E8M0", [out, inp // 32], 0, 1)}
+    if method == "nvfp4":
+        return {"weight": ("U8", [out, inp // 2], 0, 1),
+                "weight_scale": ("F8_E4M3", [out, inp // 16], 0, 1),
+                "weight_scale_2": ("F32", [], None, None), "input_scale": ("F32", [], None, None)}
+    raise AssertionError(method)
+
+
+QUANT_CONFIGS = {"gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP,
+                          "desc_act": False},
+                 "gptq-act-order": {"quant_method": "gptq", "bits": 4, "group_size": GROUP,
+                                    "desc_act": True},
+                 "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP}}
+
+
+def write_quantized(root: Path, method: str) -> dict[str, tuple[str, object, object, str]]:
+    """A one-layer Llama checkpoint quantized with `method`; name -> (dtype, out, in, kind)."""
+    tensors, meta = {}, {}
+    seed = 0
+    for kind, layers in (("column", COLUMN), ("row", ROW)):
+        for layer, (out, inp) in layers.items():
+            for suffix, (dtype, shape, o, i) in method_params(method, out, inp).items():
+                name = f"model.layers.0.{layer}.{suffix}"
+                seed += 1
+                tensors[name] = (dtype, shape, random_bytes(dtypes.nbytes(dtype, shape), seed))
+                meta[name] = (dtype, o, i, kind)
+    tensors["model.layers.0.input_layernorm.weight"] = ("BF16", [HIDDEN],
+                                                       random_bytes(2 * HIDDEN, 99))
+    meta["model.layers.0.input_layernorm.weight"] = ("BF16", None, None, "column")
+    quantized_dir(root, QUANT_CONFIGS.get(method, {"quant_method": method.split("-")[0]}))
+    write_raw(root / "model.safetensors", tensors)
+    return meta
+
+
+def reference_shard(full: torch.Tensor, out_dim: object, in_dim: object, kind: str, tp: int,
+                    rank: int) -> torch.Tensor:
+    """What the engine's parallel linear layer keeps of a parameter on rank `rank`."""
+    dim = out_dim if kind == "column" else in_dim
+    if dim is None:
+        return full
+    return full.chunk(tp, dim=int(dim))[rank].contiguous()  # type: ignore[call-overload]
+
+
+def shards(model: Path, plan: str, tp: int, rank: int, **sizes: int) -> dict[str, torch.Tensor]:
+    from vlaunch.cache.store.plan import Layout
+    from vlaunch.cache.store.shard import PlainBackend, load_shard
+
+    layout = Layout.from_global(rank, tp, 1, sizes.get("dp", 1))
+    return load_shard(str(model), plan, layout, PlainBackend("cpu")).named()
+
+
+@pytest.mark.parametrize("method", ["fp8-tensor", "fp8-channel", "fp8-block", "gptq",
+                                    "gptq-act-order", "awq", "mxfp4", "mxfp4-f4", "nvfp4"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_quantized_layers_are_placed_as_the_engine_shards_them(tmp_path: Path, method: str,
+                                                               tp: int) -> None:
+    meta = write_quantized(tmp_path, method)
+    full = shards(tmp_path, "replicate", 1, 0)
+    for rank in range(tp):
+        got = shards(tmp_path, "llama", tp, rank)
+        assert set(got) == set(meta)
+        for name, (_, out_dim, in_dim, kind) in meta.items():
+            want = reference_shard(full[name], out_dim, in_dim, kind, tp, rank)
+            assert_same(got[name], want, (method, tp, rank, name))

@@ -158,7 +158,7 @@ def test_global_rank_out_of_range() -> None:
     ("model.layers.3.input_layernorm.weight", None),
     ("model.layers.3.post_attention_layernorm.weight", None),
     ("model.norm.weight", None),
-    ("model.layers.3.self_attn.q_proj.weight_scale", None),
+    ("model.layers.3.self_attn.q_proj.weight_scale", 0),  # size-1 dims: replicated
     ("model.layers.3.self_attn.xq_proj.weight", None),
     ("model.layers.0.self_attn.rotary_emb.inv_freq", None),
 ])
@@ -178,8 +178,8 @@ def test_first_matching_rule_wins() -> None:
 def test_builtin_identities_are_distinct_and_stable() -> None:
     assert LLAMA_PLAN.identity.startswith("builtin:llama:sha256:")
     assert LLAMA_PLAN.identity != BUILTIN_PLANS["replicate"].identity
-    assert ShardPlan("llama", tuple((p.pattern, d) for p, d in LLAMA_PLAN.rules)).identity == \
-        LLAMA_PLAN.identity
+    assert ShardPlan("llama", tuple((p.pattern, d) for p, d in LLAMA_PLAN.rules),
+                     fused=LLAMA_PLAN.fused).identity == LLAMA_PLAN.identity
 
 
 # --- slices --------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ tensor-parallel ranks; `None` means replicated, and a tensor no rule matches is 
 
 `load_plan(spec)` takes one of:
 
-- a built-in name: "llama" (also fits Mistral and Qwen2 names) or "replicate";
+- a built-in name: "llama" (also fits Mistral, Mixtral, Qwen2/3, their MoE and quantized
+  layers), "llama-ep" (the same with whole experts per rank), "gpt-oss" or "replicate";
 - a plan file, JSON or TOML (by suffix: .toml is TOML, anything else JSON)::
 
       {"name": "mymodel", "rules": [{"pattern": "\\.qkv\\.weight$", "dim": 0},
@@ -19,6 +20,8 @@ tensor-parallel ranks; `None` means replicated, and a tensor no rule matches is 
       [[rules]]
       pattern = '\.norm\.'      # no dim: replicated
 
+  `"experts": "ep"` places whole experts on ranks; a rule's `"blocks": 2` splits a fused
+  gate|up dimension half by half.
   `name` is optional (default: the file's stem); a rule without `dim`, or with `"dim": null`,
   replicates; dims are non-negative integers; other keys are refused (they are likely typos);
 - `module:callable`: a hook, `hook(checkpoint, layout) -> Mapping[str, torch.Tensor]`, that
@@ -123,18 +126,20 @@ class SliceSpec:
     part: int
     parts: int
     source: TensorEntry
+    groups: int = 1  # the dim holds `groups` equal blocks (fused gate|up), each split in parts
 
     def __post_init__(self) -> None:
         if not 0 <= self.part < self.parts:
             raise ValueError(f"part {self.part} is not in 0..{self.parts - 1}")
+        pieces = self.parts * self.groups
         if self.dim is None:
-            if self.parts != 1:
+            if self.parts != 1 or self.groups != 1:
                 raise ValueError("a replicated slice has exactly one part")
-        elif not 0 <= self.dim < len(self.full_shape) or self.full_shape[self.dim] % self.parts:
-            raise ValueError(f"cannot split shape {self.full_shape} in {self.parts} along "
+        elif not 0 <= self.dim < len(self.full_shape) or self.full_shape[self.dim] % pieces:
+            raise ValueError(f"cannot split shape {self.full_shape} in {pieces} along "
                              f"dim {self.dim}")
-        elif split_problem(self.dtype, self.full_shape, self.dim, self.parts):
-            raise ValueError(split_problem(self.dtype, self.full_shape, self.dim, self.parts))
+        elif split_problem(self.dtype, self.full_shape, self.dim, pieces):
+            raise ValueError(split_problem(self.dtype, self.full_shape, self.dim, pieces))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -158,9 +163,11 @@ class SliceSpec:
             return [(self.source.begin, self.source.nbytes)]
         inner = math.prod(self.full_shape[self.dim + 1:]) * DTYPES[self.dtype].bits
         row = self.full_shape[self.dim] * inner // 8  # source bytes per index of outer dims
-        chunk = self.shape[self.dim] * inner // 8  # whole bytes: checked in __post_init__
+        block = row // self.groups  # one group (gate or up) of the fused dim
+        chunk = self.shape[self.dim] // self.groups * inner // 8  # whole bytes: __post_init__
         first = self.source.begin + self.part * chunk
-        return [(first + i * row, chunk) for i in range(math.prod(self.full_shape[:self.dim]))]
+        return [(first + i * row + g * block, chunk)
+                for i in range(math.prod(self.full_shape[:self.dim])) for g in range(self.groups)]
 
     def blocks(self, max_bytes: int, max_gap: int | None = None) -> list[Block]:
         """Group the runs into reads of at most `max_bytes` of file span each.
@@ -218,6 +225,14 @@ def _compile(pattern: re.Pattern[str] | str, plan: str) -> re.Pattern[str]:
                         "the rule") from None
 
 
+def _check_blocks(blocks: object, pattern: object, plan: str) -> int:
+    """Return a fused rule's block count if it is an integer >= 1; PlanError otherwise."""
+    if type(blocks) is int and blocks >= 1:
+        return blocks
+    raise PlanError(f"plan {plan}: fused rule {getattr(pattern, 'pattern', pattern)!r} has "
+                    f"blocks {blocks!r}; use an integer >= 1 (2 for a fused gate and up)")
+
+
 def _check_dim(dim: object, pattern: object, plan: str) -> int | None:
     """Return a rule's dim if it is None or a non-negative integer; PlanError otherwise."""
     if dim is None or (type(dim) is int and dim >= 0):
@@ -233,14 +248,34 @@ class ShardPlan:
     name: str
     rules: tuple[tuple[re.Pattern[str] | str, int | None], ...]
     identity: str = ""  # for the fingerprint; default: the name and a hash of the rules
+    # (regex, blocks): the split dim holds `blocks` equal blocks (fused gate|up), each split
+    fused: tuple[tuple[re.Pattern[str] | str, int], ...] = ()
+    experts: str = "tp"  # "tp": experts split like dense layers; "ep": whole experts per rank
 
     def __post_init__(self) -> None:
         rules = tuple((_compile(p, self.name), _check_dim(d, p, self.name)) for p, d in self.rules)
         object.__setattr__(self, "rules", rules)
+        fused = tuple((_compile(p, self.name), _check_blocks(g, p, self.name))
+                      for p, g in self.fused)
+        object.__setattr__(self, "fused", fused)
+        if self.experts not in ("tp", "ep"):
+            raise PlanError(f"plan {self.name}: experts {self.experts!r} is neither 'tp' nor "
+                            "'ep'; use 'tp' to split experts like dense layers or 'ep' to "
+                            "place whole experts on ranks")
         if not self.identity:
             text = json.dumps([[p.pattern, d] for p, d in rules])
+            if fused or self.experts != "tp":
+                text += json.dumps({"fused": [[p.pattern, g] for p, g in fused],
+                                    "experts": self.experts})
             digest = hashlib.sha256(text.encode()).hexdigest()
             object.__setattr__(self, "identity", f"builtin:{self.name}:sha256:{digest}")
+
+    def blocks(self, name: str) -> int:
+        """How many equal blocks (fused gate|up) tensor `name`'s split dim holds; 1 if not fused."""
+        for pattern, blocks in self.fused:
+            if re.search(pattern, name):
+                return blocks
+        return 1
 
     def split_dim(self, name: str) -> int | None:
         """Return the dimension to split tensor `name` along, or None to replicate it."""
@@ -280,20 +315,52 @@ class HookPlan:
 
 Plan = ShardPlan | HookPlan
 
-_COLUMN = r"(?:^|\.)(?:q_proj|k_proj|v_proj|gate_proj|up_proj)\.(?:weight|bias)$"
-LLAMA_PLAN = ShardPlan("llama", (
-    (_COLUMN, 0),
+_COL = r"(?:^|\.)(?:q_proj|k_proj|v_proj|gate_proj|up_proj|w1|w3)\."  # w1/w3: Mixtral's gate/up
+_ROW = r"(?:^|\.)(?:o_proj|down_proj|w2)\."
+# weights laid out [out, in] (bf16, fp8, NVFP4/MXFP4 packed, compressed-tensors) and their
+# scales and zero points, which follow the weight's split (a dim of size 1 is replicated)
+_OUT_IN = r"(?:weight|weight_packed|weight_scale|weight_scale_inv|weight_zero_point)$"
+_IN_OUT = r"(?:qweight|qzeros|scales)$"  # GPTQ/AWQ int4: [in (packed), out (packed)]
+_LLAMA_RULES: tuple[tuple[str, int | None], ...] = (
+    (_COL + r"(?:bias|" + _OUT_IN + ")", 0),
+    (_COL + _IN_OUT, 1),
     (r"(?:^|\.)(?:embed_tokens|lm_head)\.weight$", 0),
-    (r"(?:^|\.)(?:o_proj|down_proj)\.weight$", 1),
+    (_ROW + r"(?:weight_)?g_idx$", 0),
+    (_ROW + _OUT_IN, 1),
+    (_ROW + _IN_OUT, 0),
+    (r"(?:^|\.)experts\.gate_up_proj$", 2),  # fused experts [E, hidden, 2 * inter]: gate|up
+    (r"(?:^|\.)experts\.gate_up_proj_bias$", 1),
+    (r"(?:^|\.)experts\.down_proj$", 1),  # [E, inter, hidden]
+)
+_FUSED_GATE_UP = ((r"(?:^|\.)experts\.gate_up_proj(?:_bias)?$", 2),)
+LLAMA_PLAN = ShardPlan("llama", _LLAMA_RULES, fused=_FUSED_GATE_UP)
+"""Llama-style names (also Mistral, Mixtral, Qwen2/3 and their MoE, DeepSeek-style experts):
+q/k/v/gate/up (Mixtral w1/w3), their biases, the embedding and lm_head split rows; o_proj and
+down_proj (w2) split columns; quantized layers split with their weight (GPTQ/AWQ's transposed
+qweight/qzeros/scales along their own output or input dim, g_idx with its input rows);
+per-tensor scales, norms, routers and o_proj/down_proj biases are replicated. Fused expert
+tensors split the intermediate dimension, each half of a fused gate|up on its own."""
+
+LLAMA_EP_PLAN = ShardPlan("llama-ep", _LLAMA_RULES, fused=_FUSED_GATE_UP, experts="ep")
+"""As "llama", but experts are not split: each rank of tp x dp holds whole experts, a
+contiguous block of them (expert parallelism, as vLLM's --enable-expert-parallel places them)."""
+
+GPT_OSS_PLAN = ShardPlan("gpt-oss", (
+    *_LLAMA_RULES[:6],
+    (r"(?:^|\.)self_attn\.sinks$", 0),
+    (r"(?:^|\.)experts\.gate_up_proj$", 2),  # [E, hidden, 2 * inter], gate and up interleaved
+    (r"(?:^|\.)experts\.gate_up_proj_(?:bias|blocks|scales)$", 1),  # MXFP4: [E, 2 * inter, ..]
+    (r"(?:^|\.)experts\.down_proj$", 1),
+    (r"(?:^|\.)experts\.down_proj_(?:blocks|scales)$", 2),  # MXFP4: [E, hidden, inter / 32, ..]
 ))
-"""Llama-style names (also Mistral, Qwen2): q/k/v/gate/up and their biases, the embedding
-and lm_head split rows; o_proj and down_proj weights split columns; the rest (norms,
-o_proj/down_proj biases, quantization scales) is replicated."""
+"""gpt-oss: Llama-style attention plus sinks; experts whose gate and up rows interleave (a
+contiguous split keeps pairs together), in bf16 or MXFP4 (blocks and E8M0 scales)."""
 
 REPLICATE_PLAN = ShardPlan("replicate", ())
 """Every tensor whole on every rank."""
 
-BUILTIN_PLANS: dict[str, ShardPlan] = {"llama": LLAMA_PLAN, "replicate": REPLICATE_PLAN}
+BUILTIN_PLANS: dict[str, ShardPlan] = {"llama": LLAMA_PLAN, "llama-ep": LLAMA_EP_PLAN,
+                                       "gpt-oss": GPT_OSS_PLAN, "replicate": REPLICATE_PLAN}
 
 
 def load_plan(spec: str) -> Plan:
@@ -334,32 +401,82 @@ def load_hook(spec: str) -> PlanHook:
 
 def plan_rank(ckpt: Checkpoint, plan: ShardPlan, layout: Layout) -> list[SliceSpec]:
     """Return the slices rank `layout` holds, in checkpoint order."""
+    from vlaunch.cache.store.quant import act_order, quantization_config
+
     stage_of = _stage_filter(ckpt, layout.pp_size)
+    owns = _expert_filter(ckpt, plan, layout)
+    whole_groups = act_order(quantization_config(ckpt.root))
     slices = []
     for entry in ckpt.tensors.values():
-        if stage_of(entry.name) in (None, layout.pp_rank):
-            slices.append(_slice(entry, plan, layout))
+        if stage_of(entry.name) in (None, layout.pp_rank) and owns(entry.name):
+            slices.append(_slice(entry, plan, layout, whole_groups))
     return slices
 
 
-def _slice(entry: TensorEntry, plan: ShardPlan, layout: Layout) -> SliceSpec:
-    """Return the tensor-parallel slice of `entry` that rank `layout` holds."""
-    dim = plan.split_dim(entry.name)
+_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")  # one expert's tensor: experts.N.w1.weight
+_FUSED_EXPERTS = re.compile(r"(?:^|\.)experts\.[A-Za-z_]\w*$")  # all experts: [E, ...]
+_QUANT_AUX = re.compile(r"\.(?:weight_scale|weight_scale_inv|weight_zero_point|scales|qzeros)$")
+_GROUPED = re.compile(r"\.(?:scales|qzeros)$")
+
+
+def ep_layout(layout: Layout) -> tuple[int, int]:
+    """(ep_size, ep_rank): experts spread over the tp x dp ranks, as vLLM's expert parallelism."""
+    return layout.tp_size * layout.dp_size, layout.dp_rank * layout.tp_size + layout.tp_rank
+
+
+def expert_range(experts: int, ep_size: int, ep_rank: int) -> range:
+    """The experts rank `ep_rank` holds: a contiguous block; the first E % ep_size get one more."""
+    base, extra = divmod(experts, ep_size)
+    start = ep_rank * base + min(ep_rank, extra)
+    return range(start, start + base + (ep_rank < extra))
+
+
+def _expert_filter(ckpt: Checkpoint, plan: ShardPlan, layout: Layout) -> Callable[[str], bool]:
+    """Under expert parallelism, whether rank `layout` holds tensor `name`'s expert."""
+    if plan.experts != "ep":
+        return lambda name: True
+    indices = {int(m.group(1)) for name in ckpt.tensors if (m := _EXPERT.search(name))}
+    mine = expert_range(max(indices) + 1 if indices else 0, *ep_layout(layout))
+
+    def owns(name: str) -> bool:
+        m = _EXPERT.search(name)
+        return m is None or int(m.group(1)) in mine
+
+    return owns
+
+
+def _slice(entry: TensorEntry, plan: ShardPlan, layout: Layout,
+           whole_groups: bool = False) -> SliceSpec:
+    """Return the tensor-parallel (or expert-parallel) slice of `entry` that rank `layout` holds."""
+    dim, blocks = plan.split_dim(entry.name), plan.blocks(entry.name)
+    parts, part = layout.tp_size, layout.tp_rank
+    if plan.experts == "ep" and _EXPERT.search(entry.name):
+        dim = None  # a whole expert, on the rank that owns it (plan_rank filters)
+    elif plan.experts == "ep" and _FUSED_EXPERTS.search(entry.name) and entry.shape:
+        dim, blocks = 0, 1  # [E, ...]: a contiguous block of experts per rank
+        parts, part = ep_layout(layout)
+    if dim is not None and _QUANT_AUX.search(entry.name) and (
+            dim >= len(entry.shape) or entry.shape[dim] == 1):
+        dim = None  # a per-tensor or per-channel scale: it broadcasts along the split dim
+    if dim == 0 and whole_groups and _GROUPED.search(entry.name):
+        dim = None  # GPTQ act order: a row-parallel layer's ranks need every group's scales
+    if dim is None:
+        parts, part, blocks = 1, 0, 1
     shape = "[" + ",".join(map(str, entry.shape)) + "]"
     if dim is not None and dim >= len(entry.shape):
         raise PlanError(f"plan {plan.name}: tensor {entry.name!r} of shape {shape} has no "
                         f"dimension {dim} to split; add a rule for it to a plan file")
-    if dim is not None and entry.shape[dim] % layout.tp_size:
+    if dim is not None and entry.shape[dim] % (parts * blocks):
         raise PlanError(f"plan {plan.name}: tensor {entry.name!r} of shape {shape}: dimension "
                         f"{dim} (size {entry.shape[dim]}) does not divide evenly by tp size "
-                        f"{layout.tp_size}; use a tp size that divides it, or a plan file or "
-                        "hook for this model")
-    if dim is not None and (why := split_problem(entry.dtype, entry.shape, dim, layout.tp_size)):
+                        f"{parts}" + (f" x {blocks} fused blocks" if blocks > 1 else "")
+                        + "; use a tp size that divides it, or a plan file or hook for this "
+                        "model")
+    if dim is not None and (why := split_problem(entry.dtype, entry.shape, dim, parts * blocks)):
         raise PlanError(f"plan {plan.name}: tensor {entry.name!r}: {why}; use a tp size that "
                         "keeps whole bytes, or split it along another dimension")
-    parts, part = (1, 0) if dim is None else (layout.tp_size, layout.tp_rank)
     return SliceSpec(name=entry.name, dtype=entry.dtype, full_shape=entry.shape, dim=dim,
-                     part=part, parts=parts, source=entry)
+                     part=part, parts=parts, source=entry, groups=blocks)
 
 
 def _stage_filter(ckpt: Checkpoint, pp_size: int) -> Callable[[str], int | None]:
@@ -401,22 +518,24 @@ def _load_plan_file(path: Path) -> ShardPlan:
             obj = json.loads(data)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, TOMLDecodeError, bad UTF-8
         raise PlanError(f"plan file {path} cannot be parsed: {e}; fix its syntax") from None
-    if not isinstance(obj, dict) or not set(obj) <= {"name", "rules"}:
-        raise PlanError(f"plan file {path} must be an object with keys 'name' and 'rules' "
-                        "only; fix the file")
+    if not isinstance(obj, dict) or not set(obj) <= {"name", "rules", "experts"}:
+        raise PlanError(f"plan file {path} must be an object with keys 'name', 'rules' and "
+                        "'experts' only; fix the file")
     rules = obj.get("rules")
     name = obj.get("name", path.stem)
     if not isinstance(rules, list) or not isinstance(name, str):
         raise PlanError(f"plan file {path}: 'rules' must be a list and 'name' a string")
     for i, rule in enumerate(rules):
         if (not isinstance(rule, dict) or "pattern" not in rule
-                or not set(rule) <= {"pattern", "dim"}):
-            raise PlanError(f"plan file {path}: rule {i} must have a 'pattern' and an optional "
-                            f"'dim', nothing else; got {rule!r}")
+                or not set(rule) <= {"pattern", "dim", "blocks"}):
+            raise PlanError(f"plan file {path}: rule {i} must have a 'pattern', an optional "
+                            f"'dim' and optional 'blocks', nothing else; got {rule!r}")
     digest = hashlib.sha256(data).hexdigest()
     try:
         return ShardPlan(name, tuple((r["pattern"], r.get("dim")) for r in rules),
-                         identity=f"file:sha256:{digest}")
+                         identity=f"file:sha256:{digest}",
+                         fused=tuple((r["pattern"], r["blocks"]) for r in rules if "blocks" in r),
+                         experts=obj.get("experts", "tp"))
     except PlanError as e:
         raise PlanError(f"plan file {path}: {e}") from None
 

@@ -56,9 +56,12 @@ def default_device() -> str:
 
 def expected_fingerprint(model: str, layout: Layout, device: str, plan: str = "llama",
                          kernel_backends: str = "", loader: str = "vlaunch",
-                         socket: os.PathLike[str] | None = None) -> fp.Fingerprint:
+                         socket: os.PathLike[str] | None = None,
+                         quantization: str | None = None) -> fp.Fingerprint:
     """The fingerprint a cache must have for this engine rank (`socket`: the rank's, whose
-    identity memo spares reading samples of files that did not change)."""
+    identity memo spares reading samples of files that did not change; `quantization`: the
+    engine's method, else $VLAUNCH_QUANTIZATION, else config.json's)."""
+    from vlaunch.cache.store import quant
     from vlaunch.cache.store.plan import load_plan
 
     backend = backend_for(device)
@@ -68,15 +71,22 @@ def expected_fingerprint(model: str, layout: Layout, device: str, plan: str = "l
     header, data = identity.identities(model, identity.memo_path(socket) if socket else None)
     return fp.build(checkpoint=header, checkpoint_data=data, plan=load_plan(plan).identity,
                     layout=layout.as_dict(), dtype="checkpoint", backend=backend.name,
-                    device=info, kernel_backends=kernel_backends, loader=loader)
+                    device=info, kernel_backends=kernel_backends, loader=loader,
+                    quantization=quant.fingerprint_fields(
+                        model, quantization or os.environ.get("VLAUNCH_QUANTIZATION")))
 
 
 def load(model: str, *, rank: int = 0, tensor_parallel_size: int = 1,
          pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
          socket_dir: str | None = None, mode: str = "share", fallback: bool = True,
          timeout: float = 60.0, device: str | None = None, plan: str = "llama",
-         kernel_backends: str = "", loader: str = "vlaunch") -> Weights:
-    """The rank's shard as named tensors: from the cache, else (fallback) from disk."""
+         kernel_backends: str = "", loader: str = "vlaunch",
+         quantization: str | None = None) -> Weights:
+    """The rank's shard as named tensors: from the cache, else (fallback) from disk.
+
+    `quantization`: the engine's quantization method (fingerprint field; default:
+    $VLAUNCH_QUANTIZATION, else config.json's quant_method).
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
     layout = Layout.from_global(rank, tensor_parallel_size, pipeline_parallel_size,
@@ -88,7 +98,7 @@ def load(model: str, *, rank: int = 0, tensor_parallel_size: int = 1,
                     rank, path, timeout)
     try:
         return _from_cache(path, model, layout, device, mode, plan, kernel_backends, loader,
-                           0.0 if fallback else timeout)
+                           0.0 if fallback else timeout, quantization)
     except (CacheUnavailableError, FingerprintMismatchError, CacheBrokenError) as exc:
         if not fallback and isinstance(exc, CacheUnavailableError):
             raise CacheUnavailableError(f"{exc}; to wait longer than the {timeout:g} s it "
@@ -133,13 +143,15 @@ def cached_nbytes(model: str, *, rank: int = 0, tensor_parallel_size: int = 1,
 
 
 def _from_cache(path: os.PathLike[str], model: str, layout: Layout, device: str, mode: str,
-                plan: str, kernel_backends: str, loader: str, timeout: float) -> Weights:
+                plan: str, kernel_backends: str, loader: str, timeout: float,
+                quantization: str | None = None) -> Weights:
     client = CacheClient(path, timeout=timeout)  # may wait for the cache: GC stays on
     collecting = gc.isenabled()
     gc.disable()  # a collection pass would cost more than the rest of the handoff
     try:
         tensors = client.handoff(lambda: expected_fingerprint(
-            model, layout, device, plan, kernel_backends, loader, path), mode=mode,
+            model, layout, device, plan, kernel_backends, loader, path,
+            quantization=quantization), mode=mode,
             device=device)
     except BaseException:
         client.close()

@@ -12,6 +12,7 @@ FIELDS = (
     "protocol", "vlaunch", "checkpoint", "checkpoint_data", "plan", "tp_size", "tp_rank",
     "pp_size", "pp_rank", "dp_size", "dp_rank", "dtype", "backend", "device_uuid",
     "compute_capability", "driver", "torch", "cuda", "kernel_backends", "loader",
+    "quantization_config", "quantization",
 )
 """Field order as reported; a mismatch lists every differing field."""
 
@@ -20,7 +21,8 @@ Fingerprint = dict[str, str]
 
 def build(*, checkpoint: str, checkpoint_data: str, plan: str, layout: Mapping[str, int],
           dtype: str, backend: str, device: Mapping[str, str], kernel_backends: str = "",
-          loader: str = "vlaunch", torch_version: str | None = None) -> Fingerprint:
+          loader: str = "vlaunch", torch_version: str | None = None,
+          quantization: Mapping[str, str] | None = None) -> Fingerprint:
     """Assemble a fingerprint from its parts (all values as strings)."""
     if torch_version is None:
         import torch
@@ -35,6 +37,9 @@ def build(*, checkpoint: str, checkpoint_data: str, plan: str, layout: Mapping[s
         "compute_capability": device.get("compute_capability", ""),
         "driver": device.get("driver", ""), "torch": torch_version,
         "cuda": device.get("cuda", ""), "kernel_backends": kernel_backends, "loader": loader,
+        # the hash of config.json's quantization_config and the engine's method (store/quant.py)
+        "quantization_config": (quantization or {}).get("quantization_config", "none"),
+        "quantization": (quantization or {}).get("quantization", "none"),
     }
     return {k: str(fields[k]) for k in FIELDS}
 

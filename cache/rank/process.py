@@ -118,12 +118,14 @@ def _finish(opts: RankArgs, backend: Any, shard: Any, manifest: Manifest
 
 def _fingerprint(opts: RankArgs, backend: Any, shard: Any) -> fp.Fingerprint:
     from vlaunch.cache.rank.integrity import data_identity
+    from vlaunch.cache.store import quant
 
     return fp.build(checkpoint=shard.checkpoint.identity,
                     checkpoint_data=data_identity(opts.model, shard), plan=shard.plan_identity,
                     layout=_layout(opts).as_dict(), dtype="checkpoint", backend=backend.name,
                     device=backend.device_info(), kernel_backends=opts.kernel_backends,
-                    loader=opts.loader)
+                    loader=opts.loader, quantization=quant.fingerprint_fields(
+                        opts.model, os.environ.get("VLAUNCH_QUANTIZATION")))
 
 
 def _layout(opts: RankArgs) -> Layout:

@@ -47,11 +47,15 @@ class _Collector:
                                  labels=["rank", "device"])
         leases = GaugeMetricFamily("vlaunch_rank_leases", "Clients holding a lease.",
                                    labels=["rank"])
+        changed = GaugeMetricFamily("vlaunch_checkpoint_changed", "A checkpoint file changed "
+                                    "on disk since the cache rank read it.", labels=["rank"])
         for rank, r in ranks.items():
             up.add_metric([str(rank)], float(r.get("state") == "ready"))
             held.add_metric([str(rank), str(r.get("device", ""))], float(r.get("bytes", 0)))
             leases.add_metric([str(rank)], float(len(r.get("leases", []))))
-        yield from (up, held, leases)
+            changed.add_metric([str(rank)], float(bool((r.get("checkpoint") or {}).get(
+                "changed"))))
+        yield from (up, held, leases, changed)
         engine = s.get("engine") or {}
         yield GaugeMetricFamily("vlaunch_engine_restarts", "Engine restarts so far.",
                                 value=float(engine.get("restarts", 0)))

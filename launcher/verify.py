@@ -103,8 +103,8 @@ def verify(socket_dir: str, model: str, threads: int, as_json: bool) -> None:
         for line in r["mismatches"]:
             log.error("rank %d: %s", r["rank"], line)
         if r["changed"]:
-            log.warning("rank %d: checkpoint file(s) changed on disk since the rank read them: "
-                        "%s", r["rank"], ", ".join(r["changed"]))
+            log.warning("rank %d: the checkpoint changed on disk since the rank read it: %s",
+                        r["rank"], ", ".join(r["changed"]))
     failed = [r for r in results if r["mismatches"]]
     if as_json:
         click.echo(json.dumps(results, indent=2))

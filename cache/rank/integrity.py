@@ -58,10 +58,10 @@ def checked_load(model: str, rank: int, load: Callable[[], Any]) -> Any:
         release(shard)
         names = ", ".join(changed)
         if attempt == 1:
-            log.warning("checkpoint file(s) %s in %s changed while rank %d read them; reading "
-                        "them again", names, rec.root, rank)
-    raise CheckpointChangedError(f"checkpoint file(s) {names} in {rec.root} changed while rank "
-                                 f"{rank} read them, twice; wait until whatever writes the "
+            log.warning("the checkpoint changed while rank %d read it (%s in %s); reading it "
+                        "again", rank, names, rec.root)
+    raise CheckpointChangedError(f"the checkpoint changed while rank {rank} read it, twice "
+                                 f"({names} in {rec.root}); wait until whatever writes the "
                                  "checkpoint (a download, a copy in place) has finished, then "
                                  "start the cache again")
 
@@ -151,10 +151,10 @@ class Integrity:
             fp = dict(self.server.fingerprint)
             fp["checkpoint_data"] = f"changed on disk since loaded: {first[:200]}{more}"
             self.server.fingerprint = fp  # new engines now get a mismatch naming this field
-        log.warning("rank %d: checkpoint file(s) %s changed under the serving cache; it keeps "
-                    "serving engines that already hold its weights, new engines get a "
-                    "fingerprint mismatch (checkpoint_data); restart the cache to serve the new "
-                    "checkpoint", self.server.rank, ", ".join(names))
+        log.warning("rank %d: the checkpoint changed under the serving cache (%s); engines that "
+                    "hold its weights keep them, new engines get a fingerprint mismatch "
+                    "(checkpoint_data); restart the cache to serve the new checkpoint",
+                    self.server.rank, ", ".join(names))
 
     def status(self) -> dict[str, Any]:
         """The rank status's `checkpoint` field."""
@@ -218,9 +218,10 @@ def verify_loaded(model: str, plan: str, layout: Any, manifest: Manifest,
     for line in bad[:20]:
         log.error("rank %d: verify: %s", rank, line)
     if bad:
-        raise VerifyError(f"verify: {len(bad)} of {len(manifest.tensors)} tensor(s) of rank "
-                          f"{rank} differ from the checkpoint files; restart the cache to read "
-                          "them again, and check the disk and host memory if it happens again")
+        raise VerifyError(f"verify found tensors of rank {rank} that differ from the checkpoint "
+                          f"files ({len(bad)} of {len(manifest.tensors)}); restart the cache to "
+                          "read them again, and check the disk and host memory if it happens "
+                          "again")
     log.info("rank %d: verify: %d tensors, %.2f GB match the checkpoint files (%.1fs)", rank,
              len(manifest.tensors), manifest.nbytes / 1e9, time.perf_counter() - start)
 

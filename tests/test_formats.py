@@ -337,3 +337,130 @@ def test_quantized_layers_are_placed_as_the_engine_shards_them(tmp_path: Path, m
         for name, (_, out_dim, in_dim, kind) in meta.items():
             want = reference_shard(full[name], out_dim, in_dim, kind, tp, rank)
             assert_same(got[name], want, (method, tp, rank, name))
+
+
+# --- mixture of experts ---------------------------------------------------------------------
+
+EXPERTS, H, INTER_E = 6, 64, 128
+
+
+def write_moe(root: Path, style: str) -> dict[str, torch.Tensor]:
+    """A one-layer MoE checkpoint: per-expert (mixtral, qwen) or fused expert tensors."""
+    g = torch.Generator().manual_seed(1)
+    t: dict[str, torch.Tensor] = {}
+    attn = "model.layers.0.self_attn"
+    t[f"{attn}.q_proj.weight"] = torch.randn(H, H, generator=g)
+    t[f"{attn}.o_proj.weight"] = torch.randn(H, H, generator=g)
+    if style == "mixtral":
+        moe = "model.layers.0.block_sparse_moe"
+        t[f"{moe}.gate.weight"] = torch.randn(EXPERTS, H, generator=g)
+        for e in range(EXPERTS):
+            for w, shape in (("w1", (INTER_E, H)), ("w3", (INTER_E, H)), ("w2", (H, INTER_E))):
+                t[f"{moe}.experts.{e}.{w}.weight"] = torch.randn(shape, generator=g)
+    elif style == "qwen":
+        moe = "model.layers.0.mlp"
+        t[f"{moe}.gate.weight"] = torch.randn(EXPERTS, H, generator=g)
+        for e in range(EXPERTS):
+            for w, shape in (("gate_proj", (INTER_E, H)), ("up_proj", (INTER_E, H)),
+                             ("down_proj", (H, INTER_E))):
+                t[f"{moe}.experts.{e}.{w}.weight"] = torch.randn(shape, generator=g)
+        t[f"{moe}.shared_expert.gate_proj.weight"] = torch.randn(INTER_E, H, generator=g)
+        t[f"{moe}.shared_expert.down_proj.weight"] = torch.randn(H, INTER_E, generator=g)
+    else:  # fused, as Llama 4 and transformers write them: gate|up along the last dim
+        moe = "model.layers.0.feed_forward"
+        t[f"{moe}.router.weight"] = torch.randn(EXPERTS, H, generator=g)
+        t[f"{moe}.experts.gate_up_proj"] = torch.randn(EXPERTS, H, 2 * INTER_E, generator=g)
+        t[f"{moe}.experts.down_proj"] = torch.randn(EXPERTS, INTER_E, H, generator=g)
+    t = {k: v.to(torch.bfloat16) for k, v in t.items()}
+    root.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    save_file(t, str(root / "model.safetensors"))
+    return t
+
+
+_GATE_UP = ("w1", "w3", "gate_proj", "up_proj", "q_proj")
+_DOWN = ("w2", "down_proj", "o_proj")
+
+
+def tp_reference(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """The engine's tensor-parallel MoE: every expert's intermediate dim split across ranks."""
+    leaf = name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1]
+    if leaf in _GATE_UP:
+        return full.chunk(tp, 0)[rank]
+    if leaf in _DOWN:
+        return full.chunk(tp, 1)[rank].contiguous()
+    if leaf == "gate_up_proj":  # each half on its own: the rank's part of gate, then of up
+        gate, up = full.chunk(2, -1)
+        return torch.cat([gate.chunk(tp, -1)[rank], up.chunk(tp, -1)[rank]], -1)
+    return full  # routers
+
+
+@pytest.mark.parametrize("style", ["mixtral", "qwen", "fused"])
+def test_moe_tensor_parallel_placement(tmp_path: Path, style: str) -> None:
+    full = write_moe(tmp_path, style)
+    for rank in range(2):
+        got = shards(tmp_path, "llama", 2, rank)
+        assert set(got) == set(full)
+        for name, ref in full.items():
+            want = ref if name.endswith("down_proj") and "experts" in name else \
+                tp_reference(name, ref, 2, rank)
+            if name.endswith("experts.down_proj"):  # fused [E, inter, hidden]
+                want = ref.chunk(2, 1)[rank].contiguous()
+            assert_same(got[name], want, (style, rank, name))
+
+
+@pytest.mark.parametrize("style", ["mixtral", "qwen", "fused"])
+@pytest.mark.parametrize(("tp", "dp"), [(2, 1), (4, 1), (2, 2)])
+def test_moe_expert_parallel_placement(tmp_path: Path, style: str, tp: int, dp: int) -> None:
+    full = write_moe(tmp_path, style)
+    ep = tp * dp
+    seen: dict[int, set[int]] = {}
+    if style == "fused" and EXPERTS % ep:
+        with pytest.raises(PlanError, match=r"does not divide evenly by ep size \(tp x dp\)"):
+            shards(tmp_path, "llama-ep", tp, 0, dp=dp)
+        return
+    for rank in range(ep):
+        tp_rank, dp_rank = rank % tp, rank // tp
+        got = shards(tmp_path, "llama-ep", tp, rank, dp=dp)
+        # the engine's expert map: contiguous blocks, the first E % ep ranks one expert more
+        mine = torch.arange(EXPERTS).tensor_split(ep)[dp_rank * tp + tp_rank].tolist()
+        for name, ref in full.items():
+            expert = name.split("experts.")[1].split(".")[0] if "experts." in name else None
+            if expert is not None and expert.isdigit():
+                assert (name in got) == (int(expert) in mine), (rank, name)
+                if name in got:
+                    assert_same(got[name], ref, (rank, name))
+                    seen.setdefault(int(expert), set()).add(rank)
+            elif expert is not None:  # fused [E, ...]: this rank's block of experts
+                assert_same(got[name], ref.tensor_split(ep, 0)[rank].contiguous(), (rank, name))
+            else:  # attention and routers as under plain tensor parallelism
+                assert_same(got[name], tp_reference(name, ref, tp, tp_rank), (rank, name))
+    if style != "fused":
+        assert sorted(seen) == list(range(EXPERTS)) and all(len(r) == 1 for r in seen.values())
+
+
+def test_gpt_oss_mxfp4_experts(tmp_path: Path) -> None:
+    """gpt-oss: gate and up rows interleave; MXFP4 blocks of 32 values in 16 bytes, E8M0 scales."""
+    e, hid, inter, tp = 4, 128, 256, 2
+    moe = "model.layers.0.mlp.experts"
+    tensors = {f"{moe}.gate_up_proj_blocks": ("U8", [e, 2 * inter, hid // 32, 16]),
+               f"{moe}.gate_up_proj_scales": ("F8_E8M0", [e, 2 * inter, hid // 32]),
+               f"{moe}.gate_up_proj_bias": ("BF16", [e, 2 * inter]),
+               f"{moe}.down_proj_blocks": ("U8", [e, hid, inter // 32, 16]),
+               f"{moe}.down_proj_scales": ("F8_E8M0", [e, hid, inter // 32]),
+               f"{moe}.down_proj_bias": ("BF16", [e, hid]),
+               "model.layers.0.mlp.router.weight": ("BF16", [e, hid]),
+               "model.layers.0.self_attn.sinks": ("BF16", [8])}
+    write_raw(tmp_path / "model.safetensors",
+              {n: (d, s, random_bytes(dtypes.nbytes(d, s), i))
+               for i, (n, (d, s)) in enumerate(tensors.items())})
+    full = shards(tmp_path, "replicate", 1, 0)
+    split = {"gate_up_proj_blocks": 1, "gate_up_proj_scales": 1, "gate_up_proj_bias": 1,
+             "down_proj_blocks": 2, "down_proj_scales": 2, "sinks": 0}
+    for rank in range(tp):
+        got = shards(tmp_path, "gpt-oss", tp, rank)
+        for name, ref in full.items():
+            dim = split.get(name.rsplit(".", 1)[1])
+            want = ref if dim is None else ref.chunk(tp, dim)[rank].contiguous()
+            assert_same(got[name], want, (rank, name))

@@ -449,12 +449,12 @@ def _slice(entry: TensorEntry, plan: ShardPlan, layout: Layout,
            whole_groups: bool = False) -> SliceSpec:
     """Return the tensor-parallel (or expert-parallel) slice of `entry` that rank `layout` holds."""
     dim, blocks = plan.split_dim(entry.name), plan.blocks(entry.name)
-    parts, part = layout.tp_size, layout.tp_rank
+    parts, part, across = layout.tp_size, layout.tp_rank, "tp size"
     if plan.experts == "ep" and _EXPERT.search(entry.name):
         dim = None  # a whole expert, on the rank that owns it (plan_rank filters)
     elif plan.experts == "ep" and _FUSED_EXPERTS.search(entry.name) and entry.shape:
         dim, blocks = 0, 1  # [E, ...]: a contiguous block of experts per rank
-        parts, part = ep_layout(layout)
+        (parts, part), across = ep_layout(layout), "ep size (tp x dp)"
     if dim is not None and _QUANT_AUX.search(entry.name) and (
             dim >= len(entry.shape) or entry.shape[dim] == 1):
         dim = None  # a per-tensor or per-channel scale: it broadcasts along the split dim
@@ -468,7 +468,7 @@ def _slice(entry: TensorEntry, plan: ShardPlan, layout: Layout,
                         f"dimension {dim} to split; add a rule for it to a plan file")
     if dim is not None and entry.shape[dim] % (parts * blocks):
         raise PlanError(f"plan {plan.name}: tensor {entry.name!r} of shape {shape}: dimension "
-                        f"{dim} (size {entry.shape[dim]}) does not divide evenly by tp size "
+                        f"{dim} (size {entry.shape[dim]}) does not divide evenly by {across} "
                         f"{parts}" + (f" x {blocks} fused blocks" if blocks > 1 else "")
                         + "; use a tp size that divides it, or a plan file or hook for this "
                         "model")

@@ -85,6 +85,9 @@ def _opt(name: str, env: str, **kw: Any) -> Callable[[F], F]:
 @_opt("--plan", "PLAN", default="llama",
       help="Shard plan: llama, replicate, a plan file, or module:callable.")
 @_opt("--threads", "THREADS", default=8, type=click.IntRange(1), help="Reader threads per rank.")
+@_opt("--verify", "VERIFY", is_flag=True, default=False,
+      help="After each rank's first load, hash every tensor against the checkpoint files "
+           "before serving; a mismatch ends the run with 79.")
 @_opt("--health-host", "HEALTH_HOST", default="127.0.0.1", help="HTTP health address.")
 @_opt("--health-port", "HEALTH_PORT", default=0, type=int,
       help="HTTP health port (0: pick a free one, written to SOCKET_DIR/launcher.json; "

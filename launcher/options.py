@@ -102,7 +102,7 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
                    seed_fallback=o["seed_fallback"], seed_listen_host=o["seed_listen_host"],
                    seed_listen_port=o["seed_listen_port"],
                    preload=preload,
-                   preload_timeout=o["preload_timeout"])
+                   preload_timeout=o["preload_timeout"], verify=o["verify"])
 
 
 def _preload(command: str) -> tuple[str, ...]:

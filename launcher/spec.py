@@ -38,6 +38,7 @@ class RunSpec:
     seed_listen_port: int = 0
     preload: tuple[str, ...] = ()
     preload_timeout: float = 600.0
+    verify: bool = False  # each rank checks every byte against the files after its first load
 
     def rank_args(self, rank: int, ready_fd: int, adopt_fd: int = -1) -> RankArgs:
         """The arguments of cache rank `rank`, reporting on `ready_fd`."""
@@ -49,7 +50,7 @@ class RunSpec:
                         adopt_fd=adopt_fd, artifact_dir=self.artifact_dir, seed=self.seed,
                         seed_token=self.seed_token, seed_fallback=self.seed_fallback,
                         seed_listen_host=self.seed_listen_host,
-                        seed_listen_port=self.seed_listen_port)
+                        seed_listen_port=self.seed_listen_port, verify=self.verify)
 
     def engine_env(self, attempt: int, devices: Mapping[int, str],
                    preload: bool = False) -> EngineEnv:

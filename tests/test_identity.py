@@ -213,3 +213,34 @@ def test_bytes_changed_during_the_load_are_read_again_then_refused(tmp_path: Pat
                        match=rf"changed while rank 0 read it, twice \({NAME} in ") as e:
         checked_load(str(model), 0, load_then_rewrite(2))
     assert e.value.status == ExitStatus.CHECKPOINT_CHANGED and len(loads) == 2
+
+
+def test_verify_after_the_load_names_a_tensor_whose_bytes_differ(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from vlaunch.cache.contract.errors import VerifyError
+    from vlaunch.cache.rank.integrity import verify_loaded
+    from vlaunch.cache.store.plan import Layout
+    from vlaunch.cache.store.shard import load_shard
+    from vlaunch.cache.store.slabs import get_backend
+
+    model = _write(tmp_path / "m", llama_tensors())
+    layout = Layout(2, 1)
+    shard = load_shard(str(model), "llama", layout, get_backend("cpu"))
+    verify_loaded(str(model), "llama", layout, shard.manifest, shard.tensors, 1, threads=2)
+    shard.named()["model.layers.0.self_attn.o_proj.weight"][3, 5] += 1  # a bit flip, say
+    with caplog.at_level(logging.ERROR, logger="vlaunch.cache"), \
+            pytest.raises(VerifyError, match="verify found tensors of rank 1") as err:
+        verify_loaded(str(model), "llama", layout, shard.manifest, shard.tensors, 1, threads=2)
+    assert err.value.status == ExitStatus.VERIFY_FAILED
+    assert "model.layers.0.self_attn.o_proj.weight" in caplog.text
+    assert caplog.text.count("tensor '") == 1
+
+
+def test_a_rank_started_with_verify_checks_before_it_is_ready(
+        llama_ckpt: Path, sockdir: Path, caches: list[CacheProc]) -> None:
+    cache = spawn_cache(llama_ckpt, sockdir, "--verify", tp=2, rank=1)
+    caches.append(cache)
+    assert cache.ready
+    assert cache.stop() == 0
+    log = cache.proc.stderr.read().decode() if cache.proc.stderr else ""
+    assert "rank 1: verify:" in log and "match the checkpoint files" in log

@@ -97,6 +97,11 @@ def _load(opts: RankArgs, backend: Any, rank: int) -> tuple[Manifest, list[int],
     log.info("loaded %d tensors, %.2f GB in %d slab(s) on %s in %.2fs (%.2f GB/s)",
              len(manifest.tensors), manifest.nbytes / 1e9, len(shard.slabs), backend.device,
              shard.seconds, manifest.nbytes / 1e9 / max(shard.seconds, 1e-9))
+    if opts.verify:  # every byte against the files, once, before ready (79 on a mismatch)
+        from vlaunch.cache.rank.integrity import verify_loaded
+
+        verify_loaded(opts.model, opts.plan, _layout(opts), shard.manifest, shard.tensors,
+                      rank, opts.threads)
     return _finish(opts, backend, shard, manifest)
 
 

@@ -19,6 +19,7 @@ Prints one table per step (figure, vlaunch, baseline, ratio, target).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -38,13 +39,15 @@ from typing import Any
 from vlaunch.cache.contract import wire
 
 CHUNK = 64 << 20
+RESULTS: dict[str, Any] = {}
+ARGS: argparse.Namespace
 CHILD = r"""
 import gc, json, sys, time
 spec = json.loads(sys.argv[1])
 import torch
 dev = spec["device"]
 torch.zeros(1, device=dev); torch.cuda.synchronize(dev)
-out = {}
+out = {"preloaded": sorted(m for m in ("numpy", "cuda.bindings.driver") if m in sys.modules)}
 if spec["what"] == "d2d":
     n = 16 << 30
     a = torch.empty(n, dtype=torch.uint8, device=dev); b = torch.empty_like(a)
@@ -55,13 +58,19 @@ if spec["what"] == "d2d":
         ts.append(time.perf_counter() - t)
     ts.sort(); out = {"seconds": ts[2], "bytes": n}
 else:
-    import vlaunch.cache.client.loader as L
     free0, total = torch.cuda.mem_get_info(dev); alloc0 = torch.cuda.memory_allocated(dev)
-    t = time.perf_counter()
-    w = L.load(spec["model"], socket_dir=spec["sock"], mode=spec["what"], fallback=False,
+    t0 = time.perf_counter()
+    import vlaunch.cache as V  # what an engine writes; the loader itself is imported lazily
+    t1 = time.perf_counter()
+    import vlaunch.cache.client.loader  # noqa: F401  (timed apart: load() would import it)
+    t2 = time.perf_counter()
+    w = V.load(spec["model"], socket_dir=spec["sock"], mode=spec["what"], fallback=False,
                device=dev)
     torch.cuda.synchronize(dev)
-    out["seconds"] = time.perf_counter() - t
+    t3 = time.perf_counter()
+    out.update(package_import_s=t1 - t0, loader_import_s=t2 - t1, seconds=t3 - t2,
+               total_s=t3 - t0, cuda_modules=sorted(m for m in sys.modules
+                                                   if m.split(".")[0] == "cuda"))
     free1, _ = torch.cuda.mem_get_info(dev)
     out.update(source=w.source, tensors=len(w), bytes=sum(x.nbytes for x in w.values()),
                bytes_outside=w.bytes_outside, free_before=free0, free_after=free1,
@@ -129,26 +138,52 @@ def direct_read(files: list[Path], threads: int) -> float:
 
 
 def start_cache(model: Path, sock: Path, device: str, threads: int,
-                prefix: list[str] | None = None) -> tuple[subprocess.Popen[bytes], dict, float]:
+                prefix: list[str] | None = None, extra: tuple[str, ...] = ()
+                ) -> tuple[subprocess.Popen[bytes], dict, float]:
     """Start a cache rank; returns (process, ready frame, load GB/s from its log)."""
+    proc, ours, log = spawn_cache(model, sock, device, threads, prefix, extra)
+    return proc, *wait_ready(proc, ours, log)
+
+
+def spawn_cache(model: Path, sock: Path, device: str, threads: int,
+                prefix: list[str] | None = None, extra: tuple[str, ...] = ()
+                ) -> tuple[subprocess.Popen[bytes], socket.socket, Path]:
+    """Start a cache rank without waiting; returns (process, ready channel, log path)."""
     ours, theirs = socket.socketpair()
     log = sock.parent / f"cache-{time.monotonic_ns()}.log"
     proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "vlaunch.cache", "--model",
                              str(model), "--device", device, "--socket-dir", str(sock),
-                             "--threads", str(threads), "--ready-fd", str(theirs.fileno())],
-                            pass_fds=[theirs.fileno()], stderr=log.open("wb"),
+                             "--threads", str(threads), "--ready-fd", str(theirs.fileno()),
+                             *extra], pass_fds=[theirs.fileno()], stderr=log.open("wb"),
                             start_new_session=True)
     theirs.close()
-    ready, fds = wire.recv_frame(ours)
-    for fd in fds:
-        os.close(fd)
-    m = re.search(r"in ([\d.]+)s \(([\d.]+) GB/s\)", log.read_text())
-    return proc, ready, float(m.group(2)) if m else 0.0
+    return proc, ours, log
+
+
+def wait_ready(proc: subprocess.Popen[bytes], ours: socket.socket, log: Path
+               ) -> tuple[dict, float]:
+    """The rank's ready frame (progress frames skipped) and its load GB/s from its log."""
+    while True:
+        try:
+            frame, fds = wire.recv_frame(ours)
+        except EOFError:
+            raise RuntimeError(f"cache rank exited ({proc.poll()}): "
+                               f"{log.read_text()[-1500:]}") from None
+        for fd in fds:
+            os.close(fd)
+        if frame.get("event") != "progress":
+            break
+    text = log.read_text()
+    m = re.search(r"in ([\d.]+)s \(([\d.]+) GB/s\)", text)
+    done = re.findall(r"\(100%\) ([\d.]+) GB/s", text)  # the reader's own rate, from fill()
+    frame["reader_gbps"] = float(done[-1]) if done else 0.0
+    return frame, float(m.group(2)) if m else 0.0
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM its process group (unshare does not forward signals) and wait."""
-    os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(ProcessLookupError):  # it may have exited on its own
+        os.killpg(proc.pid, signal.SIGTERM)
     proc.wait(60)
 
 
@@ -215,7 +250,7 @@ def step_warm(model: Path, device: str, tmp: Path) -> None:
 
 
 def step_handoff(model: Path, device: str, tmp: Path) -> None:
-    """Share and copy at scale, memory accounting, D2D baseline."""
+    """Import + share load as an engine pays them, copy against D2D, memory accounting."""
     proc, _, load = start_cache(model, tmp / "h", device, 16)
     try:
         spec = {"device": device, "model": str(model), "sock": str(tmp / "h")}
@@ -224,25 +259,215 @@ def step_handoff(model: Path, device: str, tmp: Path) -> None:
     finally:
         stop(proc)
     d2d = child({"device": device, "what": "d2d"})
+    RESULTS["handoff"] = {"share": share, "copy": copy, "d2d": d2d, "cache_load_gbps": load}
     bw = 2 * d2d["bytes"] / d2d["seconds"]
-    s_ms = statistics.median(r["seconds"] for r in share) * 1e3
+
+    def ms(runs: list[dict[str, Any]], key: str) -> float:
+        return statistics.median(r[key] for r in runs) * 1e3
+
     c = statistics.median(r["seconds"] for r in copy)
     c_bw = 2 * copy[0]["bytes"] / c
     s0 = share[0]
-    table(f"handoff at scale: {s0['tensors']} tensors, {s0['bytes'] / 1e9:.1f} GB in one rank "
-          f"(cache load {load:.1f} GB/s)",
-          [("share handoff (median of 5)", f"{s_ms:.2f} ms", "", "", "<= 20 ms"),
-           ("copy handoff (median of 3)", f"{c * 1e3:.1f} ms = {c_bw / 1e12:.2f} TB/s r+w",
-            f"D2D copy_ {bw / 1e12:.2f} TB/s r+w", f"{c_bw / bw:.0%}", ">= 80% of D2D")])
+    table(f"handoff: {s0['tensors']} tensors, {s0['bytes'] / 1e9:.1f} GB in one rank (cache load "
+          f"{load:.1f} GB/s); fresh processes with torch + CUDA up; cuda modules after load: "
+          f"{s0['cuda_modules'] or 'none'}",
+          [("import vlaunch.cache + share load() (med 5)", f"{ms(share, 'total_s'):.2f} ms",
+            f"package {ms(share, 'package_import_s'):.2f} + loader "
+            f"{ms(share, 'loader_import_s'):.2f} + load {ms(share, 'seconds'):.2f}", "",
+            "<= 15 ms"),
+           ("copy load() (med 3), loader imported", f"{c * 1e3:.1f} ms = {c_bw / 1e12:.2f} "
+            "TB/s r+w", f"D2D copy_ {bw / 1e12:.2f} TB/s r+w", f"{c_bw / bw:.0%}",
+            ">= 80% of D2D")])
     print("memory accounting around one share handoff (engine process):")
     print(f"  mem_get_info free: {s0['free_before'] / 2**30:.2f} GiB -> "
           f"{s0['free_after'] / 2**30:.2f} GiB (the cache's slab is already counted as used)")
     print(f"  memory_allocated: {s0['allocated_before']} -> {s0['allocated_after']} bytes "
           "(torch's allocator does not see mapped slabs)")
-    print(f"  bytes_outside reported by vlaunch: {s0['bytes_outside'] / 2**30:.2f} GiB "
-          f"(= the rank's slabs: count them once, as outside memory)")
+    print(f"  bytes_outside reported by vlaunch: {s0['bytes_outside'] / 2**30:.2f} GiB")
     print(f"  copy mode: bytes_outside {copy[0]['bytes_outside']}, memory_allocated after "
           f"{copy[0]['allocated_after'] / 2**30:.2f} GiB")
+
+
+LAYOUTS = {"tp1": (1, 1, "llama"), "tp2": (2, 1, "llama"), "tp4": (4, 1, "llama"),
+           "pp2": (1, 2, "llama"), "tp2pp2": (2, 2, "llama"), "tp2r": (2, 1, "replicate")}
+
+
+def gpu_count() -> int:
+    """GPUs nvidia-smi lists (1 when it lists none or is missing)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 1
+    return max(1, sum(line.startswith("GPU ") for line in out.splitlines()))
+
+
+def step_layouts(model: Path, device: str, tmp: Path) -> None:
+    """First load per rank, every rank of a layout started at once, page cache warm."""
+    for f in shards(model):  # warm the page cache
+        with f.open("rb") as fh:
+            while fh.read(64 << 20):
+                pass
+    gpus = gpu_count() if device.startswith("cuda") else 1
+    rows, base = [], 0.0
+    for name in ARGS.layouts.split(","):
+        tp, pp, plan = LAYOUTS[name]
+        world = tp * pp
+        devices = [f"cuda:{r * gpus // world}" if device.startswith("cuda") else device
+                   for r in range(world)]
+        procs = []
+        try:
+            for r in range(world):
+                sock = tmp / f"{name}"
+                sock.mkdir(mode=0o700, exist_ok=True)
+                procs.append(spawn_cache(model, sock, devices[r], ARGS.threads, None, (
+                    "--rank", str(r), "--tensor-parallel-size", str(tp),
+                    "--pipeline-parallel-size", str(pp), "--plan", plan)))
+            ready = [wait_ready(*p) for p in procs]
+        finally:
+            for p in procs:
+                stop(p[0])
+        rates = [r[1] for r in ready]
+        reader = [r[0]["reader_gbps"] for r in ready]
+        RESULTS.setdefault("layouts", {})[name] = {"devices": devices, "gbps": rates,
+                                                   "reader_gbps": reader}
+        med = statistics.median(rates)
+        base = base or (med if name == "tp1" else 0.0)
+        rows.append((f"{name} ({plan}, {world} ranks on {','.join(sorted(set(devices)))})",
+                     f"min {min(rates):.1f} med {med:.1f} max {max(rates):.1f} (reader "
+                     f"{statistics.median(reader):.1f})",
+                     f"tp1 per rank {base:.1f}" if base else "",
+                     f"{med / base:.0%}" if base else "", ">= 80%" if name != "tp1" else ""))
+    table(f"first load per rank, warm, --threads {ARGS.threads}, {gpus} GPU(s)", rows)
+
+
+SWEEP = r"""
+import json, os, sys, threading, time
+spec = json.loads(sys.argv[1])
+import torch
+from vlaunch.cache.store.checkpoint import open_checkpoint
+from vlaunch.cache.store.manifest import pack
+from vlaunch.cache.store.plan import LLAMA_PLAN, Layout, plan_rank
+from vlaunch.cache.store.reader import _host_view, fill
+from vlaunch.cache.store.slabs import get_backend
+dev = spec["device"]
+torch.zeros(1, device=dev); torch.cuda.synchronize(dev)
+out = {}
+ckpt = open_checkpoint(spec["model"])
+files = sorted({str(e.file) for e in ckpt.tensors.values()})
+total = sum(os.path.getsize(f) for f in files)
+t = time.perf_counter()
+src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+out["pinned_alloc_gib_s"] = time.perf_counter() - t
+dst = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+dst.copy_(src, non_blocking=True); torch.cuda.synchronize(dev)
+t = time.perf_counter()
+for _ in range(8):
+    dst.copy_(src, non_blocking=True)
+torch.cuda.synchronize(dev)
+out["h2d_gbps"] = 8 * (1 << 30) / 1e9 / (time.perf_counter() - t)
+del dst
+
+
+def reads(n, chunk=16 << 20):
+    work = [(f, o) for f in files for o in range(0, os.path.getsize(f), chunk)]
+    lock = threading.Lock()
+
+    def run(i):
+        view = _host_view(src[i * chunk:(i + 1) * chunk])
+        fds = {f: os.open(f, os.O_RDONLY) for f in files}
+        while True:
+            with lock:
+                if not work:
+                    break
+                f, o = work.pop()
+            os.preadv(fds[f], [view], o)
+        for fd in fds.values():
+            os.close(fd)
+    t = time.perf_counter()
+    ths = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for x in ths:
+        x.start()
+    for x in ths:
+        x.join()
+    return total / 1e9 / (time.perf_counter() - t)
+
+
+out["reads_gbps"] = {n: reads(n) for n in (8, 16, 32)}
+del src
+backend = get_backend(dev)
+held = {}
+
+
+def rank_fill(layout, threads, chunk):
+    specs = plan_rank(ckpt, LLAMA_PLAN, layout)
+    m = pack([(s.name, s.dtype, s.shape) for s in specs], backend="cuda", alignment=256,
+             max_slab=64 << 30)
+    key = tuple(m.slab_sizes)
+    if key not in held:
+        for slabs in held.values():
+            for x in slabs:
+                x.release()
+        held.clear()
+        held[key] = [backend.allocate(n) for n in m.slab_sizes]
+    tensors = [x.tensor() for x in held[key]]
+    t = time.perf_counter()
+    fill(specs, m, tensors, threads=threads, chunk=chunk)
+    return m.nbytes / 1e9 / (time.perf_counter() - t)
+
+
+MiB = 1 << 20
+out["tp1"] = {f"{th}T {ch}M": rank_fill(Layout(1, 0), th, ch * MiB)
+              for th in (8, 16) for ch in (8, 16, 32)}
+best = max(out["tp1"], key=out["tp1"].get)
+th, ch = int(best.split("T")[0]), int(best.split()[1][:-1])
+out["best"] = best
+out["split"] = {f"tp{tp}": rank_fill(Layout(tp, 0), th, ch * MiB) for tp in (2, 4)}
+out["tp1_again"] = rank_fill(Layout(1, 0), th, ch * MiB)
+for slabs in held.values():
+    for x in slabs:
+        x.release()
+held.clear()
+from safetensors.torch import load_file
+load_file(files[0], device=dev)
+torch.cuda.synchronize(dev)
+t = time.perf_counter()
+n = 0
+for f in files:
+    n += sum(x.nbytes for x in load_file(f, device=dev).values())
+torch.cuda.synchronize(dev)
+out["safetensors_gbps"] = n / 1e9 / (time.perf_counter() - t)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def step_sweep(model: Path, device: str, tmp: Path) -> None:
+    """In one process: the reader's warm rate by threads and chunk, against pinned H2D, plain
+    reads into pinned memory and safetensors; split reads (rank 0 of TP 2 and 4) alone."""
+    r = subprocess.run([sys.executable, "-c", SWEEP, json.dumps({"device": device,
+                                                                   "model": str(model)})],
+                       capture_output=True, text=True, timeout=400)
+    out = next((json.loads(line[7:]) for line in r.stdout.splitlines()
+                if line.startswith("RESULT ")), None)
+    if out is None:
+        raise RuntimeError(f"sweep failed ({r.returncode}): {r.stderr[-3000:]}")
+    RESULTS["sweep"] = out
+    best = out["tp1"][out["best"]]
+    reads = max(out["reads_gbps"].values())
+    table(f"warm reader in one process (tp1 by threads/chunk: "
+          f"{', '.join(f'{k} {v:.1f}' for k, v in out['tp1'].items())}; again at the best: "
+          f"{out['tp1_again']:.1f}; plain reads into pinned by threads: "
+          f"{', '.join(f'{k}T {v:.1f}' for k, v in out['reads_gbps'].items())}; 1 GiB pinned "
+          f"alloc {out['pinned_alloc_gib_s'] * 1e3:.0f} ms)",
+          [("warm load GB/s (best)", f"{best:.1f} ({out['best']})",
+            f"safetensors {out['safetensors_gbps']:.2f}", f"{best / out['safetensors_gbps']:.1f}x",
+            ">= 40 GB/s"),
+           ("warm load vs pinned H2D", f"{best:.1f}", f"H2D {out['h2d_gbps']:.1f}",
+            f"{best / out['h2d_gbps']:.0%}", ""),
+           ("warm load vs plain reads into pinned", f"{best:.1f}", f"reads {reads:.1f}",
+            f"{best / reads:.0%}", ""),
+           *[(f"split read alone, rank 0 of {k}", f"{v:.1f}", f"tp1 {best:.1f}",
+              f"{v / best:.0%}", ">= 80%") for k, v in out["split"].items()]])
 
 
 def step_pidns(model: Path, device: str, tmp: Path) -> None:
@@ -272,12 +497,18 @@ def step_pidns(model: Path, device: str, tmp: Path) -> None:
 
 def main() -> None:
     """Run the chosen steps."""
+    global ARGS
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--steps", default="first,handoff,pidns")
-    args = ap.parse_args()
+    ap.add_argument("--layouts", default="tp1,tp2,tp4,pp2", help=f"of {','.join(LAYOUTS)}")
+    ap.add_argument("--threads", type=int, default=8, help="reader threads per rank (layouts)")
+    ap.add_argument("--json", default="", help="write every raw number here after each step")
+    ARGS = args = ap.parse_args()
     print(f"# {' '.join(sys.argv)}\n# {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    steps = {"first": step_first, "warm": step_warm, "handoff": step_handoff,
+             "pidns": step_pidns, "layouts": step_layouts, "sweep": step_sweep}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.steps.split(","):
             d = Path(tmp) / name
@@ -285,11 +516,12 @@ def main() -> None:
             for sub in ("c1", "w4", "w8", "w16", "w32", "h", "ns"):
                 (d / sub).mkdir(mode=0o700)
             try:
-                {"first": step_first, "warm": step_warm, "handoff": step_handoff,
-                 "pidns": step_pidns}[name](
-                    Path(args.model), args.device, d)
+                steps[name](Path(args.model), args.device, d)
             except Exception as exc:  # one failed step must not hide the others
                 print(f"\n## {name}: FAILED: {type(exc).__name__}: {exc}", flush=True)
+                RESULTS.setdefault("failed", {})[name] = f"{type(exc).__name__}: {exc}"
+            if args.json:
+                Path(args.json).write_text(json.dumps(RESULTS, indent=1))
 
 
 if __name__ == "__main__":

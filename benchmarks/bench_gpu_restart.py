@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -29,6 +30,10 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+# the console script when installed, else the same entry point from the checkout
+VLAUNCH = [shutil.which("vlaunch")] if shutil.which("vlaunch") else [
+    sys.executable, "-c", "import sys; from vlaunch.launcher.cli import main; sys.exit(main())"]
 
 
 def get(url: str) -> dict[str, Any] | None:
@@ -98,7 +103,7 @@ def main() -> None:
             proc.wait(60)
         sock, pf = work / "sock", work / "engine.port"
         launcher = subprocess.Popen(
-            ["vlaunch", "run", "--model", args.model, "--device", args.device.split(":")[0],
+            [*VLAUNCH, "run", "--model", args.model, "--device", args.device.split(":")[0],
              "--socket-dir", str(sock), "--engine-ready", "notify", "--backoff-initial", "0",
              "--threads", "16", "--log-level", "WARNING", "--",
              *engine_cmd(args.model, args.device.split(":")[0], pf, None)])
@@ -121,7 +126,7 @@ def main() -> None:
              f"weights {weights_ms['disk']:.0f} ms", "-"),
             ("vlaunch: engine kill -> restarted engine's weights", statistics.median(cached),
              f"weights {weights_ms['cache']:.1f} ms", "<= 1.05x bare")]
-    print(f"\nengine restart, {args.device}, median of {args.reps}, "
+    print(f"\n## engine restart, {args.device}, median of {args.reps}, "
           f"{time.strftime('%Y-%m-%d')}; launcher exit after SIGTERM: {status}")
     print(f"{'figure':<52} {'seconds':>8} {'x bare':>7}  {'detail':<18} target")
     for name, sec, detail, target in rows:

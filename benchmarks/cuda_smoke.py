@@ -3,7 +3,7 @@
     python benchmarks/cuda_smoke.py [--device cuda:0] [--big-gib 16] [--repeats 5]
 
 Every step runs even when an earlier one failed; the exit status is the number of failures.
-Needs torch with CUDA, cuda-bindings and numpy. Runs from a checkout: when `vlaunch` is not
+Needs torch with CUDA and numpy. Runs from a checkout: when `vlaunch` is not
 installed it is made importable through a temporary `vlaunch/cache` link to the repo's `cache/`.
 """
 
@@ -179,16 +179,15 @@ def main() -> int:
     small = 64 * MiB
     print(f"python {platform.python_version()} on {platform.platform()}")
 
-    with step("import torch, cuda-bindings and the backend module"):
-        import cuda.bindings
+    with step("import torch and the backend module (driver calls through ctypes)"):
         import torch
 
         from vlaunch.cache.contract.errors import CacheBrokenError
         from vlaunch.cache.store import slabs_cuda
         from vlaunch.cache.store.slabs import get_backend
 
-        print(f"    torch {torch.__version__} (cuda {torch.version.cuda}), cuda-bindings "
-              f"{getattr(cuda.bindings, '__version__', '?')}, gpus {torch.cuda.device_count()}")
+        print(f"    torch {torch.__version__} (cuda {torch.version.cuda}), "
+              f"gpus {torch.cuda.device_count()}")
 
     backend = None
     with step(f"backend {dev}: device_info, uuid_to_index"):

@@ -95,12 +95,12 @@ def _pread_into(fd: int, view: memoryview, offset: int, file: str) -> None:
 
 
 def fill(specs: list[SliceSpec], manifest: Manifest, slabs: list[torch.Tensor], *,
-         threads: int = 8, chunk: int = CHUNK, label: str = "loading") -> None:
-    """Read every slice into its place in the slabs."""
+         threads: int = 8, chunk: int | None = None, label: str = "loading") -> None:
+    """Read every slice into its place in the slabs (`chunk`: the most bytes one read
+    spans; default CHUNK, or CUDA_CHUNK for CUDA slabs, whose staging it sizes)."""
     records = {t.name: t for t in manifest.tensors}
     cuda = bool(slabs) and slabs[0].is_cuda
-    if cuda:
-        chunk = min(chunk, CUDA_CHUNK)
+    chunk = chunk or (CUDA_CHUNK if cuda else CHUNK)
     work = [(s, p) for s in specs for p in pieces(s, chunk)]
     fds = {str(f): os.open(f, os.O_RDONLY | os.O_CLOEXEC)
            for f in {str(s.source.file) for s in specs}}

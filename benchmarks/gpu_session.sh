@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# One GPU session for issue 15 item 1 (split reads) and issue 16 (load and handoff at the
+# hardware limit) on a fresh H200 machine; installs nothing from the network.
+#
+#   bash benchmarks/gpu_session.sh          # from the repository root, with .whl/ carried
+#
+# Stages, each with its own time limit; a failed stage does not stop the others:
+#   setup    sdnotify from .whl/ into /tmp/site, vlaunch importable, versions, nvidia-smi -L
+#   smoke    the CUDA slab backend (ctypes driver layer): allocate, export, import, SIGKILL
+#   ckpt     the 16 GiB 318-tensor Llama-shaped checkpoint on the local disk (once)
+#   layouts  first load per rank, warm: TP 1, TP 2, TP 4 (two ranks a GPU) and PP 2
+#   sweep    warm reader by threads and chunk against pinned H2D, plain reads and safetensors
+#   handoff  import vlaunch.cache + share load() in fresh processes; copy against D2D
+#   tests    pytest -m gpu (slab backend, cache end to end, reader parity)
+#   imports  what the reference engine imports after torch (the restart floor's make-up)
+#   restart  engine SIGKILL -> weights ready again, against bare torch + CUDA (if time is left)
+# With two GPUs or more, ranks spread over them (TP 4: two ranks a GPU); with one, every rank
+# shares GPU 0. Logs and JSON go to $OUT (default /tmp/vlaunch-gpu); a short table is printed
+# last. BUDGET (default 530 s) bounds the whole run; CKPT moves the checkpoint.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/vlaunch-gpu}
+mkdir -p "$OUT"
+LOGS=$(mktemp -d)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+BUDGET=${BUDGET:-530}
+CKPT=${CKPT:-/tmp/vlaunch-ckpt16}
+PY=${PY:-python3}
+T0=$(date +%s)
+: >"$OUT/summary.txt"
+: >"$OUT/session.log"
+
+stage() {  # stage NAME LIMIT_S COMMAND...: run it under a time limit, log it, note its status
+    local name=$1 limit=$2 left t rc
+    shift 2
+    left=$((BUDGET - ($(date +%s) - T0)))
+    if ((left < 20)); then
+        echo "$name: skipped, ${left}s left of ${BUDGET}s" | tee -a "$OUT/summary.txt"
+        return
+    fi
+    ((limit > left)) && limit=$left
+    t=$(date +%s)
+    echo "=== $name ($(date -u +%H:%M:%S) UTC, limit ${limit}s): $*" | tee -a "$OUT/session.log"
+    timeout -k 5 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+    rc=$?
+    cat "$LOGS/$name.log" >>"$OUT/session.log"
+    echo "$name: rc=$rc in $(($(date +%s) - t))s (limit ${limit}s)" | tee -a "$OUT/summary.txt"
+    if ((rc != 0)); then
+        tail -n 12 "$LOGS/$name.log" | sed 's/^/    /' >>"$OUT/summary.txt"
+    fi
+}
+
+setup() {
+    mkdir -p /tmp/site
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    fi
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || {
+        echo "editable install failed: importing vlaunch through a link directory"
+        mkdir -p /tmp/vl/vlaunch
+        ln -sfn "$PWD/cache" /tmp/vl/vlaunch/cache
+        ln -sfn "$PWD/launcher" /tmp/vl/vlaunch/launcher
+    }
+    nvidia-smi -L
+    "$PY" -c "import sys, torch, vlaunch.cache as v; print(sys.version.split()[0], 'torch',
+torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'vlaunch',
+v.__version__, v.__file__)"
+    uname -r
+    nproc
+    free -g | head -2
+    df -h /tmp | tail -1
+}
+
+imports() {  # what the reference engine imports after torch, before it maps its weights
+    "$PY" -X importtime -c "import time, torch; t = time.perf_counter()
+import vlaunch.cache.reference.engine
+print(f'## engine module imports after torch: {(time.perf_counter() - t) * 1e3:.1f} ms')" \
+        2>"$LOGS/importtime.txt"
+    "$PY" - "$LOGS/importtime.txt" <<'EOF2'
+import sys
+rows, seen_torch = [], False
+for line in open(sys.argv[1]):
+    parts = line.split("|")
+    if not line.startswith("import time:") or len(parts) != 3 or "cumulative" in line:
+        continue
+    name = parts[2].rstrip("\n")[1:]  # after the bar's space, two spaces per level
+    if name == "torch":
+        seen_torch = True
+    elif seen_torch and len(name) - len(name.lstrip()) <= 2:  # top level and one below
+        rows.append((int(parts[1]), name))
+for us, name in sorted(rows, reverse=True)[:14]:
+    print(f"{us / 1e3:8.1f} ms  {name}")
+EOF2
+}
+
+export PYTHONPATH=/tmp/site:/tmp/vl${PYTHONPATH:+:$PYTHONPATH}
+export -f setup imports
+export PY LOGS
+if [ "${SETUP:-1}" = 1 ]; then
+    stage setup 90 bash -c setup
+fi
+stage smoke 60 "$PY" benchmarks/cuda_smoke.py --big-gib 4 --repeats 3
+if [ ! -f "$CKPT/model.safetensors.index.json" ]; then
+    stage ckpt 180 "$PY" -m vlaunch.cache.reference.refmodel "$CKPT" --llama-8b --target-gib 16 \
+        --shards 4 --device cuda
+fi
+LOAD=("$PY" benchmarks/bench_gpu_load.py --model "$CKPT" --device cuda:0)
+stage layouts 150 "${LOAD[@]}" --steps layouts --layouts tp1,tp2,tp4,pp2 --json "$OUT/layouts.json"
+stage sweep 120 "${LOAD[@]}" --steps sweep --json "$OUT/sweep.json"
+stage handoff 150 "${LOAD[@]}" --steps handoff --json "$OUT/handoff.json"
+stage tests 180 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 150 \
+    tests/test_slabs_cuda.py tests/test_gpu_cache.py tests/test_reader.py
+stage imports 60 bash -c imports
+stage restart 120 "$PY" benchmarks/bench_gpu_restart.py --model "$CKPT" --device cuda --reps 2
+
+{
+    echo
+    echo "# vlaunch GPU session $(date -u +%Y-%m-%dT%H:%M:%SZ), $(($(date +%s) - T0))s in all"
+    cat "$OUT/summary.txt"
+    for name in layouts sweep handoff imports restart; do
+        [ -f "$LOGS/$name.log" ] && sed -n '/^## /,$p' "$LOGS/$name.log"
+    done
+    [ -f "$LOGS/smoke.log" ] && grep -E "^(PASS|FAIL)" "$LOGS/smoke.log" | cut -c1-110
+    [ -f "$LOGS/tests.log" ] && tail -n 4 "$LOGS/tests.log"
+} | tee "$OUT/table.txt"
+rm -rf "$LOGS"

@@ -171,7 +171,7 @@ def _supervise(spec: Any) -> int:
     from .preflight import owned_socket_dir
 
     try:
-        with owned_socket_dir(spec.socket_dir, spec.health_host, spec.health_port):
+        with owned_socket_dir(spec.socket_dir, spec.ranks, spec.health_host, spec.health_port):
             return run_executor(spec)
     except VlaunchError as exc:
         log.error("%s", exc)

@@ -48,6 +48,7 @@ from vlaunch.cache.contract.exitcodes import EXIT_TABLE, ExitStatus
 
 from .events import (
     Action,
+    CacheProgress,
     CacheReady,
     ChildExited,
     EngineHealth,
@@ -165,6 +166,8 @@ class RankStatus:
     pid: int | None = None
     last_exit: int | None = None
     respawns: int = 0
+    loaded_bytes: int = 0  # while loading: from its progress reports; once ready: total_bytes
+    total_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -229,6 +232,7 @@ class Supervisor:
             ChildExited: self._on_child_exited, EngineReady: self._on_engine_ready,
             EngineHealth: self._on_engine_health, SignalReceived: self._on_signal,
             Tick: self._on_tick, Spawned: self._on_spawned, PreloadDone: self._on_preload_done,
+            CacheProgress: self._on_cache_progress,
         }
         self._preloading = False
 
@@ -306,6 +310,8 @@ class Supervisor:
             "caches_ready": self.caches_ready,
             "engine_ready": self.engine_ready,
             "ranks": [_jsonable(r) for r in self._ranks.values()],
+            "loaded_bytes": sum(r.loaded_bytes for r in self._ranks.values()),
+            "total_bytes": sum(r.total_bytes for r in self._ranks.values()),
             "engine": None if self._engine is None else {
                 **_jsonable(self._engine), "recent_restarts": len(self._restart_times)},
             "first_failure": None if self._first_failure is None else {
@@ -352,7 +358,8 @@ class Supervisor:
         rank = self._rank(e.rank)
         if rank.state not in (RankState.LOADING, RankState.RESPAWNING):
             return []
-        self._ranks[rank.rank] = replace(rank, state=RankState.READY)
+        self._ranks[rank.rank] = replace(rank, state=RankState.READY,
+                                         loaded_bytes=rank.total_bytes)
         again = " again, from the escrowed slabs" if rank.state is RankState.RESPAWNING else ""
         actions: list[Action] = [Log("INFO", f"cache rank {rank.rank} (pid {rank.pid}) "
                                              f"ready{again}")]
@@ -361,6 +368,17 @@ class Supervisor:
         if not self._caches_loaded and self.caches_ready:
             return actions + self._caches_loaded_now()
         return [*actions, Notify({"STATUS": self._status_line()})]
+
+    def _on_cache_progress(self, e: CacheProgress) -> list[Action]:
+        """Record a loading rank's bytes; while loading, STATUS= shows the bytes so far."""
+        rank = self._rank(e.rank)
+        if rank.state not in (RankState.LOADING, RankState.RESPAWNING):
+            return []
+        self._ranks[rank.rank] = replace(rank, loaded_bytes=min(e.loaded, e.total),
+                                         total_bytes=e.total)
+        if self.phase is not Phase.LOADING:
+            return []
+        return [Notify({"STATUS": self._status_line()})]
 
     def _on_engine_ready(self, e: EngineReady) -> list[Action]:
         """The engine reported ready: READY=1 (again after a restart) and STATUS=serving."""
@@ -688,7 +706,10 @@ class Supervisor:
         phase, engine = self.phase, self._engine
         if phase is Phase.LOADING:
             ready = sum(r.state is RankState.READY for r in self._ranks.values())
-            return f"loading: {ready}/{len(self._ranks)} cache ranks ready"
+            total = sum(r.total_bytes for r in self._ranks.values())
+            loaded = sum(r.loaded_bytes for r in self._ranks.values())
+            of = f", {loaded / 1e9:.2f}/{total / 1e9:.2f} GB loaded" if total else ""
+            return f"loading: {ready}/{len(self._ranks)} cache ranks ready{of}"
         if engine is None or phase is Phase.SERVING:
             sick = engine is not None and not engine.healthy
             return "serving" + (" (engine health check failing)" if sick else "")

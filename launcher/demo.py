@@ -39,9 +39,15 @@ def ensure_demo_checkpoint() -> Path:
     """Create the demo checkpoint once (in a child process: the launcher holds no torch)."""
     path = demo_dir()
     if not (path / "config.json").exists():
-        code = ("import sys; from vlaunch.cache.reference.refmodel import make_checkpoint; "
-                "make_checkpoint(sys.argv[1], hidden=512, layers=8, heads=8, kv_heads=4, "
-                "intermediate=1536, vocab=8192, shards=2)")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DemoError(f"creating the demo checkpoint in {path} failed ({exc.strerror}); "
+                            "set VLAUNCH_CACHE_DIR to a writable directory") from None
+        code = ("import sys\nfrom vlaunch.cache.reference.refmodel import make_checkpoint\n"
+                "try:\n    make_checkpoint(sys.argv[1], hidden=512, layers=8, heads=8, "
+                "kv_heads=4, intermediate=1536, vocab=8192, shards=2)\n"
+                "except Exception as exc:\n    sys.exit(f'error: {exc}')\n")
         made = subprocess.run([sys.executable, "-c", code, str(path)], check=False)
         if made.returncode:
             raise DemoError(f"creating the demo checkpoint in {path} failed (status "

@@ -117,6 +117,16 @@ class ChildExited:
 
 
 @dataclass(frozen=True)
+class CacheProgress:
+    """A loading cache rank reported `loaded` of its `total` bytes."""
+
+    rank: int
+    loaded: int
+    total: int
+    now: float
+
+
+@dataclass(frozen=True)
 class EngineReady:
     """The engine said it is ready (sd_notify READY=1, or its health URL first answered)."""
 
@@ -166,7 +176,7 @@ class PreloadDone:
 
 
 Event = (Started | CacheReady | ChildExited | EngineReady | EngineHealth | SignalReceived
-         | Tick | Spawned | PreloadDone)
+         | Tick | Spawned | PreloadDone | CacheProgress)
 
 
 # -------------------------------------------------------------------------------- actions

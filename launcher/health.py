@@ -47,15 +47,24 @@ class _Collector:
                                  labels=["rank", "device"])
         leases = GaugeMetricFamily("vlaunch_rank_leases", "Clients holding a lease.",
                                    labels=["rank"])
+        loaded = GaugeMetricFamily("vlaunch_rank_loaded_bytes", "Bytes a cache rank has loaded "
+                                   "of its shard (equal to the total once ready).",
+                                   labels=["rank"])
+        total = GaugeMetricFamily("vlaunch_rank_total_bytes", "Bytes of a cache rank's shard "
+                                  "(0 until its load begins).", labels=["rank"])
         changed = GaugeMetricFamily("vlaunch_checkpoint_changed", "A checkpoint file changed "
                                     "on disk since the cache rank read it.", labels=["rank"])
         for rank, r in ranks.items():
             up.add_metric([str(rank)], float(r.get("state") == "ready"))
             held.add_metric([str(rank), str(r.get("device", ""))], float(r.get("bytes", 0)))
             leases.add_metric([str(rank)], float(len(r.get("leases", []))))
+            loaded.add_metric([str(rank)], float(r.get("loaded_bytes", 0)))
+            total.add_metric([str(rank)], float(r.get("total_bytes", 0)))
             changed.add_metric([str(rank)], float(bool((r.get("checkpoint") or {}).get(
                 "changed"))))
-        yield from (up, held, leases, changed)
+        yield from (up, held, leases, changed, loaded, total)
+        yield GaugeMetricFamily("vlaunch_loaded_bytes", "Bytes loaded by every cache rank of "
+                                "this launcher.", value=float(s.get("loaded_bytes", 0)))
         engine = s.get("engine") or {}
         yield GaugeMetricFamily("vlaunch_engine_restarts", "Engine restarts so far.",
                                 value=float(engine.get("restarts", 0)))

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from vlaunch.cache.contract.errors import UsageError
-from vlaunch.cache.contract.sockdir import LauncherLock, ensure_socket_dir
+from vlaunch.cache.contract.sockdir import LauncherLock, ensure_socket_dir, socket_path
 
 from .health import check_port
 
@@ -34,13 +34,15 @@ def check_command(argv: tuple[str, ...], what: str, option: str,
 
 
 @contextlib.contextmanager
-def owned_socket_dir(directory: Path, health_host: str,
+def owned_socket_dir(directory: Path, ranks: tuple[int, ...], health_host: str,
                      health_port: int | None) -> Iterator[Path]:
     """Create/check the socket directory and hold its launcher lock while the body runs.
 
     The health port is checked before the directory is made; a directory this launcher
     created is removed again at the end if nothing is left in it.
     """
+    for rank in ranks:
+        socket_path(directory, rank)  # too long for a Unix socket: SocketDirError (73) now
     if health_port:
         check_port(health_host, health_port)
     created = not os.path.lexists(directory)

@@ -521,8 +521,11 @@ def test_snapshot_is_json_and_names_the_first_failure() -> None:
     snap = json.loads(json.dumps(sup.snapshot()))
     assert snap == {
         "phase": "stopping", "started_ok": False, "caches_ready": False, "engine_ready": False,
-        "ranks": [{"rank": 0, "state": "ready", "pid": 100, "last_exit": None, "respawns": 0},
-                  {"rank": 1, "state": "exited", "pid": None, "last_exit": -9, "respawns": 0}],
+        "ranks": [{"rank": 0, "state": "ready", "pid": 100, "last_exit": None, "respawns": 0,
+                   "loaded_bytes": 0, "total_bytes": 0},
+                  {"rank": 1, "state": "exited", "pid": None, "last_exit": -9, "respawns": 0,
+                   "loaded_bytes": 0, "total_bytes": 0}],
+        "loaded_bytes": 0, "total_bytes": 0,
         "engine": {"state": "stopping", "pid": 202, "attempt": 2, "restarts": 1,
                    "last_exit": 1, "healthy": True, "recent_restarts": 1},
         "first_failure": {"rank": 1, "pid": 101, "status": -9,

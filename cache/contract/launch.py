@@ -17,6 +17,7 @@ from typing import Any
 
 import click
 
+from vlaunch.cache.contract.cliopt import SourceOption
 from vlaunch.cache.contract.errors import UsageError
 
 DEFAULT_PLAN = "llama"
@@ -124,7 +125,7 @@ def rank_command(name: str, run: Callable[[RankArgs], Any], help: str = "") -> c
     for f in fields(RankArgs):
         meta = f.metadata
         required = f.default is MISSING
-        params.append(click.Option(
+        params.append(SourceOption(
             [meta["flag"], f.name],
             type=meta["type"], required=required, help=meta["help"],
             default=None if required else f.default, show_default=not meta["secret"],

@@ -464,3 +464,35 @@ def test_gpt_oss_mxfp4_experts(tmp_path: Path) -> None:
             dim = split.get(name.rsplit(".", 1)[1])
             want = ref if dim is None else ref.chunk(tp, dim)[rank].contiguous()
             assert_same(got[name], want, (rank, name))
+
+
+# --- EPLB: weights rewritten in place need copy mode ----------------------------------------
+
+
+def test_share_mode_refuses_an_engine_that_rewrites_weights(tmp_path: Path) -> None:
+    from vlaunch.cache.client.rewrites import ShareModeRewriteError
+
+    write_moe(tmp_path, "mixtral")
+    with pytest.raises(ShareModeRewriteError, match="EPLB rewrites weights in place") as err:
+        load(str(tmp_path), mode="share", rewrites="EPLB", socket_dir=str(tmp_path / "none"))
+    assert err.value.status == ExitStatus.BAD_PLAN == 78  # vlaunch run does not restart it
+    got = load(str(tmp_path), mode="copy", rewrites="EPLB", socket_dir=str(tmp_path / "none"))
+    name = "model.layers.0.block_sparse_moe.experts.0.w1.weight"
+    got[name].add_(1)  # copy mode: the engine's own memory, free to rewrite
+
+
+def test_a_stray_write_into_share_mode_weights_names_its_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = ("from vlaunch.cache.store.slabs import get_backend\n"
+            "from vlaunch.cache.client.rewrites import check_rewrites\n"
+            "backend = get_backend('cpu')\n"
+            "slab = backend.allocate(4096)\n"
+            "weights = backend.import_fd(slab.export_fd(), 4096, readonly=True)\n"
+            "check_rewrites('share', None)\n"
+            "weights.add_(1)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60,
+                          check=False)
+    assert done.returncode == -11, done.stderr  # SIGSEGV: the mapping is read-only
+    assert b"Segmentation fault" in done.stderr and b"line 7" in done.stderr

@@ -9,6 +9,7 @@ import os
 from typing import TYPE_CHECKING
 
 from vlaunch.cache.client.connection import CacheClient, backend_for
+from vlaunch.cache.client.rewrites import check_rewrites
 from vlaunch.cache.contract import fingerprint as fp
 from vlaunch.cache.contract.errors import (
     CacheBrokenError,
@@ -81,14 +82,16 @@ def load(model: str, *, rank: int = 0, tensor_parallel_size: int = 1,
          socket_dir: str | None = None, mode: str = "share", fallback: bool = True,
          timeout: float = 60.0, device: str | None = None, plan: str = "llama",
          kernel_backends: str = "", loader: str = "vlaunch",
-         quantization: str | None = None) -> Weights:
+         quantization: str | None = None, rewrites: str | None = None) -> Weights:
     """The rank's shard as named tensors: from the cache, else (fallback) from disk.
 
     `quantization`: the engine's quantization method (fingerprint field; default:
-    $VLAUNCH_QUANTIZATION, else config.json's quant_method).
+    $VLAUNCH_QUANTIZATION, else config.json's quant_method). `rewrites`: what will rewrite
+    the weights in place (e.g. "EPLB"); share mode then refuses (client/rewrites.py).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    check_rewrites(mode, rewrites)
     layout = Layout.from_global(rank, tensor_parallel_size, pipeline_parallel_size,
                                 data_parallel_size)
     device = device or default_device()

@@ -13,7 +13,6 @@ import ctypes
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 import zlib
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.contract.errors import CheckpointError, VlaunchError
 from vlaunch.cache.contract.exitcodes import ExitStatus
+from vlaunch.cache.store.progress import Progress
 
 if TYPE_CHECKING:
     import torch
@@ -41,37 +41,6 @@ class ReadError(VlaunchError):
     """Reading the checkpoint failed."""
 
     status = ExitStatus.IO_ERROR
-
-
-class Progress:
-    """Bytes done, GB/s and ETA: a live line on a TTY, a log line every few seconds otherwise."""
-
-    def __init__(self, total: int, label: str, every: float = 5.0) -> None:
-        self.total, self.label, self.every = total, label, every
-        self.done = 0
-        self.start = self._last = time.monotonic()
-        self._lock = threading.Lock()
-        self._tty = sys.stderr.isatty()
-
-    def add(self, n: int) -> None:
-        """Count n more bytes and report if due."""
-        with self._lock:
-            self.done += n
-            now = time.monotonic()
-            if now - self._last >= (0.2 if self._tty else self.every) or self.done >= self.total:
-                self._last = now
-                self._report(now)
-
-    def _report(self, now: float) -> None:
-        rate = self.done / max(now - self.start, 1e-9)
-        eta = (self.total - self.done) / rate if rate else 0.0
-        line = (f"{self.label}: {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB "
-                f"{rate / 1e9:.2f} GB/s ETA {eta:.0f}s")
-        if self._tty:
-            print(f"\r{line}", end="\n" if self.done >= self.total else "", file=sys.stderr,
-                  flush=True)
-        else:
-            log.info(line)
 
 
 def _host_view(t: torch.Tensor) -> memoryview:

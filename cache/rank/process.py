@@ -85,12 +85,14 @@ def _load(opts: RankArgs, backend: Any, rank: int) -> tuple[Manifest, list[int],
                                                                fp.Fingerprint, Any]:
     from vlaunch.cache.rank.integrity import checked_load
     from vlaunch.cache.store.manifest import with_checksums
+    from vlaunch.cache.store.progress import reported_on
     from vlaunch.cache.store.reader import checksums
     from vlaunch.cache.store.shard import load_shard
 
-    shard = checked_load(opts.model, rank, lambda: load_shard(
-        opts.model, opts.plan, _layout(opts), backend, threads=opts.threads,
-        label=f"rank {rank} loading"))
+    with reported_on(opts.ready_fd, rank):  # the launcher shows loaded bytes while we load
+        shard = checked_load(opts.model, rank, lambda: load_shard(
+            opts.model, opts.plan, _layout(opts), backend, threads=opts.threads,
+            label=f"rank {rank} loading"))
     manifest = shard.manifest
     if opts.checksum if opts.checksum is not None else backend.name == "cpu":
         manifest = with_checksums(manifest, checksums(manifest, shard.tensors, opts.threads))

@@ -40,6 +40,9 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append(f"{rank:>4} {r['state']:<10} {r['pid'] or '-':>7} {r['device'] or '-':<8} "
                      f"{r['bytes'] / 1e9:>8.2f} {len(r['leases']):>6} "
                      f"{'-' if r['last_exit'] is None else r['last_exit']:>9}")
+    if s.get("phase") == "loading" and s.get("total_bytes"):
+        lines.append(f"loaded {s['loaded_bytes'] / 1e9:.2f} of {s['total_bytes'] / 1e9:.2f} GB "
+                     "(ranks that have started reading)")
     e = s.get("engine")
     if e:
         lines.append(f"engine {e['state']}  pid {e['pid']}  restarts {e['restarts']}  "

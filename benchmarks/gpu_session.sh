@@ -72,12 +72,14 @@ v.__version__, v.__file__)"
     df -h /tmp | tail -1
 }
 
-imports() {  # what the reference engine imports after torch, before it maps its weights
-    "$PY" -X importtime -c "import time, torch; t = time.perf_counter()
-import vlaunch.cache.reference.engine
-print(f'## engine module imports after torch: {(time.perf_counter() - t) * 1e3:.1f} ms')" \
-        2>"$LOGS/importtime.txt"
-    "$PY" - "$LOGS/importtime.txt" <<'EOF2'
+imports() {  # what the handoff and the reference engine import after torch (restart floor)
+    local what
+    for what in vlaunch.cache.client.loader vlaunch.cache.reference.engine; do
+        "$PY" -X importtime -c "import time, torch; t = time.perf_counter()
+import $what
+print(f'## import $what after torch: {(time.perf_counter() - t) * 1e3:.1f} ms')" \
+            2>"$LOGS/importtime.txt"
+        "$PY" - "$LOGS/importtime.txt" <<'EOF2'
 import sys
 rows, seen_torch = [], False
 for line in open(sys.argv[1]):
@@ -87,11 +89,12 @@ for line in open(sys.argv[1]):
     name = parts[2].rstrip("\n")[1:]  # after the bar's space, two spaces per level
     if name == "torch":
         seen_torch = True
-    elif seen_torch and len(name) - len(name.lstrip()) <= 2:  # top level and one below
-        rows.append((int(parts[1]), name))
-for us, name in sorted(rows, reverse=True)[:14]:
-    print(f"{us / 1e3:8.1f} ms  {name}")
+    elif seen_torch and len(name) - len(name.lstrip()) <= 4:  # three levels
+        rows.append((int(parts[1]), int(parts[0].split(":")[1]), name))
+for cum, own, name in sorted(rows, reverse=True)[:12]:
+    print(f"{cum / 1e3:7.1f} ms (own {own / 1e3:5.1f})  {name}")
 EOF2
+    done
 }
 
 export PYTHONPATH=/tmp/site:/tmp/vl${PYTHONPATH:+:$PYTHONPATH}

@@ -106,17 +106,18 @@ class Record:
 
 
 def record(model: str | os.PathLike[str]) -> tuple[Record, Checkpoint]:
-    """Stat the checkpoint's files, then open it and compute its sampled identity."""
+    """Open the checkpoint, stat its files, then read its samples.
+
+    A file replaced between the header read and the stat shows later as a header identity
+    that differs from the one the loader reads (`rank.integrity.checked_load` compares them);
+    one replaced after the stat shows in a re-stat.
+    """
     path = Path(model).absolute()
     ckpt = open_checkpoint(path)
     names = _names(ckpt)
     stats = {n: FileStat.of(ckpt.root / n) for n in names}
-    root_stat = FileStat.of(ckpt.root)
-    ckpt = open_checkpoint(path)  # after the stats: a change from here on shows in a re-stat
-    if _names(ckpt) != names:
-        stats = {n: FileStat.of(ckpt.root / n) for n in _names(ckpt)}
-    rec = Record(str(path), ckpt.root, _names(ckpt), stats, ckpt.identity,
-                 sample_identity(ckpt), root_stat)
+    rec = Record(str(path), ckpt.root, names, stats, ckpt.identity, sample_identity(ckpt),
+                 FileStat.of(ckpt.root))
     return rec, ckpt
 
 

@@ -143,9 +143,10 @@ class CacheClient:
         `layout`: an engine layout's key (docs/engine-layout.md), else the raw layout."""
         _, fds = self.request({"op": "open", "mode": mode, **({"layout": layout} if layout
                                                               else {})})
-        slabs = _import(fds, manifest.slab_sizes, device)
-        if mode != "share":
-            slabs = [s.clone() for s in slabs]  # one device copy per slab; mappings drop here
+        copies: list[torch.Tensor] | None = [] if mode != "share" else None
+        slabs = _import(fds, manifest.slab_sizes, device, copies)
+        if copies is not None:
+            slabs = copies  # one device copy per slab; the mappings drop here
         tensors = views(manifest, slabs)
         with self._lock:
             self._mapped(manifest, mode, slabs)
@@ -194,9 +195,10 @@ class CacheClient:
                 mapped: list[torch.Tensor] = []
                 copies: list[torch.Tensor] = []
                 try:
-                    mapped.extend(_import(ofds, sizes, device))
+                    # the copies start as each slab is mapped
+                    mapped.extend(_import(ofds, sizes, device, copies if mode != "share"
+                                          else None))
                     if mode != "share":
-                        copies.extend(s.clone() for s in mapped)  # the copies start here
                         self._send(self._hello(fingerprint()))
                         owed += 1
                     manifest = Manifest.from_wire(mrep["manifest"])
@@ -406,17 +408,61 @@ def _slab_sizes(obj: Any) -> tuple[int, ...]:
         raise CacheBrokenError(f"invalid manifest from cache: {exc}") from exc
 
 
-def _import(fds: list[int], sizes: tuple[int, ...], device: str) -> list[torch.Tensor]:
-    """Map each slab fd read-only; closes every fd."""
+def _import(fds: list[int], sizes: tuple[int, ...], device: str,
+            copies: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Map each slab fd read-only; closes every fd. With `copies`, also copy each slab into
+    memory of our own as soon as it is mapped (appended to `copies` in order): one copy per
+    slab on the current stream, into destinations allocated while the fds are imported."""
     try:
         if len(fds) != len(sizes):
             raise CacheBrokenError(f"cache sent {len(fds)} fds for {len(sizes)} slabs")
         backend = backend_for(device)
-        return [backend.import_fd(fd, size, readonly=True)
-                for fd, size in zip(fds, sizes, strict=True)]
+        if copies is None:
+            return [backend.import_fd(fd, size, readonly=True)
+                    for fd, size in zip(fds, sizes, strict=True)]
+        destination = _allocating(sizes, device)
+        mapped = []
+        for i, (fd, size) in enumerate(zip(fds, sizes, strict=True)):
+            mapped.append(backend.import_fd(fd, size, readonly=True))
+            copies.append(destination(i).copy_(mapped[-1], non_blocking=True))
+        return mapped
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _allocating(sizes: tuple[int, ...], device: str) -> Callable[[int], torch.Tensor]:
+    """Start allocating one uint8 tensor per size; returns a getter that waits for tensor i.
+
+    On a GPU the allocation (cudaMalloc of the whole shard: about 1 ms for 16 GiB) runs on a
+    helper thread, on the caller's current stream, while the caller maps the slabs.
+    """
+    import torch
+
+    if not device.startswith("cuda"):
+        ready = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+        return ready.__getitem__
+    stream = torch.cuda.current_stream(device)
+    done, out, failed = threading.Event(), [], []
+
+    def allocate() -> None:
+        try:
+            with torch.cuda.stream(stream):
+                out.extend(torch.empty(n, dtype=torch.uint8, device=device) for n in sizes)
+        except BaseException as e:  # re-raised in the caller's thread
+            failed.append(e)
+        finally:
+            done.set()
+
+    _thread.start_new_thread(allocate, ())
+
+    def get(i: int) -> torch.Tensor:
+        done.wait()
+        if failed:
+            raise failed[0]
+        return out[i]
+
+    return get
 
 
 def _connect(path: Path, timeout: float, io_timeout: float = IO_TIMEOUT) -> socket.socket:

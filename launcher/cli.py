@@ -238,6 +238,12 @@ def main() -> None:
     except click.ClickException as exc:
         exc.show()
         sys.exit(int(ExitStatus.USAGE))
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception:  # never 1: an unexpected error is INTERNAL, with its traceback
+        logging.basicConfig(stream=sys.stderr, format=LOG_FORMAT)
+        log.exception("internal error (a bug: please report it with this traceback)")
+        sys.exit(int(ExitStatus.INTERNAL))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import stat as stat_mod
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from typing import Any
 
 from vlaunch.cache.contract.errors import VerifyError
 from vlaunch.cache.store.checkpoint import Checkpoint, open_checkpoint
+from vlaunch.cache.store.reader import _pread_into
 
 log = logging.getLogger("vlaunch.cache.store.identity")
 
@@ -182,24 +184,13 @@ def sample_identity(ckpt: Checkpoint) -> str:
             if fd is None:
                 fd = fds[file] = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead per sample
-            h.update(_pread(fd, n, offset, file))
+            buf = memoryview(bytearray(n))
+            _pread_into(fd, buf, offset, str(file))
+            h.update(buf)
     finally:
         for fd in fds.values():
             os.close(fd)
     return h.hexdigest()
-
-
-def _pread(fd: int, n: int, offset: int, file: Path) -> bytes:
-    data = os.pread(fd, n, offset)
-    while len(data) < n:
-        more = os.pread(fd, n - len(data), offset + len(data))
-        if not more:
-            from vlaunch.cache.contract.errors import CheckpointError
-
-            raise CheckpointError(file, f"file ended at byte {offset + len(data)} while reading "
-                                  "tensor data (truncated file)")
-        data += more
-    return data
 
 
 # ------------------------------------------------------------------- the engine's side
@@ -299,14 +290,18 @@ def expected_digests(model: str, plan_spec: str, layout: Any, *, threads: int = 
     specs = plan_rank(ckpt, plan, layout)
     files = {str(s.source.file) for s in specs}
     fds = {f: os.open(f, os.O_RDONLY | os.O_CLOEXEC) for f in files}
+    local = threading.local()
     try:
         def one(spec: Any) -> tuple[str, str]:
+            if not hasattr(local, "buf"):
+                local.buf = memoryview(bytearray(DIGEST_CHUNK))
             h = digest()
             fd, file = fds[str(spec.source.file)], spec.source.file
             for offset, length in spec.runs():
                 while length:
                     n = min(length, DIGEST_CHUNK)
-                    h.update(_pread(fd, n, offset, file))
+                    _pread_into(fd, local.buf[:n], offset, str(file))
+                    h.update(local.buf[:n])
                     offset, length = offset + n, length - n
             return spec.name, h.hexdigest()
 

@@ -102,3 +102,9 @@ class VerifyError(VlaunchError):
     """A full check found bytes in a cache that differ from the checkpoint files."""
 
     status = ExitStatus.VERIFY_FAILED
+
+
+class RankStarvedError(VlaunchError):
+    """A serving rank could accept no client for too long (out of file descriptors)."""
+
+    status = ExitStatus.RANK_STARVED

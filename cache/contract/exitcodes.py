@@ -24,6 +24,7 @@ class ExitStatus(enum.IntEnum):
     RANK_EXITED = 69
     INTERNAL = 70
     NO_DEVICE = 71
+    RANK_STARVED = 72
     SOCKET_DIR = 73
     IO_ERROR = 74
     CACHE_BUSY = 75
@@ -33,6 +34,8 @@ class ExitStatus(enum.IntEnum):
     ENGINE_BUDGET = 80
     ENGINE_CONFIG = 81
     STOP_TIMEOUT = 82
+    START_TIMEOUT = 83
+    QUIT = 131
 
 
 @dataclass(frozen=True)
@@ -70,9 +73,14 @@ EXIT_TABLE: tuple[ExitInfo, ...] = (
     ExitInfo(ExitStatus.NO_DEVICE, "launcher, cache",
              "The requested device is missing: no CUDA GPU, an index out of range, or "
              "cuda-bindings not installed.", False),
+    ExitInfo(ExitStatus.RANK_STARVED, "cache",
+             "A serving cache rank could accept no client for 30 s, even after shedding idle "
+             "connections: out of file descriptors (RLIMIT_NOFILE) or another per-process "
+             "resource.", True),
     ExitInfo(ExitStatus.SOCKET_DIR, "launcher, cache",
              "The socket directory is unsafe or unusable (a symlink, owned by another user, "
-             "group/other permissions, not creatable).", False),
+             "group/other permissions, not creatable), or a rank's socket path holds a file "
+             "that is not its socket.", False),
     ExitInfo(ExitStatus.IO_ERROR, "launcher, cache", "Reading the checkpoint failed (I/O error).",
              True),
     ExitInfo(ExitStatus.CACHE_BUSY, "launcher, cache",
@@ -97,6 +105,13 @@ EXIT_TABLE: tuple[ExitInfo, ...] = (
     ExitInfo(ExitStatus.STOP_TIMEOUT, "launcher",
              "A graceful stop ran past --stop-timeout and children had to be killed with "
              "SIGKILL.", True),
+    ExitInfo(ExitStatus.START_TIMEOUT, "launcher",
+             "The launcher was not serving within --start-timeout: a cache rank still loading "
+             "(or frozen), or an engine that never became ready, at start or after a "
+             "restart.", True),
+    ExitInfo(ExitStatus.QUIT, "launcher",
+             "Stopped at once on SIGQUIT: every child was killed with SIGKILL, the socket "
+             "directory cleaned (128+3, what a shell reports for a SIGQUIT death).", True),
 )
 
 CONFIG_ERROR_STATUSES: tuple[int, ...] = tuple(int(i.status) for i in EXIT_TABLE

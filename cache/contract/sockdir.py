@@ -85,12 +85,15 @@ class RankLock:
                 os.unlink(self.socket)
 
     def release(self) -> None:
-        """Remove the socket and the lock file, then drop the lock."""
+        """Remove the socket (only a socket: a stray file stays for its owner) and the lock
+        file, then drop the lock."""
         if self._fd < 0:
             return
-        for p in (self.socket, self.path):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(self.socket).st_mode):
+                os.unlink(self.socket)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
         os.close(self._fd)
         self._fd = -1
 

@@ -21,6 +21,7 @@ from vlaunch.cache.contract import fingerprint as fp
 from vlaunch.cache.contract import protocol, wire
 from vlaunch.cache.contract.errors import ArtifactError, ProtocolError
 from vlaunch.cache.contract.sockdir import check_peer
+from vlaunch.cache.rank.connections import Connections, connection_bound, starved_after
 from vlaunch.cache.store import artifacts as art
 from vlaunch.cache.store.artifacts import ArtifactStore
 from vlaunch.cache.store.manifest import Manifest
@@ -58,6 +59,9 @@ class CacheServer:
         self.integrity: Any = None  # rank.integrity.Integrity: the files, their watch, digests
         self._next = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self.bound = asyncio.Event()  # set once the socket is bound and listening
+        self.connections = Connections(rank, connection_bound(os.environ, len(fds)),
+                                       starved_after(os.environ))
 
     async def serve(self, path: Path, stop: asyncio.Event) -> None:
         """Bind `path` (mode 0600), accept clients until `stop` is set, then clean up."""
@@ -66,28 +70,35 @@ class CacheServer:
         old = os.umask(0o177)
         try:
             listener.bind(str(path))
+        except OSError as exc:
+            listener.close()
+            raise socket_path_taken(path, exc.strerror or str(exc)) from None
         finally:
             os.umask(old)
         listener.listen(128)
         listener.setblocking(False)
-        accept = asyncio.ensure_future(self._accept_loop(loop, listener))
-        await stop.wait()
+        self.bound.set()
+        accept = asyncio.ensure_future(self.connections.accept_loop(
+            loop, listener, self.leases, lambda conn: self._start_client(loop, conn)))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({accept, stopped}, return_when=asyncio.FIRST_COMPLETED)
         accept.cancel()
+        stopped.cancel()
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(accept, *self._tasks, return_exceptions=True)
+        await asyncio.gather(stopped, *self._tasks, return_exceptions=True)
         listener.close()
+        if not accept.cancelled() and accept.exception() is not None:
+            raise accept.exception()  # type: ignore[misc]  # e.g. RankStarvedError
 
-    async def _accept_loop(self, loop: asyncio.AbstractEventLoop, lst: socket.socket) -> None:
-        while True:
-            conn, _ = await loop.sock_accept(lst)
-            conn.setblocking(False)
-            task = asyncio.ensure_future(self._client(loop, conn))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+    def _start_client(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+        task = asyncio.ensure_future(self._client(loop, conn))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _client(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
         cid = self._next = self._next + 1
+        self.connections.add(cid, conn)
         try:
             try:
                 pid = check_peer(conn, self.allowed_uids)
@@ -98,11 +109,13 @@ class CacheServer:
             self.leases[cid] = Lease(pid)
             while True:
                 op, fields = await wire.read_request(loop, conn, frame_timeout=FRAME_TIMEOUT)
+                self.connections.touch(cid)
                 if op.startswith("seed_"):
                     raise ProtocolError(f"{op} is only served on the seeding TCP port")
                 result = self._dispatch(cid, op, fields)
                 reply, fds = await result if asyncio.iscoroutine(result) else result
-                await wire.write_frame(loop, conn, reply, fds)
+                # a client that stops reading its replies loses its connection, not a task
+                await asyncio.wait_for(wire.write_frame(loop, conn, reply, fds), FRAME_TIMEOUT)
         except (EOFError, ConnectionError, asyncio.CancelledError):
             pass
         except (ProtocolError, TimeoutError, asyncio.TimeoutError) as exc:
@@ -113,6 +126,7 @@ class CacheServer:
                     wire.write_frame(loop, conn, protocol.error("protocol", reason)), 1.0)
         finally:
             self.leases.pop(cid, None)
+            self.connections.remove(cid)
             conn.close()
 
     def _who(self, cid: int) -> str:
@@ -228,3 +242,12 @@ class CacheServer:
             asyncio.get_running_loop().call_soon(release)
         elif release:
             release()
+
+
+def socket_path_taken(path: Path, why: str) -> Exception:
+    """The error (SOCKET_DIR) for a socket path that holds something other than our socket."""
+    from vlaunch.cache.contract.errors import SocketDirError
+
+    return SocketDirError(f"cannot serve on {path}: {why}; something that is not this rank's "
+                          f"socket is there (a stray file or a symlink): remove it (rm {path}) "
+                          "and start the rank again")

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ from vlaunch.cache.contract.launch import RankArgs
 from vlaunch.cache.contract.logs import setup_logging
 from vlaunch.cache.contract.notify import SdNotify
 from vlaunch.cache.contract.sockdir import RankLock, ensure_socket_dir
+from vlaunch.cache.rank.connections import raise_nofile_limit
 from vlaunch.cache.store.manifest import Manifest
 from vlaunch.cache.store.plan import Layout
 
@@ -57,6 +59,9 @@ def _run(opts: RankArgs, rank: int) -> int:
     lock = RankLock(directory, rank)
     lock.acquire()
     try:
+        _check_socket_path(lock.socket)
+        soft, hard = raise_nofile_limit()
+        log.debug("RLIMIT_NOFILE %d (hard %d)", soft, hard)
         backend = get_backend(opts.device)
         from vlaunch.cache.store.artifacts import ArtifactStore
 
@@ -215,13 +220,26 @@ async def _serve(server: Any, lock: RankLock, opts: RankArgs) -> None:
         log.warning("--seed-listen-port without --seed-token: not serving seeding over TCP "
                     "(set VLAUNCH_SEED_TOKEN)")
     task = asyncio.ensure_future(server.serve(lock.socket, stop))
-    while not lock.socket.exists() and not task.done():
-        await asyncio.sleep(0.001)
-    if not task.done():
+    bound = asyncio.ensure_future(server.bound.wait())
+    await asyncio.wait({task, bound}, return_when=asyncio.FIRST_COMPLETED)
+    bound.cancel()
+    if server.bound.is_set() and not task.done():  # never ready on a socket we did not bind
         _report_ready(server, lock, opts)
     await task
     if seeding is not None:
         seeding.close()
+
+
+def _check_socket_path(path: Any) -> None:
+    """Refuse, before loading, a socket path that holds a stray file or a symlink (the lock
+    holder already removed a stale socket of a killed rank)."""
+    from vlaunch.cache.rank.daemon import socket_path_taken
+
+    with contextlib.suppress(FileNotFoundError):
+        mode = os.lstat(path).st_mode
+        kind = "a symlink" if stat.S_ISLNK(mode) else "a socket" if stat.S_ISSOCK(mode) \
+            else "a directory" if stat.S_ISDIR(mode) else "a file"
+        raise socket_path_taken(path, f"the path is {kind}")
 
 
 def _report_ready(server: Any, lock: RankLock, opts: RankArgs) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from vlaunch.cache.contract.errors import CheckpointError, ModelNotFoundError
 from vlaunch.cache.store.dtypes import DTYPES, nbytes, shape_problem, unknown_dtype_message
+from vlaunch.cache.store.manifest import tensor_name_problem
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1000 * 1000
@@ -279,6 +280,9 @@ def _parse_header(file: Path, header: bytes, size: int
 
 def _entry(file: Path, name: str, info: object, data_start: int, size: int) -> TensorEntry:
     """Validate one header entry and return it as a TensorEntry."""
+    problem = tensor_name_problem(name)
+    if problem:
+        raise CheckpointError(file, f"{problem}; rename the tensor", tensor=name[:80])
     if not isinstance(info, dict):
         raise CheckpointError(file, "entry is not a JSON object", tensor=name)
     dtype = info.get("dtype")

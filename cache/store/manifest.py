@@ -70,8 +70,9 @@ def _parse(obj: Any) -> Manifest:
     # One pass per row with the checks inlined: this runs on every handoff, for every tensor.
     for row in rows:
         name, dtype, shape, stride, slab, offset, nbytes, checksum = row
-        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or dtype not in bitsizes:
-            raise ValueError(f"bad tensor name or dtype in row {row[:2]!r}")
+        if dtype not in bitsizes or tensor_name_problem(name):
+            raise ValueError(f"bad tensor name or dtype in row {str(row[:2])[:200]}: "
+                             f"{tensor_name_problem(name) or 'unknown dtype'}")
         if len(shape) > MAX_DIMS or len(stride) != len(shape):
             raise ValueError(f"{name}: bad rank")
         shape_t, stride_t = tuple(shape), tuple(stride)
@@ -109,6 +110,18 @@ _new = object.__new__
 
 
 _LIMIT = 1 << 50
+
+
+def tensor_name_problem(name: object) -> str:
+    """Why `name` breaks the tensor-name rule, or "" when it keeps it: a non-empty string of
+    printable characters, at most MAX_NAME bytes in UTF-8 (checkpoint reader and client)."""
+    if not isinstance(name, str) or not name:
+        return "a tensor name must be a non-empty string"
+    if len(name) > MAX_NAME or len(name.encode("utf-8", "replace")) > MAX_NAME:
+        return f"a tensor name must be at most {MAX_NAME} bytes in UTF-8"
+    if not name.isprintable():
+        return "a tensor name must hold only printable characters (no control characters)"
+    return ""
 
 
 def _int(value: Any, what: str) -> int:

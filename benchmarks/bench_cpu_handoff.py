@@ -1,12 +1,15 @@
-"""CPU: share handoff of a 512 MB shard against safetensors.load_file from a warm page cache.
+"""CPU: share handoff of a shard against safetensors.load_file from a warm page cache.
 
 On CPU, safetensors' load_file maps the file lazily: it returns before any byte is read, and
-the bytes arrive as page faults on first use. So the table has two figures: the call alone,
-and the call plus one read of every byte (tensors really usable), for both sides.
+the bytes arrive as page faults on first use. So the table compares the call alone and the
+call plus one read of every page (tensors really usable) on both sides; the second is the
+figure that counts (target >= 2x). The host's shmem huge-page policy decides how many page
+faults a memfd mapping costs, so it is printed with the table.
 
     python benchmarks/bench_cpu_handoff.py [--size-mb 512] [--repeats 7]
+    python benchmarks/bench_cpu_handoff.py --size-mb 64 --repeats 3      # CI: a few seconds
 
-Prints one table: figure, vlaunch, baseline, ratio, target (>= 50x).
+Prints one table: figure, vlaunch, baseline, ratio, target.
 """
 
 from __future__ import annotations
@@ -56,6 +59,16 @@ def touch(tensors: dict) -> None:  # type: ignore[type-arg]
         client.close()
 
 
+def shmem_policy() -> str:
+    """The host's shmem THP policy (the bracketed word of shmem_enabled), or 'unknown'."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+    except OSError:
+        return "unknown"
+    words = [w[1:-1] for w in text.split() if w.startswith("[")]
+    return words[0] if words else text.strip()
+
+
 def main() -> None:
     """Run the benchmark and print the table."""
     ap = argparse.ArgumentParser()
@@ -72,9 +85,12 @@ def main() -> None:
                                  "--socket-dir", str(sockdir), "--plan", "replicate",
                                  "--ready-fd", str(theirs.fileno())], pass_fds=[theirs.fileno()])
         theirs.close()
-        ready, fds = wire.recv_frame(ours)
-        for fd in fds:
-            os.close(fd)
+        while True:  # progress frames come first, then the ready frame
+            ready, fds = wire.recv_frame(ours)
+            for fd in fds:
+                os.close(fd)
+            if ready.get("event") != "progress":
+                break
         try:
             load_file(str(model))  # warm the page cache
             st_ms = median_ms(lambda: load_file(str(model)), args.repeats)
@@ -89,13 +105,14 @@ def main() -> None:
             proc.wait()
     gb = ready["bytes"] / 1e9
     rows = [("share handoff (call returns)", f"{share_ms:.2f} ms", f"{st_ms:.2f} ms",
-             f"{st_ms / share_ms:.1f}x", ">= 50x"),
+             f"{st_ms / share_ms:.1f}x", "-"),
             ("share + touch every page", f"{share_read_ms:.1f} ms", f"{st_read_ms:.1f} ms",
-             f"{st_read_ms / share_read_ms:.1f}x", "-"),
+             f"{st_read_ms / share_read_ms:.2f}x", ">= 2x"),
             ("copy handoff", f"{copy_ms:.2f} ms", f"{st_ms:.2f} ms", f"{st_ms / copy_ms:.1f}x",
              "-")]
     print(f"\nshard {gb:.2f} GB, median of {args.repeats}, {time.strftime('%Y-%m-%d')}; "
-          "baseline: safetensors.torch.load_file, page cache warm")
+          "baseline: safetensors.torch.load_file, page cache warm; shmem huge pages: "
+          f"{shmem_policy()}")
     print(f"{'figure':<30} {'vlaunch':>12} {'baseline':>12} {'ratio':>8} {'target':>8}")
     for r in rows:
         print(f"{r[0]:<30} {r[1]:>12} {r[2]:>12} {r[3]:>8} {r[4]:>8}")

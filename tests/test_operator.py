@@ -202,6 +202,11 @@ CACHE_CASES = {
     "socket dir not creatable": Case([*CACHE, "/proc/self/vlaunch"], 73, "is not usable"),
     "bad tp by flag": Case([*CACHE, "{tmp}/s", "--tensor-parallel-size", "two"], 64,
                            "'--tensor-parallel-size'", absent="VLAUNCH_TENSOR_PARALLEL_SIZE"),
+    "seed port without token": Case([*CACHE, "{tmp}/s", "--seed-listen-port", "7000"], 64,
+                                    "--seed-listen-port needs a seed token"),
+    "rank outside the layout": Case([*CACHE, "{tmp}/s", "--rank", "2",
+                                     "--tensor-parallel-size", "2"], 64,
+                                    "rank must be an integer in 0..1"),
 }
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from vlaunch.cache.contract import fingerprint as fp
 from vlaunch.cache.contract import protocol, wire
-from vlaunch.cache.contract.errors import ProtocolError, VlaunchError
+from vlaunch.cache.contract.errors import ProtocolError, UsageError, VlaunchError
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.launch import RankArgs
 from vlaunch.cache.contract.logs import setup_logging
@@ -55,6 +55,9 @@ def _run(opts: RankArgs, rank: int) -> int:
     from vlaunch.cache.contract.sockdir import default_socket_dir
     from vlaunch.cache.store.slabs import get_backend
 
+    if opts.seed_listen_port and not opts.seed_token:  # the same check as vlaunch run's
+        raise UsageError("--seed-listen-port needs a seed token: set VLAUNCH_SEED_TOKEN (or "
+                         "--seed-token) to a long secret, or drop --seed-listen-port")
     directory = ensure_socket_dir(opts.socket_dir or default_socket_dir())
     lock = RankLock(directory, rank)
     lock.acquire()
@@ -216,9 +219,6 @@ async def _serve(server: Any, lock: RankLock, opts: RankArgs) -> None:
 
         seeding = await SeedSource(server, opts.seed_token, timeout=opts.seed_timeout).start(
             opts.seed_listen_host, source_port(opts.seed_listen_port, server.rank))
-    elif opts.seed_listen_port:
-        log.warning("--seed-listen-port without --seed-token: not serving seeding over TCP "
-                    "(set VLAUNCH_SEED_TOKEN)")
     task = asyncio.ensure_future(server.serve(lock.socket, stop))
     bound = asyncio.ensure_future(server.bound.wait())
     await asyncio.wait({task, bound}, return_when=asyncio.FIRST_COMPLETED)

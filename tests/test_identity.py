@@ -23,6 +23,7 @@ from vlaunch.cache.store import identity
 from vlaunch.cache.store.checkpoint import open_checkpoint
 
 from .conftest import CacheProc, llama_tensors, spawn_cache
+from .test_launcher import Launcher
 
 NAME = "model.safetensors"
 
@@ -244,3 +245,27 @@ def test_a_rank_started_with_verify_checks_before_it_is_ready(
     assert cache.stop() == 0
     log = cache.proc.stderr.read().decode() if cache.proc.stderr else ""
     assert "rank 1: verify:" in log and "match the checkpoint files" in log
+
+
+def test_run_verifies_then_reports_a_changed_checkpoint_in_status_and_metrics(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`vlaunch run --verify`, caches only: verified before ready; a rewrite shows in /status
+    and /metrics."""
+    import urllib.request
+
+    monkeypatch.setenv("VLAUNCH_WATCH_EVERY", "0.1")
+    model = _write(tmp_path / "m", llama_tensors())
+    (tmp_path / "l").mkdir()
+    la = Launcher(tmp_path / "l", model, "--verify", "--plan", "replicate", tp=1)
+    try:
+        la.wait_for(lambda s: s["caches_ready"])
+        assert "rank 0: verify:" in la.text() and "match the checkpoint files" in la.text()
+        _write(model, _fine_tune())
+        snap = la.wait_for(lambda s: (s["ranks"]["0"].get("checkpoint") or {}).get("changed"))
+        assert snap["ranks"]["0"]["checkpoint"]["changed"] == [NAME]
+        with urllib.request.urlopen(la.url + "/metrics", timeout=5) as r:
+            assert 'vlaunch_checkpoint_changed{rank="0"} 1.0' in r.read().decode()
+        la.proc.terminate()
+        assert la.wait_exit() == 0, la.text()
+    finally:
+        la.close()

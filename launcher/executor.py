@@ -92,12 +92,9 @@ class Executor:
 
     async def run(self) -> int:
         """Start everything, handle events until Exit, sweep, return the status."""
-        loop = asyncio.get_running_loop()
-        self.hooks.prepare()
+        self.hooks.prepare(self.post)
         directory = ensure_socket_dir(self.spec.socket_dir)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.add_signal_handler(sig, self.post, events.SignalReceived(sig, 0.0))
-        self._start_surfaces(directory, loop)
+        self._start_surfaces(directory, asyncio.get_running_loop())
         self.post(events.Started(0.0))
         self._spawn_task(self._ticker())
         self._spawn_task(self._poll_ranks())

@@ -2,19 +2,24 @@
 
 `OsHooks` does them for real: asyncio subprocesses in their own process groups that die with
 the launcher, process-group signals, the psutil sweep, HTTP probes, rank status queries.
-Tests hand the executor a fake with scripted results instead (tests/fakes.py).
+Tests hand the executor a fake with scripted results instead (tests/test_executor.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from . import events
 from .children import become_subreaper, die_with_parent, reap_orphans, signal_group, sweep
 from .statusview import query_rank
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+"""Signals the launcher handles (as SignalReceived events); any other keeps its default."""
 
 
 class Child(Protocol):
@@ -29,8 +34,9 @@ class Child(Protocol):
 class ProcessHooks(Protocol):
     """Everything the executor does to processes and the network."""
 
-    def prepare(self) -> None:
-        """Once, before anything starts (become the subreaper of our descendants)."""
+    def prepare(self, post: Callable[[events.Event], None]) -> None:
+        """Once, in the running loop, before anything starts: become the subreaper of our
+        descendants, and have the signals the core handles `post` a SignalReceived."""
 
     async def spawn(self, argv: Sequence[str], env: Mapping[str, str],
                     pass_fds: Sequence[int] = ()) -> Child:
@@ -66,8 +72,11 @@ class _Proc:
 class OsHooks:
     """The real process operations."""
 
-    def prepare(self) -> None:
+    def prepare(self, post: Callable[[events.Event], None]) -> None:
         become_subreaper()
+        loop = asyncio.get_running_loop()
+        for sig in SIGNALS:  # the handler only posts the event: the core decides
+            loop.add_signal_handler(sig, post, events.SignalReceived(sig, 0.0))
 
     async def spawn(self, argv: Sequence[str], env: Mapping[str, str],
                     pass_fds: Sequence[int] = ()) -> Child:

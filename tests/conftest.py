@@ -6,20 +6,42 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
 from hypothesis import settings
 from safetensors.torch import save_file
 
-from vlaunch.cache.contract import wire
+from vlaunch.cache.contract import progress, wire
 
 # Shared CI machines are noisy: no per-example deadline, fixed example counts.
 settings.register_profile("vlaunch", deadline=None, print_blob=True)
 settings.load_profile("vlaunch")
+
+T = TypeVar("T")
+
+
+def eventually(check: Callable[[], T | None], timeout: float = 60.0, *, what: str = "",
+               interval: float = 0.02) -> T:
+    """Poll `check` until it returns something truthy (returned) or `timeout` passes (fail).
+
+    The one wait of the suite: no sleep stands in for synchronisation. `timeout=0` checks
+    exactly once, for a test that expects a miss. An exception from `check` propagates.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what or check}; last: {got!r}")
+        time.sleep(interval)
+
 
 LLAMA_SHAPES = {
     "q_proj": (64, 32), "k_proj": (32, 32), "v_proj": (32, 32), "o_proj": (32, 64),
@@ -96,6 +118,8 @@ def spawn_cache(model: Path | str, socket_dir: Path, *args: str, rank: int = 0,
         ours.settimeout(60)
         try:
             ready, fds = wire.recv_frame(ours)
+            while progress.parse(ready) is not None:  # loaded bytes, before the ready frame
+                ready, fds = wire.recv_frame(ours)
         except EOFError:
             proc.wait(30)
     ours.close()

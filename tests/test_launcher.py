@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +19,8 @@ import pytest
 from safetensors.torch import load_file
 
 from vlaunch.cache.contract.exitcodes import ExitStatus
+
+from .conftest import eventually
 
 ENGINE = r"""
 import os, signal, socket, sys, time
@@ -42,7 +44,7 @@ class Launcher:
     """A `vlaunch run` subprocess with a notify socket standing in for systemd."""
 
     def __init__(self, tmp: Path, model: Path | str, *args: str, engine: list[str] | None = None,
-                 tp: int = 2) -> None:
+                 tp: int = 2, notify_socket: str | None = None) -> None:
         self.sockdir = tmp / "sock"
         self.notify_path = tmp / "notify.sock"
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -55,7 +57,7 @@ class Launcher:
                "--health-port", "0", "--stop-timeout", "5", *args]
         if engine is not None:
             cmd += ["--", *engine]
-        env = {**os.environ, "NOTIFY_SOCKET": str(self.notify_path)}
+        env = {**os.environ, "NOTIFY_SOCKET": notify_socket or str(self.notify_path)}
         self.proc = subprocess.Popen(cmd, env=env, stderr=self.log.open("wb"))
         self.url = ""
 
@@ -87,21 +89,19 @@ class Launcher:
             return e.code
 
     def wait_for(self, cond: Callable[[dict[str, Any]], bool], timeout: float = 150) -> dict:
-        """Poll /status until cond holds."""
-        deadline = time.monotonic() + timeout
-        last: dict[str, Any] = {}
-        while time.monotonic() < deadline:
+        """Poll /status until cond holds (the launcher must not exit meanwhile)."""
+
+        def check() -> dict[str, Any] | None:
             self.drain()
             if self.proc.poll() is not None:
                 raise AssertionError(f"launcher exited {self.proc.returncode}:\n{self.text()}")
             try:
-                last = self.status()
-                if cond(last):
-                    return last
+                snap = self.status()
             except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"timed out; last status {last}\n{self.text()}")
+                return None
+            return snap if cond(snap) else None
+
+        return eventually(check, timeout, what=f"launcher status\n{self.text()}", interval=0.1)
 
     def wait_exit(self, timeout: float = 60) -> int:
         """Wait for the launcher to exit; returns its status."""
@@ -355,3 +355,83 @@ def test_engine_readiness_from_its_health_url(launch, llama_ckpt: Path) -> None:
     assert any("READY=1" in m for m in la.drain())
     la.proc.send_signal(signal.SIGTERM)
     assert la.wait_exit() == 0
+
+
+COPY_RELEASE_CLIENT = ("import sys; from vlaunch.cache import load; "
+                       "w = load(sys.argv[1], socket_dir=sys.argv[2], mode='copy-release', "
+                       "fallback=False, device='cpu'); print(w.source, w.bytes_outside)")
+
+
+def memfd_holders(inodes: set[int]) -> list[str]:
+    """Every process (that we may inspect) with an fd or a mapping on one of these memfds."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = f"/proc/{pid}/fd/{fd}"
+                    if "memfd:" in os.readlink(link) and os.stat(link).st_ino in inodes:
+                        out.append(f"{pid} fd {fd}")
+            with open(f"/proc/{pid}/maps") as maps:
+                out += [f"{pid} map" for line in maps if "memfd:" in line
+                        and int(line.split()[4]) in inodes]
+    return out
+
+
+def test_copy_release_under_run_returns_the_memory(launch, llama_ckpt: Path) -> None:
+    la = launch(llama_ckpt, tp=1)
+    snap = la.wait_for(lambda s: s["caches_ready"])
+    rank = snap["ranks"]["0"]["pid"]
+    fds = [f"/proc/{rank}/fd/{fd}" for fd in os.listdir(f"/proc/{rank}/fd")]
+    inodes = {os.stat(p).st_ino for p in fds if "memfd:vlaunch-slab" in os.readlink(p)}
+    assert inodes and any(h.startswith(f"{la.proc.pid} ") for h in memfd_holders(inodes))
+    r = subprocess.run([sys.executable, "-c", COPY_RELEASE_CLIENT, str(llama_ckpt),
+                        str(la.sockdir)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["cache", "0"], r.stderr
+    eventually(lambda: not memfd_holders(inodes), 30, what="the slabs freed everywhere")
+    la.wait_for(lambda s: s["ranks"]["0"]["bytes"] == 0 and s["ranks"]["0"]["state"] == "ready")
+    with urllib.request.urlopen(la.url + "/metrics", timeout=5) as resp:
+        assert 'vlaunch_rank_bytes{device="cpu",rank="0"} 0.0' in resp.read().decode()
+    assert "released its checkpoint slabs: closed 1 escrowed fd(s)" in la.text()
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.wait_exit() == 0
+
+
+def test_an_engine_under_run_needs_no_flags(launch, tmp_path: Path) -> None:
+    from vlaunch.cache.reference.refmodel import make_checkpoint
+
+    model = make_checkpoint(tmp_path / "tiny", hidden=64, layers=2, heads=4, kv_heads=2,
+                            intermediate=128, vocab=256)
+    port_file = tmp_path / "port"
+    # a plan other than the default: an engine that does not read it asks for another
+    # fingerprint than the caches have, and with --no-fallback never serves
+    engine = [sys.executable, "-m", "vlaunch.cache.reference.engine", "--no-fallback",
+              "--port-file", str(port_file)]  # no --model, --tensor-parallel-size, --plan
+    la = launch(model, "--plan", "replicate", "--engine-ready", "notify", "--stop-timeout", "60",
+                engine=engine, tp=1)
+    la.wait_for(serving)
+    url = f"http://127.0.0.1:{port_file.read_text().strip()}"
+    with urllib.request.urlopen(url + "/stats", timeout=5) as resp:
+        stats = json.loads(resp.read())
+    assert stats["source"] == "cache" and stats["tp_size"] == 1, stats
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.wait_exit() == 0
+
+
+@pytest.mark.parametrize("case", ["never read", "stale"])
+def test_a_bad_notify_socket_never_stalls_or_fails_the_launcher(launch, llama_ckpt: Path,
+                                                                tmp_path: Path,
+                                                                case: str) -> None:
+    from .test_notify import fill
+
+    path = tmp_path / f"{case.replace(' ', '-')}.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as reader:
+        if case == "never read":
+            reader.bind(str(path))
+            assert fill(str(path)) > 0  # the launcher's first message finds the queue full
+        la = launch(llama_ckpt, tp=1, notify_socket=str(path))
+        la.wait_for(lambda s: s["caches_ready"])
+        la.proc.send_signal(signal.SIGTERM)
+        assert la.wait_exit(30) == 0
+    log = la.text()
+    assert log.count("sd_notify to") == 1 and "Traceback" not in log, log

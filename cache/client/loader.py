@@ -15,7 +15,9 @@ from vlaunch.cache.contract.errors import (
     CacheBrokenError,
     CacheUnavailableError,
     FingerprintMismatchError,
+    UsageError,
 )
+from vlaunch.cache.contract.launch import DEFAULT_PLAN, EngineEnv
 from vlaunch.cache.contract.protocol import MODES
 from vlaunch.cache.contract.sockdir import default_socket_dir, socket_path
 from vlaunch.cache.store import identity
@@ -47,15 +49,31 @@ class Weights(dict):  # type: ignore[type-arg]
 
 
 def default_device() -> str:
-    """$VLAUNCH_DEVICE, else cuda when torch sees a GPU, else cpu."""
-    if os.environ.get("VLAUNCH_DEVICE"):
-        return os.environ["VLAUNCH_DEVICE"]
+    """$VLAUNCH_DEVICE (set by vlaunch run), else cuda when torch sees a GPU, else cpu."""
+    device = EngineEnv.from_env().device
+    if device:
+        return device
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def expected_fingerprint(model: str, layout: Layout, device: str, plan: str = "llama",
+def engine_args(model: str | None, tensor_parallel_size: int | None,
+                pipeline_parallel_size: int | None, data_parallel_size: int | None,
+                plan: str | None, kernel_backends: str | None
+                ) -> tuple[str, int, int, int, str, str]:
+    """What the caller left out (None) from what `vlaunch run` told the engine (EngineEnv)."""
+    env = EngineEnv.from_env()
+    if not (model or env.model):
+        raise UsageError("load() has no model: pass it, or start the engine under vlaunch run "
+                         "(which sets VLAUNCH_MODEL)")
+    return (model or env.model, tensor_parallel_size or env.tensor_parallel_size or 1,
+            pipeline_parallel_size or env.pipeline_parallel_size or 1,
+            data_parallel_size or env.data_parallel_size or 1, plan or env.plan_or_default,
+            env.kernel_backends if kernel_backends is None else kernel_backends)
+
+
+def expected_fingerprint(model: str, layout: Layout, device: str, plan: str = DEFAULT_PLAN,
                          kernel_backends: str = "", loader: str = "vlaunch",
                          socket: os.PathLike[str] | None = None,
                          quantization: str | None = None) -> fp.Fingerprint:
@@ -77,13 +95,16 @@ def expected_fingerprint(model: str, layout: Layout, device: str, plan: str = "l
                         model, quantization or os.environ.get("VLAUNCH_QUANTIZATION")))
 
 
-def load(model: str, *, rank: int = 0, tensor_parallel_size: int = 1,
-         pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
+def load(model: str | None = None, *, rank: int = 0, tensor_parallel_size: int | None = None,
+         pipeline_parallel_size: int | None = None, data_parallel_size: int | None = None,
          socket_dir: str | None = None, mode: str = "share", fallback: bool = True,
-         timeout: float = 60.0, device: str | None = None, plan: str = "llama",
-         kernel_backends: str = "", loader: str = "vlaunch",
+         timeout: float = 60.0, device: str | None = None, plan: str | None = None,
+         kernel_backends: str | None = None, loader: str = "vlaunch",
          quantization: str | None = None, rewrites: str | None = None) -> Weights:
     """The rank's shard as named tensors: from the cache, else (fallback) from disk.
+
+    Model, sizes, socket directory, device, plan and kernel backends left out come from the
+    environment `vlaunch run` gives its engine (contract.launch.EngineEnv); explicit win.
 
     `quantization`: the engine's quantization method (fingerprint field; default:
     $VLAUNCH_QUANTIZATION, else config.json's quant_method). `rewrites`: what will rewrite
@@ -91,6 +112,9 @@ def load(model: str, *, rank: int = 0, tensor_parallel_size: int = 1,
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    model, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, plan, \
+        kernel_backends = engine_args(model, tensor_parallel_size, pipeline_parallel_size,
+                                      data_parallel_size, plan, kernel_backends)
     check_rewrites(mode, rewrites)
     layout = Layout.from_global(rank, tensor_parallel_size, pipeline_parallel_size,
                                 data_parallel_size)
@@ -118,15 +142,20 @@ def load(model: str, *, rank: int = 0, tensor_parallel_size: int = 1,
         return weights
 
 
-def cached_nbytes(model: str, *, rank: int = 0, tensor_parallel_size: int = 1,
-                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
-                  socket_dir: str | None = None, device: str | None = None,
-                  plan: str = "llama", kernel_backends: str = "", loader: str = "vlaunch") -> int:
+def cached_nbytes(model: str | None = None, *, rank: int = 0,
+                  tensor_parallel_size: int | None = None,
+                  pipeline_parallel_size: int | None = None,
+                  data_parallel_size: int | None = None, socket_dir: str | None = None,
+                  device: str | None = None, plan: str | None = None,
+                  kernel_backends: str | None = None, loader: str = "vlaunch") -> int:
     """Bytes a share-mode `load` would map from the rank's cache; 0 when it would not.
 
     For an engine that sizes its memory budget before it loads (vLLM asks its loader first):
     the answer comes from the cache's manifest after a fingerprint check, without mapping.
     """
+    model, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, plan, \
+        kernel_backends = engine_args(model, tensor_parallel_size, pipeline_parallel_size,
+                                      data_parallel_size, plan, kernel_backends)
     layout = Layout.from_global(rank, tensor_parallel_size, pipeline_parallel_size,
                                 data_parallel_size)
     device = device or default_device()
@@ -169,11 +198,10 @@ def _from_cache(path: os.PathLike[str], model: str, layout: Layout, device: str,
     return weights
 
 
-def load_from_disk(model: str, layout: Layout, device: str, plan: str = "llama") -> Weights:
+def load_from_disk(model: str, layout: Layout, device: str, plan: str = DEFAULT_PLAN) -> Weights:
     """Read the same shard from the checkpoint into the engine's own memory."""
     from vlaunch.cache.store.shard import PlainBackend, load_shard
 
     shard = load_shard(model, plan, layout, PlainBackend(device),
                        label=f"rank {layout.global_rank} loading from disk")
     return Weights(shard.named())
-

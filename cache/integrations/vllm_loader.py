@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.contract.errors import UsageError
+from vlaunch.cache.contract.launch import EngineEnv
 from vlaunch.cache.contract.protocol import MODES
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ class LoaderOptions:
     fallback: bool = True
     timeout: float = 60.0
     socket_dir: str = ""
-    plan: str = ""  # default: $VLAUNCH_PLAN (set by vlaunch run), else "replicate"
+    plan: str = ""  # default: the plan vlaunch run names (EngineEnv), else "replicate"
     kernel_backends: str = ""
     loader: str = "vlaunch"
 
@@ -80,7 +80,7 @@ class LoaderOptions:
 
     def plan_for(self, tp_size: int) -> str:
         """The cache's plan; vLLM slices shards itself, so it needs whole tensors."""
-        plan = self.plan or os.environ.get("VLAUNCH_PLAN") or "replicate"
+        plan = self.plan or EngineEnv.from_env().plan or "replicate"
         if tp_size > 1 and plan != "replicate":
             raise VllmLoaderError(f"vlaunch load format: plan {plan!r} at tensor-parallel size "
                                   f"{tp_size}: vLLM slices the shards itself and needs whole "
@@ -177,7 +177,7 @@ def _where(vllm_config: Any, options: LoaderOptions) -> dict[str, Any]:
     return {"rank": rank, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
             "data_parallel_size": dp, "socket_dir": options.socket_dir or None,
             "device": device, "plan": options.plan_for(tp),
-            "kernel_backends": options.kernel_backends, "loader": options.loader}
+            "kernel_backends": options.kernel_backends or None, "loader": options.loader}
 
 
 def _assign(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -48,8 +48,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import psutil
 
-from vlaunch.cache.contract.errors import VlaunchError
+from vlaunch.cache.contract.errors import UsageError, VlaunchError
 from vlaunch.cache.contract.exitcodes import CONFIG_ERROR_STATUSES
+from vlaunch.cache.contract.launch import EngineEnv
 from vlaunch.cache.contract.protocol import MODES
 
 if TYPE_CHECKING:
@@ -108,6 +109,14 @@ class EngineOptions:
         return argv
 
 
+def _launcher_env() -> EngineEnv:
+    """What vlaunch run told this engine (contract.launch); a malformed variable is 78."""
+    try:
+        return EngineEnv.from_env()
+    except UsageError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         # argparse's own exit status, 2, would tell the launcher that a restart may help
@@ -116,12 +125,15 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv: Sequence[str] | None) -> EngineOptions:
     """Parse the command line; ConfigError on a bad one."""
+    env = _launcher_env()  # under vlaunch run, no flag needs repeating
     p = _Parser(prog="python -m vlaunch.cache.reference.engine",
                 description="The vlaunch reference engine: greedy generation over HTTP.")
-    p.add_argument("--model", required=True, help="checkpoint directory (config.json + "
-                   "safetensors)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, dest="tp_size")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--model", required=not env.model, default=env.model,
+                   help="checkpoint directory (config.json + safetensors) [default: "
+                   "$VLAUNCH_MODEL]")
+    p.add_argument("--tensor-parallel-size", type=int, dest="tp_size",
+                   default=env.tensor_parallel_size or 1)
+    p.add_argument("--device", choices=("cpu", "cuda"), default=env.device or "cpu")
     p.add_argument("--mode", choices=MODES, default="share")
     p.add_argument("--no-fallback", action="store_false", dest="fallback",
                    help="fail instead of reading the disk when the cache is missing or wrong")
@@ -130,7 +142,7 @@ def parse_args(argv: Sequence[str] | None) -> EngineOptions:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="HTTP port; 0 picks a free one")
     p.add_argument("--port-file", default="", help="write the HTTP port to this file")
-    p.add_argument("--socket-dir", default="", help="cache sockets (default: "
+    p.add_argument("--socket-dir", default=env.socket_dir, help="cache sockets (default: "
                    "$VLAUNCH_SOCKET_DIR)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.add_argument("--worker-rank", type=int, default=None, help=argparse.SUPPRESS)

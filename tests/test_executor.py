@@ -1,0 +1,293 @@
+"""The executor's wiring over fake process hooks: histories in milliseconds, no real children.
+
+The fake ranks are real in the one place that matters: they report on the ready channel the
+executor hands them (real socketpairs, real memfds as slabs), so escrow, adoption and release
+go through the real frames. Real processes are in test_launcher.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import threading
+import typing
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vlaunch.cache.contract import protocol, wire
+from vlaunch.cache.contract.launch import EngineEnv, RankArgs
+from vlaunch.cache.contract.notify import parse_fields
+from vlaunch.launcher import events
+from vlaunch.launcher.executor import Executor
+from vlaunch.launcher.spec import RunSpec
+
+from .conftest import eventually
+
+
+class FakeChild:
+    """A child whose exit the test (or a signal) decides."""
+
+    def __init__(self, pid: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.pid = pid
+        self.exited: asyncio.Future[int] = loop.create_future()
+
+    def exit(self, status: int) -> None:
+        if not self.exited.done():
+            self.exited.set_result(status)
+
+    async def wait(self) -> int:
+        return await self.exited
+
+
+class FakeHooks:
+    """Scripted process operations: ranks report ready on their channel with one memfd slab."""
+
+    def __init__(self, *, rank_ready: bool = True, missing: Sequence[str] = ()) -> None:
+        self.rank_ready = rank_ready
+        self.missing = set(missing)
+        self.children: dict[int, FakeChild] = {}
+        self.spawned: list[tuple[list[str], dict[str, str]]] = []
+        self.signals: list[tuple[int, int]] = []
+        self.channels: dict[int, socket.socket] = {}  # rank -> its end of the ready channel
+        self.adopted: dict[int, tuple[dict[str, Any], list[int]]] = {}
+        self.slabs: dict[int, int] = {}  # rank -> its memfd (the rank's own copy)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._next = 1000
+
+    def prepare(self, post: Any) -> None:
+        self.loop = asyncio.get_running_loop()
+
+    async def spawn(self, argv: Sequence[str], env: Mapping[str, str],
+                    pass_fds: Sequence[int] = ()) -> FakeChild:
+        if argv[0] in self.missing:
+            raise FileNotFoundError(2, "No such file or directory", argv[0])
+        assert self.loop is not None
+        self._next += 1
+        child = self.children[self._next] = FakeChild(self._next, self.loop)
+        self.spawned.append((list(argv), dict(env)))
+        if argv[1:3] == ["-m", "vlaunch.cache"]:
+            self._rank(RankArgs.parse(argv[3:]), child)
+        return child
+
+    def _rank(self, args: RankArgs, child: FakeChild) -> None:
+        """Take the rank's channels (the executor closes its copies once spawn returns); it
+        adopts and reports right after, as a real rank would."""
+        channel = socket.socket(fileno=os.dup(args.ready_fd))
+        self.channels[args.rank] = channel
+        adopt = socket.socket(fileno=os.dup(args.adopt_fd)) if args.adopt_fd >= 0 else None
+        assert self.loop is not None
+        self.loop.call_soon(self._run_rank, args.rank, child, channel, adopt)
+
+    def _run_rank(self, rank: int, child: FakeChild, channel: socket.socket,
+                  adopt: socket.socket | None) -> None:
+        if adopt is not None:
+            with adopt:
+                self.adopted[rank] = wire.recv_frame(adopt)
+        if self.rank_ready:
+            fd = self.slabs[rank] = os.memfd_create("vlaunch-test-slab")
+            os.ftruncate(fd, 4096)
+            wire.send_frame(channel, protocol.event(
+                "ready", rank=rank, pid=child.pid, socket="/x", at=0.0, bytes=4096,
+                device="cpu", manifest={"slab_sizes": [4096]}, fingerprint={"backend": "cpu"}),
+                [fd])
+
+    def signal(self, pid: int, sig: int) -> None:
+        self.signals.append((pid, sig))
+        if sig in (signal.SIGTERM, signal.SIGKILL) and pid in self.children:
+            self.children[pid].exit(-sig)
+
+    def sweep(self, pids: Any) -> list[str]:
+        return []
+
+    def reap_orphans(self, pids: Any) -> None:
+        list(pids)
+
+    async def http_ok(self, url: str) -> bool:
+        return True
+
+    async def rank_status(self, path: Path) -> dict[str, Any]:
+        raise OSError("the fake ranks answer no status")
+
+    def close(self) -> None:
+        for sock in self.channels.values():
+            sock.close()
+        for fd in self.slabs.values():
+            os.close(fd)
+
+
+class Running:
+    """An executor on its own loop in a thread; the test drives it from outside."""
+
+    def __init__(self, spec: RunSpec, hooks: FakeHooks, env: dict[str, str]) -> None:
+        self.executor = Executor(spec, env=env, hooks=hooks)
+        self.hooks = hooks
+        self.status: int | None = None
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.status = self.loop.run_until_complete(self.executor.run())
+
+    def post(self, event: events.Event) -> None:
+        self.loop.call_soon_threadsafe(self.executor.post, event)
+
+    def exit(self, pid: int, status: int) -> None:
+        self.loop.call_soon_threadsafe(self.hooks.children[pid].exit, status)
+
+    def wait(self) -> int:
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "the executor did not finish"
+        assert self.status is not None
+        return self.status
+
+    def pid(self, role: str) -> int:
+        core = self.executor.core
+        pid = core.engine.pid if role == "engine" else core.ranks[int(role)].pid
+        assert pid is not None
+        return pid
+
+
+@pytest.fixture
+def notify(tmp_path: Path) -> Iterator[socket.socket]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "notify.sock"))
+    sock.settimeout(0)
+    yield sock
+    sock.close()
+
+
+@pytest.fixture
+def start(tmp_path: Path, notify: socket.socket) -> Iterator[Any]:
+    runs: list[Running] = []
+
+    def start(engine: tuple[str, ...] = ("engine-cmd",), hooks: FakeHooks | None = None,
+              **config: Any) -> Running:
+        ranks = (0, 1)
+        spec = RunSpec(model="/models/m", socket_dir=tmp_path / "s", ranks=ranks,
+                       devices=dict.fromkeys(ranks, "cpu"), tp=2, plan="replicate",
+                       engine=engine, health_port=None,
+                       supervisor=events.SupervisorConfig(ranks=ranks, has_engine=bool(engine),
+                                                          backoff_initial=0.0, **config))
+        run = Running(spec, hooks or FakeHooks(), {"NOTIFY_SOCKET": notify.getsockname()})
+        runs.append(run)
+        return run
+
+    yield start
+    for run in runs:
+        if run.thread.is_alive():
+            run.post(events.SignalReceived(signal.SIGTERM, 0.0))
+            run.post(events.SignalReceived(signal.SIGTERM, 0.0))
+            run.thread.join(10)
+        run.hooks.close()
+
+
+def notified(sock: socket.socket) -> list[dict[str, str]]:
+    out = []
+    while True:
+        try:
+            out.append(parse_fields(sock.recv(4096)))
+        except BlockingIOError:
+            return out
+
+
+def memfd_inodes(fd: int) -> set[int]:
+    """Fds of this process open on the same memfd as `fd` (other than `fd` itself)."""
+    ino = os.fstat(fd).st_ino
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) != fd:
+            try:
+                if os.stat(f"/proc/self/fd/{name}").st_ino == ino and \
+                        "memfd:" in os.readlink(f"/proc/self/fd/{name}"):
+                    out.add(int(name))
+            except OSError:
+                pass
+    return out
+
+
+def test_every_action_has_a_handler() -> None:
+    spec = RunSpec(model="m", socket_dir=Path("/nonexistent"), ranks=(0,), devices={0: "cpu"},
+                   supervisor=events.SupervisorConfig(ranks=(0,), has_engine=False))
+    handlers = Executor(spec, env={}, hooks=FakeHooks()).handlers
+    assert set(handlers) == set(typing.get_args(events.Action))
+
+
+def test_ranks_and_engine_are_told_the_contract_and_sigterm_stops_all(
+        start: Any, notify: socket.socket) -> None:
+    run = start()
+    eventually(lambda: run.executor.core.engine.state.value == "ready", 10, what="engine ready")
+    cache_cmds = [argv for argv, _ in run.hooks.spawned if argv[1:3] == ["-m", "vlaunch.cache"]]
+    args = sorted((RankArgs.parse(argv[3:]) for argv in cache_cmds), key=lambda a: a.rank)
+    assert [(a.rank, a.tensor_parallel_size, a.plan, a.model) for a in args] == \
+        [(0, 2, "replicate", "/models/m"), (1, 2, "replicate", "/models/m")]
+    argv, env = run.hooks.spawned[-1]
+    assert argv == ["engine-cmd"]
+    assert EngineEnv.from_env(env) == run.executor.spec.engine_env(1, {})
+    assert "NOTIFY_SOCKET" not in env  # systemd's socket is the launcher's alone
+    assert run.executor.escrow.fd_count() == 2
+    run.post(events.SignalReceived(signal.SIGTERM, 0.0))
+    assert run.wait() == 0
+    engine_pid = run.hooks.signals[0][0]
+    assert run.hooks.signals[0] == (engine_pid, signal.SIGTERM)
+    assert run.executor.escrow.fd_count() == 0
+    messages = notified(notify)
+    assert {"READY": "1", "STATUS": "serving"} in messages
+    assert any(m.get("STOPPING") == "1" for m in messages)
+
+
+def test_a_release_frame_closes_the_escrowed_fds(start: Any) -> None:
+    run = start(engine=())
+    eventually(lambda: run.executor.core.caches_ready, 10, what="caches ready")
+    slab = run.hooks.slabs[0]
+    assert memfd_inodes(slab), "the launcher escrows a duplicate of the rank's slab"
+    wire.send_frame(run.hooks.channels[0], protocol.event("release", layout="raw"))
+    eventually(lambda: not memfd_inodes(slab), 10, what="escrowed duplicate closed")
+    assert run.executor.rank_detail[0]["bytes_held"] == {"cpu": 0}
+    assert 0 not in run.executor.escrow and 1 in run.executor.escrow
+
+
+def test_a_respawned_rank_adopts_the_escrow(start: Any) -> None:
+    run = start(on_rank_exit="respawn")
+    eventually(lambda: run.executor.core.engine.state.value == "ready", 10, what="serving")
+    victim = run.pid("1")
+    run.exit(victim, -9)
+    eventually(lambda: 1 in run.hooks.adopted, 10, what="adoption")
+    frame, fds = run.hooks.adopted[1]
+    assert frame["event"] == "escrow" and len(fds) == 1
+    assert os.fstat(fds[0]).st_size == 4096  # the very slab, from the launcher's escrow
+    for fd in fds:
+        os.close(fd)
+    eventually(lambda: run.executor.core.ranks[1].state.value == "ready", 10, what="ready")
+    assert run.executor.core.engine.state.value == "ready"
+
+
+def test_a_rank_that_released_respawns_from_the_disk(start: Any) -> None:
+    run = start(on_rank_exit="respawn")
+    eventually(lambda: run.executor.core.caches_ready, 10, what="caches ready")
+    wire.send_frame(run.hooks.channels[0], protocol.event("release", layout="raw"))
+    eventually(lambda: 0 not in run.executor.escrow, 10, what="escrow released")
+    spawned = len(run.hooks.spawned)
+    run.exit(run.pid("0"), -9)
+    eventually(lambda: len(run.hooks.spawned) > spawned, 10, what="respawn")
+    assert RankArgs.parse(run.hooks.spawned[-1][0][3:]).adopt_fd == -1
+    assert 0 not in run.hooks.adopted
+
+
+def test_a_bad_report_kills_the_rank(start: Any) -> None:
+    hooks = FakeHooks(rank_ready=False)
+    run = start(hooks=hooks)
+    eventually(lambda: 0 in hooks.channels and 1 in hooks.channels, 10, what="spawned")
+    wire.send_frame(hooks.channels[0], {"event": "ready", "rank": "zero"})
+    assert run.wait() == 68  # killed before ready: its start failed
+
+
+def test_an_engine_that_cannot_start_is_a_configuration_error(start: Any) -> None:
+    run = start(hooks=FakeHooks(missing=["engine-cmd"]),
+                engine_config_error_statuses=frozenset({127}))
+    assert run.wait() == 81

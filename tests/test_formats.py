@@ -42,7 +42,7 @@ def random_bytes(n: int, seed: int) -> bytes:
 
 def raw_bytes(t: torch.Tensor) -> bytes:
     """A tensor's bytes in row-major order, whatever its dtype."""
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
 
 
 def assert_same(got: torch.Tensor, want: torch.Tensor, what: object) -> None:
@@ -496,3 +496,25 @@ def test_a_stray_write_into_share_mode_weights_names_its_line(tmp_path: Path) ->
                           check=False)
     assert done.returncode == -11, done.stderr  # SIGSEGV: the mapping is read-only
     assert b"Segmentation fault" in done.stderr and b"line 7" in done.stderr
+
+
+# --- the same on a GPU (pytest -m gpu) ------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_every_dtype_on_cuda_slabs(every_dtype: Path, tmp_path: Path, sockdir: Path,
+                                   caches) -> None:
+    """Every dtype through CUDA (VMM) slabs: share, copy and fallback, replicated and split."""
+    want = expected(every_dtype)
+    caches.append(spawn_cache(every_dtype, sockdir, "--plan", "replicate", "--device", "cuda:0"))
+    assert caches[-1].ready, caches[-1].proc.stderr.read()  # type: ignore[union-attr]
+    for mode in ("share", "copy", "fallback"):
+        got = load(str(every_dtype), plan="replicate", device="cuda:0", timeout=10,
+                   mode="copy" if mode == "fallback" else mode,
+                   socket_dir=str(sockdir if mode != "fallback" else sockdir / "none"))
+        torch.cuda.synchronize()
+        assert got.source == ("disk" if mode == "fallback" else "cache")
+        for name, ref in want.items():
+            assert got[name].is_cuda, (mode, name)
+            assert_same(got[name], ref, (mode, name))

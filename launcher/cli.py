@@ -110,6 +110,9 @@ def _opt(name: str, env: str, **kw: Any) -> Callable[[F], F]:
       help="Longest restart delay in seconds.")
 @_opt("--stop-timeout", "STOP_TIMEOUT", default=30.0, type=click.FloatRange(0),
       help="Seconds a graceful stop may take before SIGKILL.")
+@_opt("--start-timeout", "START_TIMEOUT", default=0.0, type=click.FloatRange(0),
+      help="Seconds the launcher may take to be serving, at start and after each engine "
+           "restart or rank respawn, before it stops with 83 (0: no deadline).")
 @_opt("--engine-config-error-status", "ENGINE_CONFIG_ERROR_STATUS", default=[78, 126, 127],
       multiple=True, type=int,
       help="Engine exit statuses that mean a configuration error: no restart, exit 81 "

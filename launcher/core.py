@@ -226,6 +226,7 @@ class Supervisor:
         self._reload_deadline: float | None = None  # SIGHUP asked the engine to stop
         self._next_extend = -math.inf
         self._next_watchdog = -math.inf
+        self._pending_since: float | None = None  # not serving since then (start_timeout)
         self._settle_due: float | None = None  # readiness "none": when the engine counts ready
         self._handlers: dict[type, Callable[[Any], list[Action]]] = {
             Started: self._on_started, CacheReady: self._on_cache_ready,
@@ -245,7 +246,11 @@ class Supervisor:
             return []
         if isinstance(event, Started) == self._started:
             raise SupervisorProtocolError(f"{event!r}: Started must come first, exactly once")
-        return handler(event)
+        actions = handler(event)
+        if self.config.start_timeout is not None and self._pending_since is None \
+                and self._exit is None and self._stop is None and self._pending():
+            self._pending_since = event.now  # the start-up deadline runs from here
+        return actions
 
     # ------------------------------------------------------------------ status surface
 
@@ -395,9 +400,12 @@ class Supervisor:
                 Notify({"STATUS": self._status_line()})]
 
     def _on_signal(self, e: SignalReceived) -> list[Action]:
-        """Dispatch a signal: SIGTERM/SIGINT stop, SIGHUP restarts the engine."""
+        """Dispatch a signal: SIGTERM/SIGINT stop, SIGQUIT quits now, SIGHUP restarts the
+        engine."""
         if e.sig in (signal.SIGTERM, signal.SIGINT):
             return self._on_stop_signal(e)
+        if e.sig == signal.SIGQUIT:
+            return self._on_quit(e)
         if e.sig == signal.SIGHUP:
             return self._on_sighup(e)
         return [Log("WARNING", f"{_signal_name(e.sig)} ignored")]
@@ -406,7 +414,8 @@ class Supervisor:
         """Fire whatever is due: watchdog, timeout extension, backoff, kill deadlines."""
         return [*self._watchdog(e.now), *self._extend(e.now), *self._settle_if_due(e.now),
                 *self._respawn_if_due(e.now),
-                *self._reload_timeout(e.now), *self._stop_timeout(e.now)]
+                *self._reload_timeout(e.now), *self._stop_timeout(e.now),
+                *self._start_timeout(e.now)]
 
     def _on_child_exited(self, e: ChildExited) -> list[Action]:
         """Dispatch a reaped child to the engine or the rank handler."""
@@ -597,6 +606,18 @@ class Supervisor:
 
     # --------------------------------------------------------------------------- stop
 
+    def _on_quit(self, e: SignalReceived) -> list[Action]:
+        """SIGQUIT: stop at once: SIGKILL every child and exit QUIT (or the status of a
+        failure whose stop was under way)."""
+        cause = self._stop.cause if self._stop is not None else ExitStatus.OK
+        notify = [] if self._stop is not None else [
+            Notify({"STOPPING": "1", "STATUS": "stopping: SIGQUIT received"})]
+        self._stop = self._stop or _Stop(ExitStatus.OK, "SIGQUIT received", e.now, 1)
+        left = ", ".join(self._live_children()) or "no child"
+        status = ExitStatus.QUIT if cause is ExitStatus.OK else cause
+        return [Log("WARNING", f"SIGQUIT received: killing {left} with SIGKILL now"), *notify,
+                KillAll(), *self._halt(status, "SIGQUIT received: children killed")]
+
     def _on_stop_signal(self, e: SignalReceived) -> list[Action]:
         """SIGTERM/SIGINT: stop gracefully; a second one during a stop kills everything."""
         name = _signal_name(e.sig)
@@ -687,6 +708,38 @@ class Supervisor:
         return [Log("WARNING", f"the engine (pid {pid}) ignored SIGTERM for "
                                f"{self.config.stop_timeout:g} s: killing it"),
                 SignalChild("engine", None, signal.SIGKILL)]
+
+    def _start_timeout(self, now: float) -> list[Action]:
+        """Stop with START_TIMEOUT once the launcher has not been serving for start_timeout:
+        since Started, since an engine restart began, or since a rank began to respawn."""
+        limit = self.config.start_timeout
+        if limit is None or self._stop is not None:
+            return []
+        pending = self._pending()
+        if not pending:
+            self._pending_since = None
+            return []
+        if self._pending_since is None:
+            self._pending_since = now
+        if now - self._pending_since < limit:
+            return []
+        why = f"not serving within --start-timeout ({limit:g} s): {pending}"
+        return [Log("ERROR", why), *self._begin_stop(ExitStatus.START_TIMEOUT, why, now)]
+
+    def _pending(self) -> str:
+        """What keeps the launcher from serving (empty when it serves)."""
+        loading = [str(r.rank) for r in self._ranks.values()
+                   if r.state in (RankState.LOADING, RankState.RESPAWNING)]
+        if loading:
+            verb = "still loading" if self.phase is Phase.LOADING else "not ready again"
+            return f"cache rank(s) {', '.join(loading)} {verb}"
+        if self.phase is Phase.SERVING:
+            return ""
+        if self._preloading:
+            return "the preload command still runs"
+        engine = self._require_engine()
+        again = " again after a restart" if self._ready_sent else ""
+        return f"the engine (attempt {engine.attempt}) did not become ready{again}"
 
     def _stop_timeout(self, now: float) -> list[Action]:
         """Kill everything once a stop has run past stop_timeout."""

@@ -39,6 +39,7 @@ class SupervisorConfig:
     stop_on_engine_success: bool = False
     watchdog_interval: float | None = None
     preload: bool = False  # run the preload command once, after the caches, before the engine
+    start_timeout: float | None = None  # seconds to be serving, at start and after a restart
 
     def __post_init__(self) -> None:
         """Normalise the collections and raise ValueError naming every invalid field."""
@@ -75,6 +76,8 @@ def _config_problems(c: SupervisorConfig) -> Iterator[str]:
     if c.watchdog_interval is not None and not (_finite(c.watchdog_interval)
                                                 and c.watchdog_interval > 0):
         yield f"watchdog_interval must be None or > 0 (got {c.watchdog_interval!r})"
+    if c.start_timeout is not None and not (_finite(c.start_timeout) and c.start_timeout > 0):
+        yield f"start_timeout must be None or > 0 (got {c.start_timeout!r})"
 
 
 def _is_count(value: object) -> bool:

@@ -87,7 +87,8 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
             engine_settle=ENGINE_SETTLE if readiness == "none" else 0.0,
             stop_on_engine_success=o["stop_on_engine_success"],
             watchdog_interval=watchdog_interval(os.environ),
-            preload=bool(o["preload_autotune"]))
+            preload=bool(o["preload_autotune"]),
+            start_timeout=o.get("start_timeout") or None)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     port = o["health_port"]

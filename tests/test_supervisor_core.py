@@ -616,3 +616,57 @@ def test_preload_runs_between_the_caches_and_the_engine() -> None:
     sup, actions = history([*boot, SignalReceived(TERM, 2.0), PreloadDone(True, "", 3.0)],
                            preload=True)
     assert not of(SpawnEngine, actions)  # a stop during the preload: no engine
+
+
+# ------------------------------------------------------------- start-up deadline, SIGQUIT
+
+
+def test_a_rank_frozen_in_its_first_load_ends_the_start_with_83() -> None:
+    events = [Started(0.0), Spawned("cache", 0, 100, 0.0), Spawned("cache", 1, 101, 0.0),
+              CacheReady(0, 5.0), Tick(59.9)]
+    sup, actions = history(events, start_timeout=60)
+    assert sup.phase is Phase.LOADING and not of(SignalChild, actions)
+    _, actions = history([Tick(60.0)], sup)
+    assert "ERROR not serving within --start-timeout (60 s): cache rank(s) 1 still loading" \
+        in logs(actions)
+    assert of(SignalChild, actions) == [SignalChild("cache", 0, TERM),
+                                        SignalChild("cache", 1, TERM)]
+    _, actions = history([Tick(90.0)], sup)  # a frozen rank ignores SIGTERM: the stop times out
+    assert of(KillAll, actions) and exit_of(actions).status == ExitStatus.START_TIMEOUT
+
+
+def test_an_engine_that_never_becomes_ready_ends_the_start_with_83() -> None:
+    events = [*boot(), Spawned("engine", None, 201, 2.0), Tick(30.0), Tick(60.0)]
+    sup, actions = history(events, start_timeout=60)
+    assert "ERROR not serving within --start-timeout (60 s): the engine (attempt 1) did not " \
+           "become ready" in logs(actions)
+    assert of(SignalChild, actions) == [SignalChild("engine", None, TERM)]
+    _, actions = history([engine_exit(1, 0, 61.0), rank_exit(0, 0, 61.5), rank_exit(1, 0, 61.5)],
+                         sup)
+    assert exit_of(actions).status == ExitStatus.START_TIMEOUT
+
+
+def test_the_deadline_restarts_with_each_engine_restart_and_is_off_by_default() -> None:
+    events = [*boot(), *engine_up(t=2.0), Tick(500.0), engine_exit(1, 1, 1000.0),
+              Tick(1000.5), Spawned("engine", None, 202, 1000.6), Tick(1030.0)]
+    sup, actions = history(events, start_timeout=60)
+    assert not of(SignalChild, actions)  # serving for a long time is not a start
+    _, actions = history([Tick(1060.6)], sup)
+    assert any("did not become ready again after a restart" in line for line in logs(actions))
+    sup, actions = history([*boot(), Spawned("engine", None, 201, 2.0), Tick(10_000.0)])
+    assert sup.phase is Phase.STARTING_ENGINE and not of(SignalChild, actions)
+
+
+def test_sigquit_kills_every_child_at_once_and_exits_131() -> None:
+    _, actions = history([*boot(), *engine_up(), SignalReceived(signal.SIGQUIT, 3.0)])
+    tail = actions[actions.index(of(KillAll, actions)[0]) - 2:]
+    assert "STOPPING=1" in notes(tail) and of(KillAll, tail)
+    assert "WARNING SIGQUIT received: killing the engine, cache rank 0, cache rank 1 with " \
+           "SIGKILL now" in logs(actions)
+    assert exit_of(actions).status == ExitStatus.QUIT == 131
+
+
+def test_sigquit_during_a_failure_keeps_the_failure_status() -> None:
+    _, actions = history([*boot(), *engine_up(), rank_exit(0, -9, 3.0),
+                          SignalReceived(signal.SIGQUIT, 3.5)])
+    assert of(KillAll, actions) and exit_of(actions).status == ExitStatus.RANK_EXITED

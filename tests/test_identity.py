@@ -269,3 +269,41 @@ def test_run_verifies_then_reports_a_changed_checkpoint_in_status_and_metrics(
         assert la.wait_exit() == 0, la.text()
     finally:
         la.close()
+
+
+@pytest.mark.parametrize("rewritten", [False, True])
+def test_a_rank_adopted_from_escrow_checks_the_files_it_did_not_read(
+        rewritten: bool, tmp_path: Path, sockdir: Path, caches: list[CacheProc]) -> None:
+    import socket
+
+    from vlaunch.cache.contract import wire
+
+    model = _write(tmp_path / "m", llama_tensors())
+    first = spawn_cache(model, sockdir, "--plan", "replicate")
+    ready, slabs = first.ready, first.escrow
+    first.escrow = []  # we hold the slabs now, as the launcher's escrow does
+    assert first.stop() == 0
+    if rewritten:
+        _write(model, _fine_tune())
+    ours, theirs = socket.socketpair()
+    with ours:
+        wire.send_frame(ours, {"event": "escrow", "manifest": ready["manifest"],
+                               "fingerprint": ready["fingerprint"]}, slabs)
+    for fd in slabs:
+        os.close(fd)
+    second = spawn_cache(model, sockdir, "--plan", "replicate", "--adopt-fd",
+                         str(theirs.fileno()), extra_fds=[theirs.fileno()])
+    theirs.close()
+    caches.append(second)
+    assert second.ready
+    changed = _status(sockdir)["checkpoint"]["changed"]
+    if not rewritten:
+        assert changed == []
+        got = load(str(model), socket_dir=str(sockdir), fallback=False, device="cpu",
+                   plan="replicate")
+        assert got.source == "cache"
+    else:
+        assert len(changed) == 1 and "differs from the escrowed slabs" in changed[0]
+        with pytest.raises(FingerprintMismatchError, match="checkpoint_data"):
+            load(str(model), socket_dir=str(sockdir), fallback=False, device="cpu",
+                 plan="replicate")

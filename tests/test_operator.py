@@ -404,3 +404,36 @@ def test_tty_display_gives_every_rank_its_own_line() -> None:
     lines = term.text.replace("\x1b[3F\x1b[J", "\n").splitlines()
     assert [ln[:8] for ln in lines[-3:]] == ["rank   0", "rank   1", "total   "]
     assert lines[-1].startswith("total    0.00/0.00 GB (100%)")
+
+
+# ------------------------------------------------------------- loaded bytes, for real
+
+
+@pytest.mark.slow  # a real launcher with two ranks: 5-15 s on a loaded machine
+def test_loaded_bytes_reach_status_metrics_and_sd_notify(tmp_path: Path,
+                                                         llama_ckpt: Path) -> None:
+    import urllib.request
+
+    from .test_launcher import Launcher
+
+    la = Launcher(tmp_path, llama_ckpt, engine=None)
+    try:
+        snap = la.wait_for(lambda s: s["phase"] == "serving")
+        ranks = snap["ranks"].values()
+        # loaded: the tensors' bytes read; bytes: what the slabs hold (with alignment padding)
+        assert all(0 < r["loaded_bytes"] == r["total_bytes"] <= r["bytes"] for r in ranks)
+        assert snap["loaded_bytes"] == snap["total_bytes"] == sum(r["loaded_bytes"]
+                                                                   for r in ranks)
+        with urllib.request.urlopen(la.url + "/metrics", timeout=5) as r:
+            metrics = r.read().decode()
+        gauges = dict(line.rsplit(" ", 1) for line in metrics.splitlines()
+                      if line and not line.startswith("#"))
+        assert float(gauges['vlaunch_rank_loaded_bytes{rank="0"}']) == \
+            snap["ranks"]["0"]["loaded_bytes"]
+        assert float(gauges["vlaunch_loaded_bytes"]) == snap["loaded_bytes"]
+        loading = [m for m in la.drain() if "GB loaded" in m]
+        assert loading and loading[-1].startswith("STATUS=loading: ")
+    finally:
+        la.proc.terminate()
+        la.wait_exit()
+        la.close()

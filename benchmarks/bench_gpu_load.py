@@ -146,7 +146,8 @@ def start_cache(model: Path, sock: Path, device: str, threads: int,
 
 
 def spawn_cache(model: Path, sock: Path, device: str, threads: int,
-                prefix: list[str] | None = None, extra: tuple[str, ...] = ()
+                prefix: list[str] | None = None, extra: tuple[str, ...] = (),
+                env: dict[str, str] | None = None
                 ) -> tuple[subprocess.Popen[bytes], socket.socket, Path]:
     """Start a cache rank without waiting; returns (process, ready channel, log path)."""
     ours, theirs = socket.socketpair()
@@ -155,7 +156,7 @@ def spawn_cache(model: Path, sock: Path, device: str, threads: int,
                              str(model), "--device", device, "--socket-dir", str(sock),
                              "--threads", str(threads), "--ready-fd", str(theirs.fileno()),
                              *extra], pass_fds=[theirs.fileno()], stderr=log.open("wb"),
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     theirs.close()
     return proc, ours, log
 
@@ -290,6 +291,8 @@ def step_handoff(model: Path, device: str, tmp: Path) -> None:
 
 LAYOUTS = {"tp1": (1, 1, "llama"), "tp2": (2, 1, "llama"), "tp4": (4, 1, "llama"),
            "pp2": (1, 2, "llama"), "tp2pp2": (2, 2, "llama"), "tp2r": (2, 1, "replicate")}
+# a trailing "g": the same layout with VLAUNCH_SPLIT_READ=gather (split rows gathered from the
+# file's mapping instead of whole spans read), e.g. tp2g, tp4g
 
 
 def gpu_count() -> int:
@@ -311,7 +314,8 @@ def step_layouts(model: Path, device: str, tmp: Path) -> None:
     gpus = gpu_count() if device.startswith("cuda") else 1
     rows, base = [], 0.0
     for name in ARGS.layouts.split(","):
-        tp, pp, plan = LAYOUTS[name]
+        tp, pp, plan = LAYOUTS[name.removesuffix("g")]
+        split_read = "gather" if name.endswith("g") else "span"
         world = tp * pp
         devices = [f"cuda:{r * gpus // world}" if device.startswith("cuda") else device
                    for r in range(world)]
@@ -322,7 +326,8 @@ def step_layouts(model: Path, device: str, tmp: Path) -> None:
                 sock.mkdir(mode=0o700, exist_ok=True)
                 procs.append(spawn_cache(model, sock, devices[r], ARGS.threads, None, (
                     "--rank", str(r), "--tensor-parallel-size", str(tp),
-                    "--pipeline-parallel-size", str(pp), "--plan", plan)))
+                    "--pipeline-parallel-size", str(pp), "--plan", plan),
+                    {**os.environ, "VLAUNCH_SPLIT_READ": split_read}))
             ready = [wait_ready(*p) for p in procs]
         finally:
             for p in procs:
@@ -422,7 +427,12 @@ out["tp1"] = {f"{th}T {ch}M": rank_fill(Layout(1, 0), th, ch * MiB)
 best = max(out["tp1"], key=out["tp1"].get)
 th, ch = int(best.split("T")[0]), int(best.split()[1][:-1])
 out["best"] = best
-out["split"] = {f"tp{tp}": rank_fill(Layout(tp, 0), th, ch * MiB) for tp in (2, 4)}
+out["split"] = {}
+for mode in ("span", "gather"):
+    os.environ["VLAUNCH_SPLIT_READ"] = mode
+    for tp in (2, 4):
+        out["split"][f"tp{tp} {mode}"] = rank_fill(Layout(tp, 0), th, ch * MiB)
+os.environ["VLAUNCH_SPLIT_READ"] = "span"
 out["tp1_again"] = rank_fill(Layout(1, 0), th, ch * MiB)
 for slabs in held.values():
     for x in slabs:

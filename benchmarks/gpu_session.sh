@@ -109,7 +109,7 @@ if [ ! -f "$CKPT/model.safetensors.index.json" ]; then
         --shards 4 --device cuda
 fi
 LOAD=("$PY" benchmarks/bench_gpu_load.py --model "$CKPT" --device cuda:0)
-stage layouts 150 "${LOAD[@]}" --steps layouts --layouts tp1,tp2,tp4,pp2 --json "$OUT/layouts.json"
+stage layouts 150 "${LOAD[@]}" --steps layouts --layouts tp1,tp2,tp4,pp2,tp2g,tp4g --json "$OUT/layouts.json"
 stage sweep 120 "${LOAD[@]}" --steps sweep --json "$OUT/sweep.json"
 stage handoff 150 "${LOAD[@]}" --steps handoff --json "$OUT/handoff.json"
 stage tests 180 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 150 \

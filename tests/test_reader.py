@@ -81,7 +81,10 @@ def _check_rank(root: Path, layout: Layout, got: dict[str, torch.Tensor]) -> Non
 
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)])
 @pytest.mark.parametrize("chunk", [96, 4096, 64 << 20])
-def test_every_rank_matches_a_disk_load(ckpt: Path, tp: int, pp: int, chunk: int) -> None:
+@pytest.mark.parametrize("split_read", ["span", "gather"])
+def test_every_rank_matches_a_disk_load(ckpt: Path, tp: int, pp: int, chunk: int,
+                                        split_read: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLAUNCH_SPLIT_READ", split_read)
     for rank in range(tp * pp):
         layout = Layout.from_global(rank, tp, pp)
         _check_rank(ckpt, layout, _load(ckpt, layout, chunk, 3, CpuBackend()))
@@ -106,6 +109,14 @@ def test_narrow_split_is_read_as_spans_of_whole_rows(ckpt: Path) -> None:
     assert max(p.span for p in pieces(q, 1000)) <= 1000
 
 
+def test_gathered_pieces_are_sized_by_the_bytes_kept(ckpt: Path) -> None:
+    down = {s.name: s for s in plan_rank(open_checkpoint(ckpt), LLAMA_PLAN, Layout(4, 3))}[
+        "model.layers.2.mlp.down_proj.weight"]  # 256-byte rows, 64 bytes kept of each
+    got = pieces(down, 200, packed=True)
+    assert [(p.rows, p.row, p.lo, p.width) for p in got[:2]] == [(3, 256, 192, 64)] * 2
+    assert all(p.nbytes <= 200 for p in got) and sum(p.nbytes for p in got) == down.nbytes
+
+
 def test_wide_or_long_rows_are_read_where_they_lie(ckpt: Path) -> None:
     down = {s.name: s for s in plan_rank(open_checkpoint(ckpt), LLAMA_PLAN, Layout(2, 1))}[
         "model.layers.2.mlp.down_proj.weight"]
@@ -117,9 +128,12 @@ def test_wide_or_long_rows_are_read_where_they_lie(ckpt: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (4, 2)])
-def test_cuda_ranks_match_a_disk_load(ckpt: Path, tp: int, pp: int) -> None:
+@pytest.mark.parametrize("split_read", ["span", "gather"])
+def test_cuda_ranks_match_a_disk_load(ckpt: Path, tp: int, pp: int, split_read: str,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
+    monkeypatch.setenv("VLAUNCH_SPLIT_READ", split_read)
     for rank, chunk in itertools.product(range(tp * pp), (96, 64 << 20)):
         layout = Layout.from_global(rank, tp, pp)
         _check_rank(ckpt, layout, _load(ckpt, layout, chunk, 4, PlainBackend("cuda")))

@@ -26,6 +26,7 @@ from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.store.progress import Progress
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from vlaunch.cache.store.manifest import Manifest
@@ -70,9 +71,11 @@ def fill(specs: list[SliceSpec], manifest: Manifest, slabs: list[torch.Tensor], 
     records = {t.name: t for t in manifest.tensors}
     cuda = bool(slabs) and slabs[0].is_cuda
     chunk = chunk or (CUDA_CHUNK if cuda else CHUNK)
-    work = [(s, p) for s in specs for p in pieces(s, chunk)]
+    gather = os.environ.get("VLAUNCH_SPLIT_READ", "span") == "gather"
+    work = [(s, p) for s in specs for p in pieces(s, chunk, packed=gather)]
     fds = {str(f): os.open(f, os.O_RDONLY | os.O_CLOEXEC)
            for f in {str(s.source.file) for s in specs}}
+    maps = {f: _file_bytes(fd) for f, fd in fds.items()} if gather else {}
     progress = Progress(sum(s.nbytes for s in specs), label)
     mover = (_CudaMover(slabs[0].device, chunk, 2 * max(1, threads)) if cuda
              else _HostMover(chunk))
@@ -82,7 +85,8 @@ def fill(specs: list[SliceSpec], manifest: Manifest, slabs: list[torch.Tensor], 
         rec = records[spec.name]
         at = rec.offset + piece.at
         file = str(spec.source.file)
-        mover.move(fds[file], file, piece, slabs[rec.slab][at:at + piece.nbytes])
+        mover.move(fds[file], file, piece, slabs[rec.slab][at:at + piece.nbytes],
+                   maps.get(file))
         progress.add(piece.nbytes)
 
     try:
@@ -124,8 +128,9 @@ class Piece:
         return self.row == self.width
 
 
-def pieces(spec: SliceSpec, chunk: int) -> list[Piece]:
-    """Cut a slice into reads of at most `chunk` bytes of file span each.
+def pieces(spec: SliceSpec, chunk: int, packed: bool = False) -> list[Piece]:
+    """Cut a slice into reads of at most `chunk` bytes of file span each (`packed`: of at most
+    `chunk` bytes kept, for reads that gather the kept bytes out of a file mapping).
 
     A split whose part of each row is narrower than NARROW (o_proj and down_proj at TP > 1)
     is read as spans of whole rows, the other ranks' bytes included, and split after the read
@@ -136,10 +141,10 @@ def pieces(spec: SliceSpec, chunk: int) -> list[Piece]:
     if not runs:
         return []
     width = runs[0][1]
-    if len(runs) > 1 and width < NARROW and runs[1][0] - runs[0][0] <= chunk:
+    if len(runs) > 1 and width < NARROW and (packed or runs[1][0] - runs[0][0] <= chunk):
         row = runs[1][0] - runs[0][0]
         first = spec.source.begin
-        per = chunk // row
+        per = max(1, chunk // (width if packed else row))
         return [Piece(first + i * row, min(per, len(runs) - i), row, runs[0][0] - first, width,
                       i * width) for i in range(0, len(runs), per)]
     out = []
@@ -152,39 +157,68 @@ def pieces(spec: SliceSpec, chunk: int) -> list[Piece]:
     return out
 
 
+def _words(piece: Piece, *addresses: int) -> int:
+    """The widest word (8, 4, 2 or 1 bytes) that the piece's offsets and the addresses allow."""
+    return next(u for u in (8, 4, 2, 1)
+                if not (piece.row | piece.lo | piece.width | sum(a % u for a in addresses)) % u)
+
+
 def _split_copy(dst: torch.Tensor, span: torch.Tensor, piece: Piece) -> None:
-    """Each row's part of a span's bytes into `dst`, packed: one strided copy, in the widest
-    integer words that the offsets and addresses allow."""
+    """Each row's part of a span's bytes into `dst`, packed: one strided device copy."""
     import torch
 
-    unit = next(u for u in (8, 4, 2, 1) if not (piece.row | piece.lo | piece.width
-                                               | span.data_ptr() | dst.data_ptr()) % u)
+    unit = _words(piece, span.data_ptr(), dst.data_ptr())
     word = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[unit]
     rows = span[:piece.span].view(word).view(piece.rows, piece.row // unit)
     dst.view(word).view(piece.rows, piece.width // unit).copy_(
         rows[:, piece.lo // unit:(piece.lo + piece.width) // unit])
 
 
+def _gather(dst: np.ndarray, span: np.ndarray, piece: Piece) -> None:
+    """The same on the host, through numpy: one strided copy without the GIL on this thread
+    (torch's CPU copy would start its own thread team from every reader thread)."""
+    import numpy as np
+
+    unit = _words(piece, span.ctypes.data, dst.ctypes.data)
+    word = np.dtype(f"u{unit}")
+    rows = span[:piece.span].view(word).reshape(piece.rows, piece.row // unit)
+    np.copyto(dst[:piece.nbytes].view(word).reshape(piece.rows, piece.width // unit),
+              rows[:, piece.lo // unit:(piece.lo + piece.width) // unit])
+
+
+def _file_bytes(fd: int) -> np.ndarray:
+    """A read-only uint8 array over a whole file's mapping (the array keeps it mapped)."""
+    import mmap
+
+    import numpy as np
+
+    return np.frombuffer(mmap.mmap(fd, 0, prot=mmap.PROT_READ), dtype=np.uint8)
+
+
 class _HostMover:
     """CPU slabs: contiguous pieces are read straight into the slab; split spans through a
-    per-thread staging buffer and one strided copy (torch copies without the GIL)."""
+    per-thread staging buffer and one strided copy, or gathered from the file's mapping."""
 
     def __init__(self, chunk: int) -> None:
         self.chunk = chunk
         self._local = threading.local()
 
-    def move(self, fd: int, file: str, piece: Piece, dst: torch.Tensor) -> None:
-        """Read one piece into `dst`."""
+    def move(self, fd: int, file: str, piece: Piece, dst: torch.Tensor,
+             mapped: np.ndarray | None = None) -> None:
+        """Read one piece into `dst` (`mapped`: the file's bytes, to gather split rows from)."""
         if piece.contiguous:
             _pread_into(fd, _host_view(dst), piece.offset, file)
             return
+        if mapped is not None:
+            _gather(dst.numpy(), mapped[piece.offset:piece.offset + piece.span], piece)
+            return
         stage = getattr(self._local, "stage", None)
         if stage is None:
-            import torch
+            import numpy as np
 
-            stage = self._local.stage = torch.empty(self.chunk, dtype=torch.uint8)
-        _pread_into(fd, _host_view(stage)[:piece.span], piece.offset, file)
-        _split_copy(dst, stage, piece)
+            stage = self._local.stage = np.empty(self.chunk, dtype=np.uint8)
+        _pread_into(fd, memoryview(stage)[:piece.span], piece.offset, file)
+        _gather(dst.numpy(), stage, piece)
 
     def finish(self) -> None:
         """Nothing is in flight on the CPU."""
@@ -248,18 +282,23 @@ class _CudaMover:
             local.scratch = None
         return local.stream, local.scratch
 
-    def move(self, fd: int, file: str, piece: Piece, dst: torch.Tensor) -> None:
-        """Read one piece and queue its copies to `dst`."""
+    def move(self, fd: int, file: str, piece: Piece, dst: torch.Tensor,
+             mapped: np.ndarray | None = None) -> None:
+        """Read one piece and queue its copies to `dst` (`mapped`: the file's bytes, to gather
+        split rows from on the host instead of reading whole spans)."""
         torch = self._torch
         buf, event = self._take()
         try:
             if event is not None:
                 event.synchronize()  # the copy that last used this buffer has finished
-            _pread_into(fd, _host_view(buf)[:piece.span], piece.offset, file)
+            if mapped is not None and not piece.contiguous:
+                _gather(buf.numpy(), mapped[piece.offset:piece.offset + piece.span], piece)
+            else:
+                _pread_into(fd, _host_view(buf)[:piece.span], piece.offset, file)
             stream, scratch = self._thread()
             with torch.cuda.stream(stream):
-                if piece.contiguous:
-                    dst.copy_(buf[:piece.span], non_blocking=True)
+                if piece.contiguous or mapped is not None:
+                    dst.copy_(buf[:piece.nbytes], non_blocking=True)
                 else:
                     if scratch is None:
                         scratch = self._local.scratch = torch.empty(

@@ -231,6 +231,26 @@ def test_the_fingerprint_carries_the_quantization_config_and_method(tmp_path: Pa
     assert (plain["quantization_config"], plain["quantization"]) == ("none", "none")
 
 
+def test_kernel_backends_auto_detects_libraries_and_selection_variables(tmp_path: Path,
+                                                                        monkeypatch) -> None:
+    from vlaunch.cache.client.loader import expected_fingerprint
+    from vlaunch.cache.contract import fingerprint as fp
+    from vlaunch.cache.contract import kernels
+    from vlaunch.cache.store.plan import Layout
+
+    env = {"VLLM_ATTENTION_BACKEND": "FLASHINFER", "VLLM_USE_DEEP_GEMM": "1", "HOME": "/x"}
+    found = kernels.detect(env)
+    assert "VLLM_ATTENTION_BACKEND=FLASHINFER" in found and "VLLM_USE_DEEP_GEMM=1" in found
+    assert "HOME" not in found and kernels.resolve("flashinfer=0.2", env) == "flashinfer=0.2"
+    model = quantized_dir(tmp_path / "m", None)
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "FLASH_ATTN")
+    cache = expected_fingerprint(str(model), Layout(1, 0), "cpu", kernel_backends="auto")
+    assert "VLLM_ATTENTION_BACKEND=FLASH_ATTN" in cache["kernel_backends"]
+    monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "FLASHINFER")
+    engine = expected_fingerprint(str(model), Layout(1, 0), "cpu", kernel_backends="auto")
+    assert [m[0] for m in fp.compare(cache, engine)] == ["kernel_backends"]
+
+
 # --- quantization: placement per method, against the engine's own sharding ----------------
 #
 # The reference is written the way a serving engine shards (vLLM's ColumnParallelLinear /

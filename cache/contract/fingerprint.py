@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from vlaunch.cache.contract import kernels
 from vlaunch.cache.contract.protocol import VERSION
 from vlaunch.cache.contract.version import __version__
 
@@ -36,7 +37,8 @@ def build(*, checkpoint: str, checkpoint_data: str, plan: str, layout: Mapping[s
         "dtype": dtype, "backend": backend, "device_uuid": device.get("device_uuid", ""),
         "compute_capability": device.get("compute_capability", ""),
         "driver": device.get("driver", ""), "torch": torch_version,
-        "cuda": device.get("cuda", ""), "kernel_backends": kernel_backends, "loader": loader,
+        "cuda": device.get("cuda", ""), "kernel_backends": kernels.resolve(kernel_backends),
+        "loader": loader,
         # the hash of config.json's quantization_config and the engine's method (store/quant.py)
         "quantization_config": (quantization or {}).get("quantization_config", "none"),
         "quantization": (quantization or {}).get("quantization", "none"),

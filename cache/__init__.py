@@ -10,7 +10,7 @@ from typing import Any
 
 from vlaunch.cache.contract.version import __version__
 
-__all__ = ["CacheClient", "Weights", "__version__", "load"]
+__all__ = ["CacheClient", "Weights", "__version__", "hand_back", "load"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,6 +18,10 @@ def __getattr__(name: str) -> Any:
         from vlaunch.cache.client import loader
 
         return getattr(loader, name)
+    if name == "hand_back":
+        from vlaunch.cache.client.layout import hand_back
+
+        return hand_back
     if name == "CacheClient":
         from vlaunch.cache.client.connection import CacheClient
 

@@ -6,7 +6,8 @@ import contextlib
 import gc
 import logging
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.client.connection import CacheClient, backend_for
 from vlaunch.cache.client.rewrites import check_rewrites
@@ -46,6 +47,9 @@ class Weights(dict):  # type: ignore[type-arg]
     client: CacheClient | None = None
     bytes_outside: int = 0
     reason: str = ""
+    layout: str = ""  # the engine layout's key when these are the engine's own tensors
+    copied: frozenset[str] = frozenset()  # engine layout tensors that are private copies
+    layout_miss: str = ""  # why load(layout=...) got the raw tensors instead
 
 
 def default_device() -> str:
@@ -76,9 +80,11 @@ def engine_args(model: str | None, tensor_parallel_size: int | None,
 def expected_fingerprint(model: str, layout: Layout, device: str, plan: str = DEFAULT_PLAN,
                          kernel_backends: str = "", loader: str = "vlaunch",
                          socket: os.PathLike[str] | None = None,
+                         identities: tuple[str, str] | None = None,
                          quantization: str | None = None) -> fp.Fingerprint:
     """The fingerprint a cache must have for this engine rank (`socket`: the rank's, whose
-    identity memo spares reading samples of files that did not change; `quantization`: the
+    identity memo spares reading samples of files that did not change; `identities`: the
+    checkpoint's (header, data) identities when they are known already; `quantization`: the
     engine's method, else $VLAUNCH_QUANTIZATION, else config.json's)."""
     from vlaunch.cache.store import quant
     from vlaunch.cache.store.plan import load_plan
@@ -87,7 +93,8 @@ def expected_fingerprint(model: str, layout: Layout, device: str, plan: str = DE
     info = _DEVICE_INFO.get(device)
     if info is None:
         info = _DEVICE_INFO[device] = backend.device_info()
-    header, data = identity.identities(model, identity.memo_path(socket) if socket else None)
+    header, data = identities or identity.identities(
+        model, identity.memo_path(socket) if socket else None)
     return fp.build(checkpoint=header, checkpoint_data=data, plan=load_plan(plan).identity,
                     layout=layout.as_dict(), dtype="checkpoint", backend=backend.name,
                     device=info, kernel_backends=kernel_backends, loader=loader,
@@ -100,7 +107,8 @@ def load(model: str | None = None, *, rank: int = 0, tensor_parallel_size: int |
          socket_dir: str | None = None, mode: str = "share", fallback: bool = True,
          timeout: float = 60.0, device: str | None = None, plan: str | None = None,
          kernel_backends: str | None = None, loader: str = "vlaunch",
-         quantization: str | None = None, rewrites: str | None = None) -> Weights:
+         layout: Mapping[str, Any] | None = None, quantization: str | None = None,
+         rewrites: str | None = None) -> Weights:
     """The rank's shard as named tensors: from the cache, else (fallback) from disk.
 
     Model, sizes, socket directory, device, plan and kernel backends left out come from the
@@ -109,23 +117,41 @@ def load(model: str | None = None, *, rank: int = 0, tensor_parallel_size: int |
     `quantization`: the engine's quantization method (fingerprint field; default:
     $VLAUNCH_QUANTIZATION, else config.json's quant_method). `rewrites`: what will rewrite
     the weights in place (e.g. "EPLB"); share mode then refuses (client/rewrites.py).
+
+    `layout`: the fields of the engine layout to map first (docs/engine-layout.md); when the
+    cache holds none that matches, the raw tensors come back with `layout_miss` set.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    check_rewrites(mode, rewrites)
     model, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, plan, \
         kernel_backends = engine_args(model, tensor_parallel_size, pipeline_parallel_size,
                                       data_parallel_size, plan, kernel_backends)
-    check_rewrites(mode, rewrites)
-    layout = Layout.from_global(rank, tensor_parallel_size, pipeline_parallel_size,
-                                data_parallel_size)
+    fields, layout = layout, Layout.from_global(rank, tensor_parallel_size,
+                                                pipeline_parallel_size, data_parallel_size)
     device = device or default_device()
     path = socket_path(socket_dir or default_socket_dir(), rank)
     if not fallback and timeout > 0 and not os.path.exists(path):
         log.warning("rank %d: no cache at %s yet; waiting up to %g s for it (fallback=False)",
                     rank, path, timeout)
+    miss = ""
+    if fields is not None and mode != "copy-release":
+        from vlaunch.cache.client import layout as engine_layout
+
+        try:
+            return engine_layout.load_layout(path, model, layout, device, fields, mode=mode,
+                                             plan=plan, kernel_backends=kernel_backends,
+                                             loader=loader, quantization=quantization,
+                                             timeout=0.0 if fallback else timeout)
+        except (engine_layout.LayoutMissError, CacheUnavailableError,
+                FingerprintMismatchError, CacheBrokenError) as exc:
+            miss = str(exc)
+            log.info("rank %d: no engine layout to map (%s); taking the raw layout", rank, exc)
     try:
-        return _from_cache(path, model, layout, device, mode, plan, kernel_backends, loader,
-                           0.0 if fallback else timeout, quantization)
+        weights = _from_cache(path, model, layout, device, mode, plan, kernel_backends, loader,
+                              0.0 if fallback else timeout, quantization)
+        weights.layout_miss = miss
+        return weights
     except (CacheUnavailableError, FingerprintMismatchError, CacheBrokenError) as exc:
         if not fallback and isinstance(exc, CacheUnavailableError):
             raise CacheUnavailableError(f"{exc}; to wait longer than the {timeout:g} s it "
@@ -138,7 +164,7 @@ def load(model: str | None = None, *, rank: int = 0, tensor_parallel_size: int |
         log.warning("vlaunch cache for rank %d is %s (%s); loading from disk instead", rank,
                     kind, exc)
         weights = load_from_disk(model, layout, device, plan)
-        weights.reason = f"{kind}: {exc}"
+        weights.reason, weights.layout_miss = f"{kind}: {exc}", miss
         return weights
 
 
@@ -205,3 +231,4 @@ def load_from_disk(model: str, layout: Layout, device: str, plan: str = DEFAULT_
     shard = load_shard(model, plan, layout, PlainBackend(device),
                        label=f"rank {layout.global_rank} loading from disk")
     return Weights(shard.named())
+

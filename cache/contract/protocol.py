@@ -6,8 +6,9 @@ A frame is a 16-byte header followed by a JSON body:
     | length u32                                                       (network byte order)
 
 One flag exists: FLAG_LARGE marks a request that may exceed MAX_REQUEST_BODY (up to
-MAX_ARTIFACT_BODY); only an artifact_put may carry it, which the reader checks once the body is
-parsed. Any other request over MAX_REQUEST_BODY is refused from its header alone.
+MAX_ARTIFACT_BODY); only an artifact_put or a layout_commit may carry it, which the reader
+checks once the body is parsed. Any other request over MAX_REQUEST_BODY is refused from its
+header alone.
 
 File descriptors ride on the frame whose header announces how many it carries (`nfds`);
 they are attached with SCM_RIGHTS to the header's bytes. Nothing here touches a socket, and
@@ -95,9 +96,10 @@ def _reject_constant(name: str) -> None:
 # Request schemas: field -> (type, required). Unknown fields are refused.
 _STR, _INT, _BOOL, _DICT, _LIST = str, int, bool, dict, list
 REQUESTS: dict[str, dict[str, tuple[type, bool]]] = {
-    "hello": {"fingerprint": (_DICT, True), "client": (_STR, False), "pid": (_INT, False)},
-    "manifest": {},
-    "open": {"mode": (_STR, True)},
+    "hello": {"fingerprint": (_DICT, True), "client": (_STR, False), "pid": (_INT, False),
+              "layout": (_STR, False)},
+    "manifest": {"layout": (_STR, False)},
+    "open": {"mode": (_STR, True), "layout": (_STR, False)},
     "mapped": {"bytes": (_INT, True), "mode": (_STR, True)},
     "drop": {},
     "release": {},
@@ -111,8 +113,15 @@ REQUESTS: dict[str, dict[str, tuple[type, bool]]] = {
     "seed_auth": {"token": (_STR, True)},
     "seed_manifest": {},
     "seed_slab": {"slab": (_INT, True)},
+    # engine-shaped layouts (docs/engine-layout.md; `layout` above names one by its key):
+    # list them, allocate slabs for one (fds back), commit its manifest rows
+    "layouts": {},
+    "layout_alloc": {"fingerprint": (_DICT, True), "fields": (_DICT, True),
+                     "sizes": (_LIST, True)},
+    "layout_commit": {"fields": (_DICT, True), "tensors": (_LIST, True),
+                      "copy": (_LIST, True), "release_raw": (_BOOL, True)},
 }
-LARGE_OPS = frozenset({"artifact_put"})
+LARGE_OPS = frozenset({"artifact_put", "layout_commit"})
 """Requests whose body may exceed MAX_REQUEST_BODY (up to MAX_ARTIFACT_BODY)."""
 MODES = ("share", "copy", "copy-release")
 

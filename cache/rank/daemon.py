@@ -13,15 +13,18 @@ import logging
 import os
 import socket
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vlaunch.cache.contract import engine_layout as el
 from vlaunch.cache.contract import fingerprint as fp
 from vlaunch.cache.contract import protocol, wire
-from vlaunch.cache.contract.errors import ArtifactError, ProtocolError
+from vlaunch.cache.contract.errors import ArtifactError, CacheBrokenError, ProtocolError
 from vlaunch.cache.contract.sockdir import check_peer
 from vlaunch.cache.rank.connections import Connections, connection_bound, starved_after
+from vlaunch.cache.rank.layouts import LayoutError, LayoutStore
 from vlaunch.cache.store import artifacts as art
 from vlaunch.cache.store.artifacts import ArtifactStore
 from vlaunch.cache.store.manifest import Manifest
@@ -47,7 +50,8 @@ class CacheServer:
     def __init__(self, *, rank: int, fingerprint: fp.Fingerprint, manifest: Manifest,
                  fds: list[int], device: str, release: Any = None,
                  allowed_uids: frozenset[int] | None = None,
-                 artifacts: ArtifactStore | None = None) -> None:
+                 artifacts: ArtifactStore | None = None, layouts: LayoutStore | None = None,
+                 raw_released: bool = False) -> None:
         self.rank, self.fingerprint, self.manifest = rank, fingerprint, manifest
         self.fds, self.device = fds, device
         self.allowed_uids = allowed_uids
@@ -57,6 +61,10 @@ class CacheServer:
         self.started = time.time()
         self._release = release
         self.integrity: Any = None  # rank.integrity.Integrity: the files, their watch, digests
+        # engine-shaped layouts (docs/engine-layout.md) and the raw layout's state
+        self.layouts = layouts if layouts is not None else LayoutStore(None, manifest.nbytes)
+        self.raw_released = raw_released
+        self.escrow: socket.socket | None = None  # the launcher's ready channel, kept open
         self._next = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self.bound = asyncio.Event()  # set once the socket is bound and listening
@@ -137,6 +145,12 @@ class CacheServer:
         if self.state == "released" and op in ("hello", "manifest", "open"):
             return protocol.error("released", "the cache released its copy after a copy-release "
                                   "handoff; restart the cache to serve again"), []
+        if f.get("layout"):
+            return self._layout_request(op, self.leases[cid], f)
+        if self.raw_released and op in ("hello", "manifest", "open"):
+            return protocol.error("released", "the raw layout was released once an engine "
+                                  "layout was handed back; start the engine with that layout's "
+                                  "fields, or restart the cache"), []
         return getattr(self, f"handle_{op}")(self.leases[cid], f)
 
     def handle_hello(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -180,6 +194,99 @@ class CacheServer:
         """status: state, memory, leases (the asking connection is not one), fingerprint."""
         return {"ok": True, "status": self.status(exclude=lease)}, []
 
+    def _layout_request(self, op: str, lease: Lease, f: dict[str, Any]
+                        ) -> tuple[dict[str, Any], list[int]]:
+        """hello, manifest or open for an engine layout, named by its key."""
+        layout = self.layouts.get(f["layout"])
+        if layout is None:
+            diff = el.nearest([x.fingerprint for x in self.layouts.layouts.values()],
+                              f.get("fingerprint", {}))
+            if op == "hello" and diff:
+                return protocol.error("mismatch", "fingerprint mismatch",
+                                      mismatch=[list(d) for d in diff]), []
+            return protocol.error("no_layout", f"this rank holds no engine layout "
+                                  f"{f['layout'][:64]!r}; the engine hands one back after its "
+                                  "first load (vlaunch.cache.hand_back)"), []
+        if op == "hello":
+            lease.client = f.get("client", "")
+            diff = fp.compare(layout.fingerprint, f["fingerprint"])
+            if diff:
+                return protocol.error("mismatch", "fingerprint mismatch",
+                                      mismatch=[list(d) for d in diff]), []
+            return {"ok": True, "fingerprint": layout.fingerprint, "rank": self.rank}, []
+        if op == "manifest":
+            return {"ok": True, "manifest": layout.manifest.to_wire(),
+                    "copy": list(layout.copy)}, []
+        if op == "open":
+            lease.mode = f["mode"]
+            return {"ok": True, "slabs": len(layout.fds)}, list(layout.fds)
+        raise ProtocolError(f"{op} takes no layout field")
+
+    def handle_layouts(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any],
+                                                                       list[int]]:
+        """layouts: a summary (key, fields, fingerprint, sizes) of every engine layout held."""
+        return {"ok": True, "layouts": self.layouts.listing(),
+                "raw_released": self.raw_released}, []
+
+    def handle_layout_alloc(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any],
+                                                                            list[int]]:
+        """layout_alloc: writable slabs (fds) for an engine layout of this rank's weights."""
+        diff = fp.compare(self.fingerprint, f["fingerprint"])
+        if diff:
+            return protocol.error("mismatch", "fingerprint mismatch",
+                                  mismatch=[list(d) for d in diff]), []
+        owner = id(lease)
+        try:
+            fds = self.layouts.alloc(owner, f["fields"], f["sizes"])
+        except LayoutError as exc:
+            return protocol.error("refused", str(exc)), []
+        # an allocation dies with its connection: the lease object goes when the client does
+        weakref.finalize(lease, self.layouts.forget, owner)
+        return {"ok": True, "slabs": len(fds)}, fds
+
+    def handle_layout_commit(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any],
+                                                                             list[int]]:
+        """layout_commit: seal the slabs and serve them as an engine layout; maybe drop raw."""
+        try:
+            layout = self.layouts.commit(id(lease), lease.pid, self.fingerprint, f["fields"],
+                                         f["tensors"], f["copy"])
+        except (LayoutError, CacheBrokenError) as exc:
+            return protocol.error("refused", str(exc)), []
+        log.info("rank %d: engine layout %s adopted from pid %d: %d tensors, %.2f GB; %d "
+                 "shared, %d copied%s", self.rank, layout.key, lease.pid,
+                 len(layout.manifest.tensors), layout.manifest.nbytes / 1e9,
+                 len(layout.manifest.tensors) - len(layout.copy), len(layout.copy),
+                 f" ({', '.join(layout.copy[:8])}{', ...' if len(layout.copy) > 8 else ''})"
+                 if layout.copy else "")
+        self._send_escrow(layout.escrow(), layout.fds)
+        if f["release_raw"] and not self.raw_released:
+            self.release_raw()
+        return {"ok": True, "key": layout.key, "fingerprint": layout.fingerprint}, []
+
+    def release_raw(self) -> None:
+        """Drop the raw layout's slabs (an engine layout replaces it); the escrow drops too."""
+        log.info("rank %d: releasing the raw layout (%.2f GB): the engine layout replaces it",
+                 self.rank, self.manifest.nbytes / 1e9)
+        self.raw_released = True
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        release, self._release = self._release, None
+        self._send_escrow({"event": "release", "layout": "raw"}, [])
+        if release:
+            asyncio.get_running_loop().call_soon(release)  # answer first: freeing takes a while
+
+    def _send_escrow(self, frame: dict[str, Any], fds: list[int]) -> None:
+        """Tell the launcher (if it listens) what to escrow or drop; see docs/engine-layout.md."""
+        if self.escrow is None:
+            return
+        try:
+            wire.send_frame(self.escrow, frame, fds)
+        except OSError as exc:  # the launcher (or a test) closed its end: nobody escrows
+            log.debug("rank %d: escrow channel closed (%s)", self.rank, exc)
+            self.escrow.close()
+            self.escrow = None
+
     def handle_digest(self, lease: Lease, f: dict[str, Any]) -> Any:
         """digest: a page of (tensor, blake2b of its bytes in the slabs), for vlaunch verify."""
         if self.integrity is None:
@@ -218,7 +325,8 @@ class CacheServer:
 
     def bytes_held(self) -> dict[str, int]:
         """Slab bytes held, keyed by device."""
-        return {self.device: 0 if self.state == "released" else self.manifest.nbytes}
+        raw = 0 if self.state == "released" or self.raw_released else self.manifest.nbytes
+        return {self.device: raw + self.layouts.nbytes}
 
     def status(self, exclude: Lease | None = None) -> dict[str, Any]:
         """A JSON-able status snapshot."""
@@ -229,7 +337,9 @@ class CacheServer:
                 "artifacts": len(self.artifacts),
                 "leases": [vars(x) for x in self.leases.values() if x is not exclude],
                 "checkpoint": self.integrity.status() if self.integrity else None,
-                "fingerprint": self.fingerprint}
+                "fingerprint": self.fingerprint,
+                "raw": "released" if self.raw_released else "held",
+                "layouts": self.layouts.listing()}
 
     def drop(self, *, later: bool = False) -> None:
         """Close our fds and mappings; memory goes once every client has unmapped."""
@@ -237,6 +347,7 @@ class CacheServer:
             os.close(fd)
         self.fds = []
         self.state = "released"
+        self._send_escrow(protocol.event("release", layout="raw"), [])  # the launcher's too
         release, self._release = self._release, None
         if release and later:
             asyncio.get_running_loop().call_soon(release)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -69,16 +70,23 @@ def _run(opts: RankArgs, rank: int) -> int:
         from vlaunch.cache.store.artifacts import ArtifactStore
 
         store = ArtifactStore(_artifact_dir(opts.artifact_dir, rank))
+        adopted: list[Any] = []
+        raw_released = False
         if opts.adopt_fd >= 0:
-            manifest, fds, fingerprint, release = _adopt(opts.adopt_fd)
+            manifest, fds, fingerprint, release, adopted, raw_released = _adopt(opts.adopt_fd)
         elif opts.seed:
             manifest, fds, fingerprint, release = _seed_or_load(opts, backend, rank, store)
         else:
             manifest, fds, fingerprint, release = _load(opts, backend, rank)
         from vlaunch.cache.rank.daemon import CacheServer
+        from vlaunch.cache.rank.layouts import LayoutStore
 
+        layouts = LayoutStore(backend, manifest.nbytes)
+        for layout in adopted:
+            layouts.add(layout)
         server = CacheServer(rank=rank, fingerprint=fingerprint, manifest=manifest, fds=fds,
-                             device=backend.device, release=release, artifacts=store)
+                             device=backend.device, release=release, artifacts=store,
+                             layouts=layouts, raw_released=raw_released)
         from vlaunch.cache.rank.integrity import Integrity
 
         server.integrity = Integrity(server, opts.model, opts.plan, lock.socket).start()
@@ -186,18 +194,38 @@ def _seed_or_load(opts: RankArgs, backend: Any, rank: int, store: Any
     return _finish(opts, backend, shard, seeded.manifest)
 
 
-def _adopt(fd: int) -> tuple[Manifest, list[int], fp.Fingerprint, Any]:
-    """Take over escrowed slabs (fds + manifest) from the launcher instead of loading."""
+def _adopt(fd: int) -> tuple[Manifest, list[int], fp.Fingerprint, Any, list[Any], bool]:
+    """Take over escrowed slabs (fds + manifest) from the launcher instead of loading: the raw
+    layout's (unless it was released), then any engine layout's (docs/engine-layout.md)."""
+    from vlaunch.cache.rank.layouts import LayoutError, adopt
+
+    layouts: list[Any] = []
     with socket.socket(fileno=fd) as sock:
         msg, fds = wire.recv_frame(sock)
+        try:
+            while True:
+                frame, layout_fds = wire.recv_frame(sock)
+                try:
+                    if frame.get("event") != "layout":
+                        raise ProtocolError("adopt channel carried an unknown frame")
+                    layouts.append(adopt(frame, layout_fds))
+                except (LayoutError, KeyError, TypeError, AttributeError) as exc:
+                    for x in layout_fds:
+                        os.close(x)
+                    raise ProtocolError(f"bad escrowed engine layout: {exc}") from None
+        except EOFError:
+            pass
     if msg.get("event") != "escrow" or not isinstance(msg.get("fingerprint"), dict):
         raise ProtocolError("adopt channel did not carry an escrow frame")
     manifest = Manifest.from_wire(msg["manifest"])
-    if len(fds) != len(manifest.slab_sizes):
+    released = msg.get("released") is True and not fds
+    if len(fds) != len(manifest.slab_sizes) and not released:
         raise ProtocolError(f"escrow carries {len(fds)} fds for {len(manifest.slab_sizes)} slabs")
-    log.info("adopted %d escrowed slab(s), %.2f GB, without reading the checkpoint",
-             len(fds), manifest.nbytes / 1e9)
-    return manifest, fds, {str(k): str(v) for k, v in msg["fingerprint"].items()}, None
+    log.info("adopted %d escrowed slab(s), %.2f GB%s, and %d engine layout(s), without reading "
+             "the checkpoint", len(fds), 0 if released else manifest.nbytes / 1e9,
+             " (raw layout released)" if released else "", len(layouts))
+    return (manifest, fds, {str(k): str(v) for k, v in msg["fingerprint"].items()}, None,
+            layouts, released)
 
 
 def asyncio_run(coro: Any) -> None:
@@ -247,12 +275,23 @@ def _report_ready(server: Any, lock: RankLock, opts: RankArgs) -> None:
     rank = server.rank
     log.info("ready: serving %.2f GB on %s", server.manifest.nbytes / 1e9, lock.socket)
     if opts.ready_fd >= 0:
-        with socket.socket(fileno=opts.ready_fd) as sock:
+        sock = socket.socket(fileno=opts.ready_fd)
+        try:
             wire.send_frame(sock, protocol.event(
                 "ready", rank=rank, pid=os.getpid(), socket=str(lock.socket), at=time.time(),
                 bytes=server.manifest.nbytes, device=server.device,
                 manifest=server.manifest.to_wire(), fingerprint=server.fingerprint),
                 server.fds)
+        except OSError:
+            sock.close()
+            raise
+        # The channel stays open: engine layouts and the raw layout's release follow on it
+        # (docs/engine-layout.md), so that the launcher's escrow holds what the rank holds.
+        server.escrow = sock
+        for layout in server.layouts.layouts.values():
+            server._send_escrow(layout.escrow(), layout.fds)
+        if server.raw_released:
+            server._send_escrow({"event": "release", "layout": "raw"}, [])
     notify = SdNotify()  # `vlaunch cache` under its own unit; never blocks, never raises
     notify.send({"READY": "1", "STATUS": f"rank {rank} serving"})
     notify.close()

@@ -23,133 +23,26 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from vlaunch.cache.reference.config import CONFIG_NAME, ModelConfig, ModelConfigError
 from vlaunch.cache.store.checkpoint import INDEX_NAME
+
+__all__ = ["CONFIG_NAME", "INDEX_NAME", "ModelConfig", "ModelConfigError", "TPLlama", "greedy",
+           "make_checkpoint", "tensor_shapes"]
 
 log = logging.getLogger("vlaunch.cache.reference.refmodel")
 
-CONFIG_NAME = "config.json"
 MARKER_NAME = "vlaunch-refmodel.json"  # the arguments that wrote a checkpoint
 INIT_STD = 0.02
 
 LLAMA_8B_SHAPES: dict[str, int] = {"hidden": 4096, "intermediate": 14336, "heads": 32,
                                    "kv_heads": 8, "vocab": 128256}
 """Llama-3-8B's shapes, for `make_checkpoint(..., **LLAMA_8B_SHAPES, target_bytes=...)`."""
-
-
-class ModelConfigError(ValueError):
-    """config.json is missing or invalid, or does not fit the tensor-parallel size or weights."""
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The Llama hyper-parameters the reference model needs, from a Hugging Face config.json."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    vocab_size: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-    head_dim: int = 0  # 0: hidden_size // num_attention_heads
-    tie_word_embeddings: bool = False
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value, low = getattr(self, f.name), 0 if f.name == "head_dim" else 1
-            if f.type == "int" and (type(value) is not int or value < low):
-                raise ModelConfigError(f"config.json: {f.name} must be a positive integer, got "
-                                       f"{value!r}; fix the model's config.json")
-        if type(self.tie_word_embeddings) is not bool:
-            raise ModelConfigError("config.json: tie_word_embeddings must be true or false, got "
-                                   f"{self.tie_word_embeddings!r}; fix the model's config.json")
-        for name in ("rms_norm_eps", "rope_theta"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ModelConfigError(f"config.json: {name} must be a positive number, got "
-                                       f"{value!r}; fix the model's config.json")
-        if not self.head_dim:
-            if self.hidden_size % self.num_attention_heads:
-                raise ModelConfigError(
-                    f"config.json: hidden_size {self.hidden_size} does not divide by "
-                    f"num_attention_heads {self.num_attention_heads}; set head_dim or fix them")
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ModelConfigError(
-                f"config.json: num_attention_heads {self.num_attention_heads} does not divide "
-                f"by num_key_value_heads {self.num_key_value_heads}; fix the model's config.json")
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> ModelConfig:
-        """Build from a parsed config.json (unknown keys are ignored)."""
-        required = ("hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "vocab_size")
-        missing = [k for k in required if k not in raw]
-        if missing:
-            raise ModelConfigError(f"config.json has no {', '.join(missing)}; the reference "
-                                   "engine needs a Llama-style config.json")
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in raw.items() if k in known and v is not None}
-        values.setdefault("num_key_value_heads", raw["num_attention_heads"])
-        if raw.get("rope_scaling"):
-            log.warning("config.json sets rope_scaling %r, which the reference model ignores; "
-                        "its outputs will differ from the original model's",
-                        raw["rope_scaling"])
-        return cls(**values)
-
-    @classmethod
-    def from_dir(cls, model: str | os.PathLike[str]) -> ModelConfig:
-        """Read config.json from the model directory (or the directory of a .safetensors file)."""
-        path = Path(model)
-        if path.is_file():
-            path = path.parent
-        file = path / CONFIG_NAME
-        try:
-            raw = json.loads(file.read_bytes())
-        except FileNotFoundError:
-            raise ModelConfigError(f"{file} does not exist; pass --model the directory that "
-                                   "holds config.json and the .safetensors files") from None
-        except (OSError, ValueError, RecursionError) as exc:
-            raise ModelConfigError(f"{file} cannot be read as JSON ({exc}); fix or "
-                                   "re-download it") from None
-        if not isinstance(raw, dict):
-            raise ModelConfigError(f"{file} is not a JSON object; fix or re-download it")
-        return cls.from_dict(raw)
-
-    def check_tp(self, tp_size: int) -> None:
-        """Raise ModelConfigError unless every split dimension divides by `tp_size`."""
-        if type(tp_size) is not int or tp_size < 1:
-            raise ModelConfigError(f"tensor-parallel size must be an integer >= 1, got "
-                                   f"{tp_size!r}")
-        for name in ("num_attention_heads", "num_key_value_heads", "vocab_size",
-                     "intermediate_size"):
-            value = getattr(self, name)
-            if value % tp_size:
-                fits = [n for n in range(1, self.num_key_value_heads + 1) if self._fits(n)]
-                raise ModelConfigError(f"{name} {value} does not divide by tensor-parallel size "
-                                       f"{tp_size}; use a tensor-parallel size that divides "
-                                       f"it (this model fits {', '.join(map(str, fits))})")
-
-    def _fits(self, tp_size: int) -> bool:
-        return not (self.num_attention_heads % tp_size or self.num_key_value_heads % tp_size
-                    or self.vocab_size % tp_size or self.intermediate_size % tp_size)
-
-    def to_hf(self, dtype: torch.dtype) -> dict[str, Any]:
-        """The Hugging Face config.json contents."""
-        out: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                               "hidden_act": "silu",
-                               "torch_dtype": str(dtype).removeprefix("torch.")}
-        out.update(asdict(self))
-        return out
 
 
 class Collectives(Protocol):
@@ -230,12 +123,42 @@ def tensor_shapes(cfg: ModelConfig, tp_size: int = 1,
     return shapes
 
 
+def engine_shapes(cfg: ModelConfig, tp_size: int = 1,
+                  lm_head: str = "lm_head.weight") -> dict[str, tuple[int, ...]]:
+    """Every tensor a rank holds in the engine's own layout (fused, vocabulary padded)."""
+    from vlaunch.cache.reference.layout import padded_part
+
+    h, n, vocab = cfg.hidden_size, tp_size, padded_part(cfg, tp_size)
+    q = cfg.num_attention_heads // n * cfg.head_dim
+    kv = cfg.num_key_value_heads // n * cfg.head_dim
+    inter = cfg.intermediate_size // n
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.qkv_proj.weight": (q + 2 * kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_up_proj.weight": (2 * inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        })
+    shapes["model.norm.weight"] = (h,)
+    shapes.setdefault(lm_head, (vocab, h))
+    return shapes
+
+
 class TPLlama:
-    """One tensor-parallel rank of a Llama model; holds the weights dict without copying it."""
+    """One tensor-parallel rank of a Llama model; holds the weights dict without copying it.
+
+    The weights are the rank's checkpoint-shaped shard, which the model fuses and pads into
+    its own layout (cache/reference/layout.py), or that layout already (from the cache).
+    """
 
     def __init__(self, weights: Mapping[str, torch.Tensor], cfg: ModelConfig,
                  comm: Collectives | None = None) -> None:
-        self.weights = weights
+        from vlaunch.cache.reference.layout import engine_layout, is_engine_layout, padded_part
+
         self.cfg = cfg
         self.comm: Collectives = comm or SingleRank()
         cfg.check_tp(self.comm.size)
@@ -243,9 +166,15 @@ class TPLlama:
         self.heads = cfg.num_attention_heads // n
         self.kv_heads = cfg.num_key_value_heads // n
         self.vocab_part = cfg.vocab_size // n
+        self.vocab_padded = padded_part(cfg, n)
         self._lm_head = ("lm_head.weight" if "lm_head.weight" in weights or
                          not cfg.tie_word_embeddings else "model.embed_tokens.weight")
-        self._check_shapes(tensor_shapes(cfg, n, self._lm_head))
+        self.weights = weights
+        if is_engine_layout(weights):
+            self._check_shapes(engine_shapes(cfg, n, self._lm_head))
+        else:
+            self._check_shapes(tensor_shapes(cfg, n, self._lm_head))
+            self.weights = engine_layout(weights, cfg, n)
         self.device = weights["model.embed_tokens.weight"].device
 
     def _check_shapes(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -258,7 +187,8 @@ class TPLlama:
                 raise ModelConfigError(f"tensor {name!r} has shape {list(got)} on rank "
                                        f"{self.comm.rank} of {self.comm.size}, config.json "
                                        f"implies {list(shape)}; the checkpoint does not fit its "
-                                       "config.json or the llama shard plan")
+                                       "config.json, the llama shard plan or the engine "
+                                       "layout")
 
     def _w(self, name: str) -> torch.Tensor:
         return self.weights[name].float()  # no copy for float32 weights; never written to
@@ -274,7 +204,7 @@ class TPLlama:
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         start = self.comm.rank * self.vocab_part
         local = tokens - start
-        inside = (local >= 0) & (local < self.vocab_part)
+        inside = (local >= 0) & (local < self.vocab_part)  # padding rows are never looked up
         x = F.embedding(local.clamp(0, self.vocab_part - 1), self._w("model.embed_tokens.weight"))
         return self.comm.all_reduce(x * inside.unsqueeze(-1))
 
@@ -290,9 +220,11 @@ class TPLlama:
     def _attention(self, x: torch.Tensor, prefix: str, cos: torch.Tensor,
                    sin: torch.Tensor) -> torch.Tensor:
         t, d = x.shape[0], self.cfg.head_dim
-        q = self._linear(x, prefix + "q_proj").view(t, self.heads, d).transpose(0, 1)
-        k = self._linear(x, prefix + "k_proj").view(t, self.kv_heads, d).transpose(0, 1)
-        v = self._linear(x, prefix + "v_proj").view(t, self.kv_heads, d).transpose(0, 1)
+        qkv = self._linear(x, prefix + "qkv_proj")
+        q, k, v = qkv.split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q = q.reshape(t, self.heads, d).transpose(0, 1)
+        k = k.reshape(t, self.kv_heads, d).transpose(0, 1)
+        v = v.reshape(t, self.kv_heads, d).transpose(0, 1)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         group = self.heads // self.kv_heads
         k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
@@ -302,7 +234,8 @@ class TPLlama:
         return self.comm.all_reduce(out)
 
     def _mlp(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        hidden = F.silu(self._linear(x, prefix + "gate_proj")) * self._linear(x, prefix + "up_proj")
+        gate, up = self._linear(x, prefix + "gate_up_proj").chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
         return self.comm.all_reduce(F.linear(hidden, self._w(prefix + "down_proj.weight")))
 
     @torch.inference_mode()
@@ -320,7 +253,8 @@ class TPLlama:
         if last_only:
             x = x[-1:]
         x = self._rms_norm(x, "model.norm.weight")
-        return self.comm.all_gather(F.linear(x, self._w(self._lm_head)))
+        logits = F.linear(x, self._w(self._lm_head))[..., :self.vocab_part]  # drop padding
+        return self.comm.all_gather(logits)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

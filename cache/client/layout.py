@@ -1,0 +1,216 @@
+"""Engine-shaped layouts, engine side: hand post-processed parameters back, map them later.
+
+    weights = vlaunch.cache.load(model, rank=r, ..., layout=fields)
+    if not weights.layout:                        # first start: raw (checkpoint) tensors
+        params = my_post_processing(weights)      # fuse, pad, quantize, repack ...
+        weights = vlaunch.cache.hand_back(params, model=model, rank=r, ..., fields=fields,
+                                          copy=names_the_engine_rewrites_later)
+    # weights: the engine layout (read-only mappings; the `copy` names as private copies)
+
+See docs/engine-layout.md for the fields, what is copied, and when the raw layout goes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from vlaunch.cache.client.connection import CacheClient, backend_for
+from vlaunch.cache.contract import engine_layout as el
+from vlaunch.cache.contract.errors import (
+    CacheBrokenError,
+    CheckpointError,
+    ModelNotFoundError,
+    VlaunchError,
+)
+from vlaunch.cache.contract.launch import DEFAULT_PLAN, EngineEnv
+from vlaunch.cache.contract.sockdir import default_socket_dir, socket_path
+from vlaunch.cache.store.manifest import Manifest, TensorRecord, pack, views
+from vlaunch.cache.store.plan import Layout
+
+if TYPE_CHECKING:
+    import torch
+
+    from vlaunch.cache.client.loader import Weights
+
+log = logging.getLogger("vlaunch.cache")
+
+MAX_SLAB = 64 << 30
+
+
+class LayoutMissError(VlaunchError):
+    """The rank holds no engine layout with these fields (the first start hands one back)."""
+
+
+def load_layout(path: os.PathLike[str] | str, model: str, layout: Layout, device: str,
+                fields: Mapping[str, Any], *, mode: str = "share", plan: str = DEFAULT_PLAN,
+                kernel_backends: str = "", loader: str = "vlaunch",
+                quantization: str | None = None, timeout: float = 0.0) -> Weights:
+    """The engine layout with these fields from the rank's cache; the `copy` names private."""
+    from vlaunch.cache.client.loader import Weights
+
+    if mode not in ("share", "copy"):
+        raise ValueError(f"an engine layout is mapped in share or copy mode, not {mode!r}")
+    checked = el.check_fields(fields)
+    key = el.layout_key(checked)
+    client = CacheClient(path, timeout=timeout)
+    try:
+        if not _held(client):
+            raise LayoutMissError(f"the cache at {path} holds no engine layout yet")
+        base = _raw_fingerprint(client, model, layout, device, plan, kernel_backends, loader,
+                                quantization)
+        # a layout with other fields answers a mismatch that lists every differing field
+        client.request({**client._hello(el.extend(base, checked)), "layout": key})
+        reply, _ = client.request({"op": "manifest", "layout": key})
+        manifest = Manifest.from_wire(reply["manifest"])
+        copy = _copy_names(reply.get("copy"), manifest)
+        tensors = client.map(manifest, mode=mode, device=device, layout=key)
+    except BaseException:
+        client.close()
+        raise
+    if mode == "share":
+        for name in copy:  # the engine rewrites these: never in shared memory
+            tensors[name] = tensors[name].clone()
+    weights = Weights(tensors)
+    weights.source, weights.client, weights.bytes_outside = "cache", client, client.bytes_mapped
+    weights.layout, weights.copied = key, frozenset(copy)
+    if mode != "share":  # a share lease lasts while the engine holds the mapped tensors
+        client.close()
+    return weights
+
+
+def hand_back(tensors: Mapping[str, torch.Tensor], *, model: str, fields: Mapping[str, Any],
+              copy: Iterable[str] = (), rank: int = 0, tensor_parallel_size: int = 1,
+              pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
+              socket_dir: str | None = None, device: str | None = None,
+              release_raw: bool = True, plan: str | None = None, kernel_backends: str = "",
+              loader: str = "vlaunch", quantization: str | None = None,
+              timeout: float = 0.0) -> Weights:
+    """Give the rank's cache these (post-processed) parameters as its engine layout.
+
+    One device copy per tensor into slabs the cache allocates; then the cache serves them
+    under the raw fingerprint extended by `fields`, and (release_raw) drops its raw layout.
+    Returns the engine layout as `load(..., layout=fields)` would: rebind the parameters to
+    these tensors and free the originals to hold one copy. `copy` names tensors the engine
+    writes into later: they come back (now and on every later start) as private copies.
+    """
+    import torch
+
+    from vlaunch.cache.client.loader import default_device
+
+    plan = plan or EngineEnv.from_env().plan_or_default  # the plan vlaunch run named
+    checked = el.check_fields(fields)
+    copied = list(dict.fromkeys(copy))
+    unknown = [n for n in copied if n not in tensors]
+    if unknown:
+        raise ValueError(f"copy names tensors that are not handed back: {unknown[:5]}")
+    lay = Layout.from_global(rank, tensor_parallel_size, pipeline_parallel_size,
+                             data_parallel_size)
+    device = device or default_device()
+    backend = backend_for(device)
+    manifest = _pack(tensors, backend)
+    path = socket_path(socket_dir or default_socket_dir(), rank)
+    client = CacheClient(path, timeout=timeout)
+    try:
+        base = _raw_fingerprint(client, model, lay, device, plan, kernel_backends, loader,
+                                quantization)
+        _, fds = client.request({"op": "layout_alloc", "fingerprint": base, "fields": checked,
+                                 "sizes": list(manifest.slab_sizes)})
+        _fill(fds, manifest, tensors, backend, device)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+        client.request({"op": "layout_commit", "fields": checked,
+                        "tensors": manifest.to_wire()["tensors"], "copy": copied,
+                        "release_raw": release_raw})
+    finally:
+        client.close()
+    log.info("rank %d: handed %d tensors (%.2f GB) back to the cache as engine layout %s; "
+             "%d shared, %d copied", rank, len(manifest.tensors), manifest.nbytes / 1e9,
+             el.layout_key(checked), len(manifest.tensors) - len(copied), len(copied))
+    return load_layout(path, model, lay, device, checked, plan=plan,
+                       kernel_backends=kernel_backends, loader=loader, quantization=quantization)
+
+
+def _raw_fingerprint(client: CacheClient, model: str, layout: Layout, device: str, plan: str,
+                     kernel_backends: str, loader: str, quantization: str | None
+                     ) -> dict[str, str]:
+    """This engine rank's raw fingerprint; the checkpoint's identity as the cache recorded it
+    when the checkpoint cannot be read here (moved away once the engine layout exists)."""
+    from vlaunch.cache.client.loader import expected_fingerprint
+
+    try:
+        return expected_fingerprint(model, layout, device, plan, kernel_backends, loader,
+                                    socket=client.path, quantization=quantization)
+    except (ModelNotFoundError, CheckpointError, OSError) as exc:
+        recorded = client.status().get("fingerprint", {})
+        log.warning("checkpoint %s cannot be read (%s); matching the engine layout on the "
+                    "checkpoint identity the cache recorded when it read it", model, exc)
+        return expected_fingerprint(model, layout, device, plan, kernel_backends, loader,
+                                    identities=(str(recorded.get("checkpoint", "")),
+                                                str(recorded.get("checkpoint_data", ""))),
+                                    quantization=quantization)
+
+
+def _held(client: CacheClient) -> bool:
+    """True when the rank holds any engine layout."""
+    listing = client.request({"op": "layouts"})[0].get("layouts")
+    return isinstance(listing, list) and bool(listing)
+
+
+def _copy_names(names: Any, manifest: Manifest) -> list[str]:
+    """The cache's list of copied tensors, checked against the manifest."""
+    known = {t.name for t in manifest.tensors}
+    if not isinstance(names, list) or not all(isinstance(n, str) and n in known for n in names):
+        raise CacheBrokenError("the cache sent a bad list of copied tensors for its layout")
+    return names
+
+
+def _pack(tensors: Mapping[str, torch.Tensor], backend: Any) -> Manifest:
+    """Lay the tensors out in slabs; a dense tensor keeps its strides (a transposed weight
+    stays transposed), anything else is stored contiguous."""
+    from vlaunch.cache.store.dtypes import from_torch, header_shape, is_plain
+
+    items, strides = [], {}
+    for name, t in tensors.items():
+        try:
+            dtype = from_torch(t.dtype)
+        except KeyError:
+            raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which vlaunch cannot "
+                             "hold; convert it or leave it out of the hand-back") from None
+        items.append((name, dtype, header_shape(t.dtype, tuple(t.shape))))
+        if is_plain(dtype) and not t.is_contiguous() and _dense(t):
+            strides[name] = tuple(t.stride())
+    manifest = pack(items, backend=backend.name, alignment=backend.alignment, max_slab=MAX_SLAB)
+    records = tuple(TensorRecord(r.name, r.dtype, r.shape, strides.get(r.name, r.stride),
+                                 r.slab, r.offset, r.nbytes) for r in manifest.tensors)
+    return Manifest(manifest.backend, manifest.slab_sizes, records)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """True when `t` covers exactly numel elements in some dimension order (no gaps)."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda x: x[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _fill(fds: list[int], manifest: Manifest, tensors: Mapping[str, torch.Tensor],
+          backend: Any, device: str) -> None:
+    """Map the new slabs writable, copy each tensor in (one device copy each), unmap."""
+    try:
+        if len(fds) != len(manifest.slab_sizes):
+            raise CacheBrokenError(f"cache sent {len(fds)} fds for "
+                                   f"{len(manifest.slab_sizes)} layout slabs")
+        slabs = [backend.import_fd(fd, size, readonly=False)
+                 for fd, size in zip(fds, manifest.slab_sizes, strict=True)]
+    finally:
+        for fd in fds:
+            os.close(fd)
+    for name, view in views(manifest, slabs).items():
+        view.copy_(tensors[name])

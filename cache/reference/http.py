@@ -1,0 +1,169 @@
+"""The reference engine's HTTP surface (rank 0): /health, /stats and /generate.
+
+    GET  /health    200 {"status": "ok"} once the weights are loaded; 503 before and while
+                    stopping
+    GET  /stats     {weights_ms, source, layout, tp_size, bytes, pid, started_at, ready_at}
+    POST /generate  {"tokens": [int, ...], "max_new_tokens": int} -> {"tokens": [int, ...]}
+
+Requests are served from threads; each generation is queued for the engine's main thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vlaunch.cache.reference.config import ModelConfig
+    from vlaunch.cache.reference.engine import Engine
+
+log = logging.getLogger("vlaunch.engine")
+
+MAX_PROMPT_TOKENS = 256
+MAX_NEW_TOKENS = 64
+MAX_BODY_BYTES = 64 << 10
+
+
+class EngineStopping(Exception):
+    """A queued request that the engine will not run because it stops."""
+
+    def __init__(self) -> None:
+        super().__init__("the engine is stopping")
+
+
+def start_http(engine: Engine) -> ThreadingHTTPServer:
+    """Bind the HTTP server, serve it from a daemon thread, log and publish its port."""
+    server = _Server((engine.opts.host, engine.opts.port), _Handler)
+    server.engine = engine
+    threading.Thread(target=server.serve_forever, name="vlaunch-http", daemon=True).start()
+    port = int(server.server_address[1])
+    log.info("listening on http://%s:%d", engine.opts.host, port)
+    if engine.opts.port_file:
+        write_port_file(Path(engine.opts.port_file), port)
+    return server
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Write the port atomically: a reader sees no file or the whole number."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, path)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    engine: Engine
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Log a failed request (socketserver would print the traceback to stderr)."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, ConnectionError):  # the client hung up: nothing to fix here
+            log.debug("http %s: %s", client_address[0], exc)
+        else:
+            log.error("http %s: request failed", client_address[0], exc_info=True)
+
+
+class BadRequest(Exception):
+    """A request the engine refuses, with the status and message to answer."""
+
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    timeout = 30  # a client that stalls mid-request loses its connection, not a thread forever
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        engine = self.server.engine
+        if self.path == "/health":
+            if engine.ready:
+                self._reply(HTTPStatus.OK, {"status": "ok"})
+            else:
+                state = "stopping" if engine.stopping else "loading"
+                self._reply(HTTPStatus.SERVICE_UNAVAILABLE, {"status": state})
+        elif self.path == "/stats":
+            self._reply(HTTPStatus.OK, engine.stats)
+        else:
+            self._reply(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path}"})
+
+    def do_POST(self) -> None:
+        if self.path != "/generate":
+            self._reply(HTTPStatus.NOT_FOUND, {"error": f"no such path {self.path}"})
+            return
+        engine = self.server.engine
+        try:
+            tokens, max_new = parse_generate(self._body(), engine.cfg)
+        except BadRequest as exc:
+            self._reply(exc.status, {"error": str(exc)})
+            return
+        result = engine.submit(tokens, max_new)
+        if result is None:
+            self._reply(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "not serving: weights are "
+                                                                  "loading or the engine stops"})
+            return
+        try:
+            tokens = result.result()
+        except EngineStopping as exc:
+            self._reply(HTTPStatus.SERVICE_UNAVAILABLE, {"error": str(exc)})
+        except Exception as exc:
+            self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": f"generation failed: {exc}"})
+        else:
+            self._reply(HTTPStatus.OK, {"tokens": tokens})
+
+    def _body(self) -> bytes:
+        raw = self.headers.get("Content-Length")
+        if raw is None or not raw.isdigit():
+            raise BadRequest(HTTPStatus.LENGTH_REQUIRED, "send a Content-Length header")
+        length = int(raw)
+        if length > MAX_BODY_BYTES:
+            self.close_connection = True  # the unread body would be taken for the next request
+            raise BadRequest(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                             f"body of {length} bytes exceeds {MAX_BODY_BYTES}")
+        return self.rfile.read(length)
+
+    def _reply(self, status: HTTPStatus, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("http %s: " + format, self.client_address[0], *args)
+
+
+def parse_generate(body: bytes, cfg: ModelConfig) -> tuple[list[int], int]:
+    """Validate a /generate body; returns (tokens, max_new_tokens) or raises BadRequest."""
+    bad = HTTPStatus.BAD_REQUEST
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(bad, f"body is not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise BadRequest(bad, 'body must be an object {"tokens": [...], "max_new_tokens": n}')
+    unknown = set(obj) - {"tokens", "max_new_tokens"}
+    if unknown:
+        raise BadRequest(bad, f"unknown field(s) {', '.join(sorted(unknown))}")
+    tokens, max_new = obj.get("tokens"), obj.get("max_new_tokens", 16)
+    vocab = cfg.vocab_size
+    if (not isinstance(tokens, list) or not 1 <= len(tokens) <= MAX_PROMPT_TOKENS
+            or not all(type(t) is int and 0 <= t < vocab for t in tokens)):
+        raise BadRequest(bad, f"tokens must be a list of 1..{MAX_PROMPT_TOKENS} integers in "
+                         f"0..{vocab - 1}")
+    if type(max_new) is not int or not 0 <= max_new <= MAX_NEW_TOKENS:
+        raise BadRequest(bad, f"max_new_tokens must be an integer in 0..{MAX_NEW_TOKENS}")
+    if len(tokens) + max_new > cfg.max_position_embeddings:
+        raise BadRequest(bad, f"tokens + max_new_tokens exceed max_position_embeddings "
+                         f"{cfg.max_position_embeddings}")
+    return tokens, max_new

@@ -1,0 +1,210 @@
+"""The reference engine's tensor-parallel ranks: join the group, load, decode in lock step.
+
+Rank 0 (the engine process) starts ranks 1..N-1 as its children (`--worker-rank r`) before it
+imports torch, so that every rank imports torch and loads its weights at the same time. The
+ranks meet in a TCPStore whose listening socket rank 0 binds first, then form a
+torch.distributed group (gloo on CPU, nccl on CUDA). Rank 0 broadcasts each request to the
+workers: a header [op, n_tokens, max_new_tokens] (op 0: stop, 1: generate), then the tokens.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vlaunch.cache.reference.options import ConfigError, EngineOptions
+
+if TYPE_CHECKING:
+    from vlaunch.cache.reference.config import ModelConfig
+    from vlaunch.cache.reference.refmodel import TPLlama
+
+log = logging.getLogger("vlaunch.engine")
+
+OP_STOP, OP_GENERATE = 0, 1
+STORE_TIMEOUT = datetime.timedelta(seconds=300)
+# Workers wait in a broadcast for the next request, however long the engine idles; a dead
+# peer is caught by process monitoring (parent-death signal, rank 0's watcher), not by this.
+GROUP_TIMEOUT = datetime.timedelta(days=3650)
+PR_SET_PDEATHSIG = 1
+
+
+def reserve_store() -> socket.socket:
+    """Rank 0's store socket, listening before any worker starts (workers connect at once;
+    the TCPStore takes the socket over once rank 0 has imported torch)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
+
+
+def open_store(opts: EngineOptions, listener: socket.socket | None) -> Any:
+    """The TCPStore of this rank: the server over `listener` on rank 0, else a client."""
+    import torch.distributed as dist
+
+    if listener is not None:
+        port = listener.getsockname()[1]
+        return dist.TCPStore("127.0.0.1", port, opts.tp_size, True, timeout=STORE_TIMEOUT,
+                             wait_for_workers=False, master_listen_fd=listener.detach())
+    return dist.TCPStore("127.0.0.1", opts.store_port, opts.tp_size, False,
+                         timeout=STORE_TIMEOUT)
+
+
+@dataclass
+class RankState:
+    """One rank's model and its process group."""
+
+    rank: int
+    tp_size: int
+    device: str
+    comm_device: str
+    model: TPLlama
+    weights_ms: float
+    source: str
+    nbytes: int
+    layout: str = "own"
+
+
+def device_for(kind: str, rank: int, tp_size: int) -> str:
+    """The torch device of `rank`: cpu, or the GPU that $VLAUNCH_ENGINE_DEVICES names.
+
+    The launcher lists each rank's cache GPU by UUID (cuda:GPU-...), so an engine whose
+    CUDA_VISIBLE_DEVICES orders the GPUs differently still maps each shard on its own GPU.
+    """
+    if kind == "cpu":
+        return "cpu"
+    from vlaunch.cache.contract.errors import DeviceError
+    from vlaunch.cache.store.slabs import cuda_index
+
+    raw = os.environ.get("VLAUNCH_ENGINE_DEVICES", "")
+    items = [x.strip() for x in raw.split(",") if x.strip()]
+    if not items:
+        return f"cuda:{rank}"
+    if len(items) < tp_size:
+        raise ConfigError(f"VLAUNCH_ENGINE_DEVICES={raw!r} lists {len(items)} device(s) for "
+                          f"{tp_size} rank(s); list one per rank")
+    item = items[rank] if items[rank].startswith("cuda") else f"cuda:{items[rank]}"
+    try:
+        return f"cuda:{cuda_index(item)}"
+    except DeviceError as exc:
+        raise ConfigError(f"VLAUNCH_ENGINE_DEVICES entry {item!r}: {exc}") from None
+
+
+def start_rank(opts: EngineOptions, rank: int, cfg: ModelConfig, store: Any) -> RankState:
+    """Join the process group (tp > 1), load the rank's weights and build its model."""
+    import torch
+    import torch.distributed as dist
+
+    from vlaunch.cache.reference.refmodel import SingleRank, TorchDistributed, TPLlama
+    from vlaunch.cache.reference.weights import load_weights
+
+    device = device_for(opts.device, rank, opts.tp_size)
+    if device.startswith("cuda"):
+        count = torch.cuda.device_count()
+        if torch.device(device).index >= count:
+            raise ConfigError(f"rank {rank} needs {device}, but torch sees {count} CUDA "
+                              "device(s); set VLAUNCH_ENGINE_DEVICES or CUDA_VISIBLE_DEVICES, "
+                              "or use --device cpu")
+        torch.cuda.set_device(torch.device(device))
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.tp_size))
+    if opts.tp_size > 1:
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=store,
+                                rank=rank, world_size=opts.tp_size, timeout=GROUP_TIMEOUT)
+    start = time.perf_counter()
+    loaded = load_weights(opts, rank, device, cfg)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    ms = (time.perf_counter() - start) * 1000
+    nbytes = sum(t.nbytes for t in loaded.tensors.values())
+    log.info("rank %d: weights from %s in %.1f ms (%s layout, %.2f GB)", rank, loaded.source,
+             ms, loaded.layout, nbytes / 1e9)
+    comm = TorchDistributed() if opts.tp_size > 1 else SingleRank()
+    model = TPLlama(loaded.tensors, cfg, comm)
+    return RankState(rank=rank, tp_size=opts.tp_size, device=device,
+                     comm_device=device if device.startswith("cuda") else "cpu", model=model,
+                     weights_ms=ms, source=loaded.source, nbytes=nbytes, layout=loaded.layout)
+
+
+def gather_stats(state: RankState) -> tuple[float, str, int]:
+    """(slowest rank's load ms, source over all ranks, bytes over all ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    flags = torch.tensor([state.weights_ms, state.source == "disk", state.source == "cache"],
+                         dtype=torch.float64, device=state.comm_device)
+    nbytes = torch.tensor([state.nbytes], dtype=torch.float64, device=state.comm_device)
+    if state.tp_size > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        dist.all_reduce(nbytes)
+    ms, disk, cache = flags.tolist()
+    source = "mixed" if disk and cache else "disk" if disk else "cache"
+    return ms, source, int(nbytes.item())
+
+
+def run_generate(state: RankState, tokens: list[int], max_new: int) -> list[int]:
+    """Send the request to the workers (tp > 1), then decode it on this rank."""
+    import torch
+    import torch.distributed as dist
+
+    from vlaunch.cache.reference.refmodel import greedy
+
+    if state.tp_size > 1:
+        dist.broadcast(torch.tensor([OP_GENERATE, len(tokens), max_new], dtype=torch.int64,
+                                    device=state.comm_device), src=0)
+        dist.broadcast(torch.tensor(tokens, dtype=torch.int64, device=state.comm_device), src=0)
+    return greedy(state.model, tokens, max_new)
+
+
+def broadcast_stop(state: RankState) -> None:
+    """Tell the workers to leave their loop."""
+    import torch
+    import torch.distributed as dist
+
+    dist.broadcast(torch.tensor([OP_STOP, 0, 0], dtype=torch.int64, device=state.comm_device),
+                   src=0)
+
+
+def run_worker(opts: EngineOptions) -> int:
+    """A worker rank: load, then decode what rank 0 broadcasts until op 0."""
+    import torch
+    import torch.distributed as dist
+
+    from vlaunch.cache.reference.config import ModelConfig
+    from vlaunch.cache.reference.refmodel import greedy
+
+    _die_with_parent(opts.parent_pid)
+    # the launcher signals the whole process group; rank 0 alone decides when workers stop
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    rank = opts.worker_rank or 0
+    cfg = ModelConfig.from_dir(opts.model)
+    state = start_rank(opts, rank, cfg, open_store(opts, None))
+    gather_stats(state)
+    header = torch.empty(3, dtype=torch.int64, device=state.comm_device)
+    while True:
+        dist.broadcast(header, src=0)
+        op, n_tokens, max_new = header.tolist()
+        if op == OP_STOP:
+            break
+        tokens = torch.empty(n_tokens, dtype=torch.int64, device=state.comm_device)
+        dist.broadcast(tokens, src=0)
+        greedy(state.model, tokens.tolist(), max_new)
+    dist.destroy_process_group()
+    log.info("stopped")
+    return 0
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when rank 0 dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if parent_pid and os.getppid() != parent_pid:  # rank 0 died before prctl took effect
+        raise RuntimeError(f"rank 0 (pid {parent_pid}) is gone; exiting")

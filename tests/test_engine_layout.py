@@ -1,0 +1,278 @@
+"""Engine-shaped layouts: real cache ranks, the reference engine's post-processing, CPU slabs.
+
+An "engine" here is the reference model's own post-processing (fused qkv and gate_up, padded
+vocabulary), applied to each rank's raw shard: the first start hands it back, later starts
+map it without the checkpoint.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import spawn_cache
+from vlaunch.cache import hand_back, load
+from vlaunch.cache.client.connection import CacheClient
+from vlaunch.cache.client.loader import load_from_disk
+from vlaunch.cache.contract import engine_layout as el
+from vlaunch.cache.contract import progress, wire
+from vlaunch.cache.contract.errors import CacheBrokenError
+from vlaunch.cache.contract.sockdir import socket_path
+from vlaunch.cache.reference.config import ModelConfig
+from vlaunch.cache.reference.layout import engine_layout, layout_fields, padded_part
+from vlaunch.cache.reference.refmodel import make_checkpoint
+from vlaunch.cache.store.plan import Layout
+
+STARTUP_S = 150.0
+SHAPES = {"hidden": 64, "layers": 2, "heads": 8, "kv_heads": 4, "intermediate": 128,
+          "vocab": 252}  # vocab / 4 = 63 rows a rank: padded to 64
+
+
+@pytest.fixture
+def ranks() -> Iterator[list[Rank]]:
+    started: list[Rank] = []
+    yield started
+    for r in started:
+        r.stop()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "m", **SHAPES)
+
+
+@dataclass
+class Rank:
+    """A cache rank whose ready channel the test keeps open, as the launcher does."""
+
+    proc: subprocess.Popen[bytes]
+    channel: socket.socket
+    ready: dict = field(default_factory=dict)
+    fds: list[int] = field(default_factory=list)
+
+    def frame(self) -> tuple[dict, list[int]]:
+        """The next frame on the ready channel that is not a progress report."""
+        while True:
+            msg, fds = wire.recv_frame(self.channel)
+            if progress.parse(msg) is None:
+                return msg, fds
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+        self.channel.close()
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+def _spawn_all(model: Path, sockdir: Path, tp: int, pp: int, ranks: list[Rank]) -> None:
+    """Every rank of a tp x pp world, started at once; waits for each one's ready frame."""
+    for rank in range(tp * pp):
+        ours, theirs = socket.socketpair()
+        cmd = [sys.executable, "-m", "vlaunch.cache", "--model", str(model), "--socket-dir",
+               str(sockdir), "--rank", str(rank), "--tensor-parallel-size", str(tp),
+               "--pipeline-parallel-size", str(pp), "--ready-fd", str(theirs.fileno())]
+        proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], stderr=subprocess.DEVNULL)
+        theirs.close()
+        ours.settimeout(STARTUP_S)  # a loaded 2-core machine starts 8 ranks slowly
+        ranks.append(Rank(proc, ours))
+    for r in ranks:
+        r.ready, r.fds = r.frame()
+        assert r.ready["event"] == "ready"
+
+
+def _memfd_inodes(pid: int) -> set[int]:
+    """Inodes of the memfd slabs a process holds open or mapped."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if "vlaunch-slab" in os.readlink(f"/proc/{pid}/fd/{fd}"):
+                found.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+        except OSError:
+            continue
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            if "vlaunch-slab" in line:
+                found.add(int(line.split()[4]))
+    return found
+
+
+def _equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 2), (4, 2)])
+def test_engine_layout_round_trip_at_tp_and_pp(model: Path, sockdir: Path, ranks: list[Rank],
+                                                tmp_path: Path, tp: int, pp: int) -> None:
+    cfg = ModelConfig.from_dir(model)
+    _spawn_all(model, sockdir, tp, pp, ranks)
+    raw_inodes = {r.ready["rank"]: {os.fstat(fd).st_ino for fd in r.fds} for r in ranks}
+    fields = layout_fields(cfg, "bfloat16")
+    where = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "socket_dir": str(sockdir),
+             "device": "cpu"}
+    expected = {}
+    for rank in range(tp * pp):
+        disk = dict(load_from_disk(str(model), Layout.from_global(rank, tp, pp), "cpu"))
+        raw = load(str(model), rank=rank, fallback=False, layout=fields, **where)
+        assert raw.source == "cache" and not raw.layout and "no engine layout" in raw.layout_miss
+        _equal(dict(raw), disk)  # the raw layout: bit-exact against a disk load
+        expected[rank] = engine_layout(disk, cfg, tp)
+        norm = next(n for n in expected[rank] if n.endswith("norm.weight"))
+        back = hand_back(engine_layout(raw, cfg, tp), model=str(model), fields=fields,
+                         copy=[norm], rank=rank, **where)
+        del raw
+        _equal(dict(back), expected[rank])
+        assert back.layout == el.layout_key(fields) and back.copied == {norm}
+        back[norm].add_(1)  # a copied tensor is the engine's own: writable, not shared
+        if "model.embed_tokens.weight" in back:  # shared: a view of the read-only mapping
+            assert back["model.embed_tokens.weight"].shape[0] == padded_part(cfg, tp)
+        del back
+    gc.collect()
+    for p in ranks:  # the engine layout adopted and escrowed, the raw layout released
+        rank = p.ready["rank"]
+        layout, layout_fds = p.frame()
+        assert layout["event"] == "layout" and layout["key"] == el.layout_key(fields)
+        assert p.frame() == ({"event": "release", "layout": "raw"}, [])
+        for fd in p.fds + layout_fds:  # as the launcher does on "release"
+            os.close(fd)
+        p.fds = []
+        status = CacheClient(socket_path(sockdir, rank)).status()
+        (summary,) = status["layouts"]
+        assert status["raw"] == "released" and summary["key"] == el.layout_key(fields)
+        assert summary["copied"] == 1 and summary["shared"] == summary["tensors"] - 1
+        assert status["bytes_held"] == {"cpu": summary["bytes"]}
+        assert not raw_inodes[rank] & _memfd_inodes(p.proc.pid)
+        assert not raw_inodes[rank] & _memfd_inodes(os.getpid())
+
+    moved = tmp_path / "moved"  # a restart maps the engine layout without the checkpoint
+    moved.mkdir()
+    for f in model.glob("*.safetensors*"):
+        shutil.move(str(f), moved / f.name)
+    try:
+        for rank in range(tp * pp):
+            again = load(str(model), rank=rank, fallback=False, layout=fields, **where)
+            assert again.layout and again.source == "cache"
+            _equal(dict(again), expected[rank])
+    finally:
+        for f in moved.iterdir():
+            shutil.move(str(f), model / f.name)
+
+
+def test_every_field_of_an_engine_layout_must_match(model: Path, sockdir: Path,
+                                                    caches: list) -> None:
+    cfg = ModelConfig.from_dir(model)
+    caches.append(spawn_cache(model, sockdir))
+    fields = {**layout_fields(cfg, "bfloat16"), "kernel_backends": "attn=sdpa"}
+    raw = load(str(model), socket_dir=str(sockdir), device="cpu")
+    hand_back(engine_layout(raw, cfg, 1), model=str(model), fields=fields,
+              socket_dir=str(sockdir), device="cpu", release_raw=False)
+    del raw
+    for name in fields:
+        other = {**fields, name: fields[name] + "-other"}
+        weights = load(str(model), socket_dir=str(sockdir), device="cpu", layout=other)
+        assert not weights.layout and weights.source == "cache"  # the raw layout instead
+        assert f"{name}: cache='{fields[name]}' engine='{fields[name]}-other'" in \
+            weights.layout_miss, weights.layout_miss
+    same = load(str(model), socket_dir=str(sockdir), device="cpu", layout=dict(fields))
+    assert same.layout == el.layout_key(fields)
+    for where in ({"tensor_parallel_size": 2}, {"plan": "replicate"}):  # raw fields count too
+        miss = load(str(model), socket_dir=str(sockdir), device="cpu", layout=fields, **where)
+        assert not miss.layout and miss.source == "disk" and "mismatch" in miss.layout_miss
+
+
+def test_layout_requests_are_bounded_and_checked(model: Path, sockdir: Path,
+                                                 caches: list) -> None:
+    cache = spawn_cache(model, sockdir)
+    caches.append(cache)
+    client = CacheClient(socket_path(sockdir, 0))
+    ours = client.status()["fingerprint"]
+    fields = {"engine": "t"}
+    alloc = {"op": "layout_alloc", "fingerprint": ours, "fields": fields}
+    with pytest.raises(CacheBrokenError, match="exceed this rank's limit"):
+        client.request({**alloc, "sizes": [1 << 40]})
+    with pytest.raises(CacheBrokenError, match="sizes must be"):
+        client.request({**alloc, "sizes": [0]})
+    with pytest.raises(CacheBrokenError, match="not allowed"):
+        client.request({**alloc, "fields": {"tp_rank": "1"}, "sizes": [256]})
+    commit = {"op": "layout_commit", "fields": fields, "copy": [], "release_raw": True}
+    with pytest.raises(CacheBrokenError, match="without a layout_alloc"):
+        client.request({**commit, "tensors": [["x", "BF16", [2], [1], 0, 0, 4, None]]})
+    _, fds = client.request({**alloc, "sizes": [256]})
+    pending = {os.fstat(fd).st_ino for fd in fds}
+    for fd in fds:
+        os.close(fd)
+    with pytest.raises(CacheBrokenError, match="extends past the end"):
+        client.request({**commit, "tensors": [["x", "BF16", [200], [1], 0, 0, 400, None]]})
+    assert pending & _memfd_inodes(cache.proc.pid) == set()  # a refused commit frees its slabs
+    _, fds = client.request({**alloc, "sizes": [256]})
+    pending = {os.fstat(fd).st_ino for fd in fds}
+    for fd in fds:
+        os.close(fd)
+    assert pending <= _memfd_inodes(cache.proc.pid)
+    client.close()  # a connection that goes before its commit takes its allocation with it
+    probe = CacheClient(socket_path(sockdir, 0))
+    assert probe.status()["layouts"] == []
+    assert pending & _memfd_inodes(cache.proc.pid) == set()
+    assert probe.status()["raw"] == "held"
+
+
+def test_a_respawned_rank_adopts_the_escrowed_engine_layout(
+        model: Path, sockdir: Path, ranks: list[Rank]) -> None:
+    """What the launcher does with the ready channel: keep it, escrow the engine layout, drop
+    the raw slabs on release; a rank respawned from that escrow serves the engine layout."""
+    cfg = ModelConfig.from_dir(model)
+    _spawn_all(model, sockdir, 1, 1, ranks)
+    (first,) = ranks
+    fields = layout_fields(cfg, "bfloat16")
+    raw = load(str(model), socket_dir=str(sockdir), device="cpu")
+    want = engine_layout(dict(raw), cfg, 1)
+    del raw
+    hand_back(want, model=str(model), fields=fields, socket_dir=str(sockdir), device="cpu")
+    layout, layout_fds = first.frame()
+    assert first.frame() == ({"event": "release", "layout": "raw"}, [])
+    first.stop()  # the rank dies; the launcher respawns it from what it escrowed
+
+    adopt_ours, adopt_theirs = socket.socketpair()
+    ours, theirs = socket.socketpair()
+    cmd = [sys.executable, "-m", "vlaunch.cache", "--model", str(model), "--socket-dir",
+           str(sockdir), "--ready-fd", str(theirs.fileno()), "--adopt-fd",
+           str(adopt_theirs.fileno())]
+    proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno(), adopt_theirs.fileno()],
+                            stderr=subprocess.DEVNULL)
+    adopt_theirs.close()
+    theirs.close()
+    ours.settimeout(STARTUP_S)
+    second = Rank(proc, ours)
+    ranks.append(second)
+    with adopt_ours:
+        wire.send_frame(adopt_ours, {"event": "escrow", "manifest": first.ready["manifest"],
+                                     "fingerprint": first.ready["fingerprint"],
+                                     "released": True})
+        wire.send_frame(adopt_ours, layout, layout_fds)
+    for fd in layout_fds:
+        os.close(fd)
+    second.ready, second.fds = second.frame()
+    again, again_fds = second.frame()  # re-announced, for the new escrow
+    second.fds += again_fds
+    assert second.ready["event"] == "ready" and again["key"] == layout["key"]
+    assert second.frame() == ({"event": "release", "layout": "raw"}, [])
+    got = load(str(model), socket_dir=str(sockdir), device="cpu", layout=fields,
+               fallback=False)
+    assert got.layout == layout["key"]
+    _equal(dict(got), want)
+    status = CacheClient(socket_path(sockdir, 0)).status()
+    assert status["raw"] == "released" and len(status["layouts"]) == 1

@@ -15,7 +15,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from . import events
-from .children import become_subreaper, die_with_parent, reap_orphans, signal_group, sweep
+from .children import (
+    become_subreaper,
+    contain_children,
+    die_with_parent,
+    reap_orphans,
+    signal_group,
+    sweep,
+)
 from .statusview import query_rank
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -74,6 +81,7 @@ class OsHooks:
 
     def prepare(self, post: Callable[[events.Event], None]) -> None:
         become_subreaper()
+        contain_children()
         loop = asyncio.get_running_loop()
         for sig in SIGNALS:  # the handler only posts the event: the core decides
             loop.add_signal_handler(sig, post, events.SignalReceived(sig, 0.0))

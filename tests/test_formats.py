@@ -150,6 +150,25 @@ def test_sub_byte_dtypes_split_on_byte_boundaries(tmp_path: Path, sockdir: Path,
                 assert_same(got[name], ref.chunk(2, dim)[rank].contiguous(), (rank, mode, name))
 
 
+def test_a_dtype_this_torch_lacks_is_served_as_raw_bytes(every_dtype: Path,
+                                                         monkeypatch) -> None:
+    from vlaunch.cache.store.plan import Layout
+    from vlaunch.cache.store.shard import PlainBackend, load_shard
+
+    want = expected(every_dtype)["F8_E8M0.matrix"].view(torch.uint8)  # [4, 8] bytes
+    older = dtypes.DType("F8_E8M0", 8, "float8_e8m0_not_in_this_torch")
+    try:
+        with monkeypatch.context() as patch:
+            patch.setitem(DTYPES, "F8_E8M0", older)
+            dtypes.is_plain.cache_clear()
+            got = load_shard(str(every_dtype), "replicate", Layout(1, 0),
+                             PlainBackend("cpu")).named()
+    finally:
+        dtypes.is_plain.cache_clear()  # the real table again
+    assert_same(got["F8_E8M0.matrix"], want, "raw")
+    assert got["F8_E8M0.scalar"].dtype == torch.uint8 and got["F8_E8M0.scalar"].shape == ()
+
+
 def test_a_split_inside_a_byte_is_refused(tmp_path: Path) -> None:
     from vlaunch.cache.store.plan import Layout, ShardPlan, plan_rank
 

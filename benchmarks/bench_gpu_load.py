@@ -353,7 +353,8 @@ import torch
 from vlaunch.cache.store.checkpoint import open_checkpoint
 from vlaunch.cache.store.manifest import pack
 from vlaunch.cache.store.plan import LLAMA_PLAN, Layout, plan_rank
-from vlaunch.cache.store.reader import _host_view, fill
+from vlaunch.cache.store import reader
+from vlaunch.cache.store.reader import fill
 from vlaunch.cache.store.slabs import get_backend
 dev = spec["device"]
 torch.zeros(1, device=dev); torch.cuda.synchronize(dev)
@@ -379,7 +380,7 @@ def reads(n, chunk=16 << 20):
     lock = threading.Lock()
 
     def run(i):
-        view = _host_view(src[i * chunk:(i + 1) * chunk])
+        view = memoryview(src[i * chunk:(i + 1) * chunk].numpy())
         fds = {f: os.open(f, os.O_RDONLY) for f in files}
         while True:
             with lock:
@@ -418,12 +419,18 @@ def rank_fill(layout, threads, chunk):
     tensors = [x.tensor() for x in held[key]]
     t = time.perf_counter()
     fill(specs, m, tensors, threads=threads, chunk=chunk)
-    return m.nbytes / 1e9 / (time.perf_counter() - t)
+    rate = m.nbytes / 1e9 / (time.perf_counter() - t)
+    out.setdefault("staging", {})[f"tp{layout.tp_size} {threads}T {chunk >> 20}M "
+                                  f"spare {reader.SPARE_BUFFERS}"] = dict(reader.STAGING)
+    return rate
 
 
 MiB = 1 << 20
 out["tp1"] = {f"{th}T {ch}M": rank_fill(Layout(1, 0), th, ch * MiB)
-              for th in (8, 16) for ch in (8, 16, 32)}
+              for th, ch in ((8, 16), (16, 16), (24, 16), (16, 32), (16, 64), (8, 64))}
+reader.SPARE_BUFFERS = 16
+out["tp1_run1_pool"] = rank_fill(Layout(1, 0), 16, 16 * MiB)  # 32 buffers, as in run 1
+reader.SPARE_BUFFERS = 2
 best = max(out["tp1"], key=out["tp1"].get)
 th, ch = int(best.split("T")[0]), int(best.split()[1][:-1])
 out["best"] = best
@@ -438,6 +445,35 @@ for slabs in held.values():
     for x in slabs:
         x.release()
 held.clear()
+# probe: DMA straight from the page cache, the file's mapping registered with the driver
+try:
+    import mmap
+    import numpy as np
+    n = min(os.path.getsize(files[0]), 4 << 30) & ~((2 << 20) - 1)
+    fd = os.open(files[0], os.O_RDONLY)
+    arr = np.frombuffer(mmap.mmap(fd, n, prot=mmap.PROT_READ), dtype=np.uint8)
+    cr = torch.cuda.cudart()
+    t = time.perf_counter()
+    err = cr.cudaHostRegister(arr.ctypes.data, n, 8)  # cudaHostRegisterReadOnly
+    probe = {"bytes": n, "register_s": time.perf_counter() - t, "error": str(err)}
+    if int(getattr(err, "value", err)) == 0:
+        import warnings
+        warnings.simplefilter("ignore")
+        host = torch.from_numpy(arr)
+        d = torch.empty(n, dtype=torch.uint8, device=dev)
+        torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        d.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(dev)
+        probe["h2d_s"] = time.perf_counter() - t
+        probe["same"] = bool(torch.equal(d[:1 << 20].cpu(), host[:1 << 20]))
+        t = time.perf_counter()
+        cr.cudaHostUnregister(arr.ctypes.data)
+        probe["unregister_s"] = time.perf_counter() - t
+        del d
+    out["register_probe"] = probe
+except Exception as e:  # a probe: its failure is a finding, not an error
+    out["register_probe"] = {"failed": repr(e)}
 from safetensors.torch import load_file
 load_file(files[0], device=dev)
 torch.cuda.synchronize(dev)
@@ -478,6 +514,19 @@ def step_sweep(model: Path, device: str, tmp: Path) -> None:
             f"{best / reads:.0%}", ""),
            *[(f"split read alone, rank 0 of {k}", f"{v:.1f}", f"tp1 {best:.1f}",
               f"{v / best:.0%}", ">= 80%") for k, v in out["split"].items()]])
+    print(f"tp1 16T 16M with run 1's pool (32 buffers): {out['tp1_run1_pool']:.1f} GB/s")
+    for k, v in out.get("staging", {}).items():
+        print(f"  staging {k}: {v.get('buffers')} buffers, {v.get('pinned_s', 0) * 1e3:.0f} ms "
+              "allocating pinned memory")
+    p = out.get("register_probe", {})
+    if "h2d_s" in p:
+        print(f"probe, page cache registered (cudaHostRegister read-only) and copied: "
+              f"{p['bytes'] / 2**30:.1f} GiB, register {p['register_s'] * 1e3:.0f} ms "
+              f"({p['bytes'] / 1e9 / p['register_s']:.1f} GB/s), H2D {p['h2d_s'] * 1e3:.0f} ms "
+              f"({p['bytes'] / 1e9 / p['h2d_s']:.1f} GB/s), unregister "
+              f"{p['unregister_s'] * 1e3:.0f} ms, bytes equal: {p['same']}")
+    else:
+        print(f"probe, page cache registered: {p}")
 
 
 def step_pidns(model: Path, device: str, tmp: Path) -> None:

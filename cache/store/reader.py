@@ -36,6 +36,8 @@ log = logging.getLogger("vlaunch.cache.store.reader")
 CHUNK = 64 << 20
 CUDA_CHUNK = 16 << 20  # pinned staging is costly to allocate: up to 2 buffers x threads x this
 NARROW = 1 << 20  # a split narrower than this per row is read as whole spans (see pieces)
+SPARE_BUFFERS = 2  # pinned staging buffers beyond one per reader thread
+STAGING: dict[str, Any] = {}  # the last CUDA load's staging: buffers, chunk, pinned_s
 
 
 class ReadError(VlaunchError):
@@ -77,7 +79,7 @@ def fill(specs: list[SliceSpec], manifest: Manifest, slabs: list[torch.Tensor], 
            for f in {str(s.source.file) for s in specs}}
     maps = {f: _file_bytes(fd) for f, fd in fds.items()} if gather else {}
     progress = Progress(sum(s.nbytes for s in specs), label)
-    mover = (_CudaMover(slabs[0].device, chunk, 2 * max(1, threads)) if cuda
+    mover = (_CudaMover(slabs[0].device, chunk, max(1, threads) + SPARE_BUFFERS) if cuda
              else _HostMover(chunk))
 
     def one(item: tuple[SliceSpec, Piece]) -> None:
@@ -275,10 +277,12 @@ class _CudaMover:
         return buf, None
 
     def _thread(self) -> tuple[Any, torch.Tensor | None]:
-        """This thread's stream and device scratch (made on first use)."""
+        """This thread's stream, made current on it once, and its device scratch (made on
+        first use)."""
         local = self._local
         if not hasattr(local, "stream"):
             local.stream = self._torch.cuda.Stream(self.device)
+            self._torch.cuda.set_stream(local.stream)  # reader threads end with the load
             local.scratch = None
         return local.stream, local.scratch
 
@@ -296,25 +300,26 @@ class _CudaMover:
             else:
                 _pread_into(fd, _host_view(buf)[:piece.span], piece.offset, file)
             stream, scratch = self._thread()
-            with torch.cuda.stream(stream):
-                if piece.contiguous or mapped is not None:
-                    dst.copy_(buf[:piece.nbytes], non_blocking=True)
-                else:
-                    if scratch is None:
-                        scratch = self._local.scratch = torch.empty(
-                            self.chunk, dtype=torch.uint8, device=self.device)
-                        with self._lock:
-                            self._scratch.append(scratch)
-                    scratch[:piece.span].copy_(buf[:piece.span], non_blocking=True)
-                    _split_copy(dst, scratch, piece)  # in stream order: scratch is reused
+            if piece.contiguous or mapped is not None:
+                dst.copy_(buf[:piece.nbytes], non_blocking=True)
+            else:
+                if scratch is None:
+                    scratch = self._local.scratch = torch.empty(
+                        self.chunk, dtype=torch.uint8, device=self.device)
+                    with self._lock:
+                        self._scratch.append(scratch)
+                scratch[:piece.span].copy_(buf[:piece.span], non_blocking=True)
+                _split_copy(dst, scratch, piece)  # in stream order: scratch is reused
+            if event is None:
                 event = torch.cuda.Event()
-                event.record(stream)
+            event.record(stream)  # each buffer has one event, recorded anew at each use
         finally:
             self._free.put((buf, event))
 
     def finish(self) -> None:
         """Wait for every queued copy."""
         self._torch.cuda.synchronize(self.device)
+        STAGING.update(buffers=self._made, chunk=self.chunk, pinned_s=self._pinned_s)
         log.debug("staging: %d pinned buffers of %d MiB, %.0f ms allocating them", self._made,
                   self.chunk >> 20, self._pinned_s * 1e3)
 

@@ -23,7 +23,7 @@ OUT=${OUT:-/tmp/vlaunch-gpu}
 mkdir -p "$OUT"
 LOGS=$(mktemp -d)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export PYTHONUNBUFFERED=1
 BUDGET=${BUDGET:-530}
 CKPT=${CKPT:-/tmp/vlaunch-ckpt16}
 PY=${PY:-python3}
@@ -62,6 +62,9 @@ setup() {
         ln -sfn "$PWD/cache" /tmp/vl/vlaunch/cache
         ln -sfn "$PWD/launcher" /tmp/vl/vlaunch/launcher
     }
+    # byte-compile now, as an installed package is: the handoff's import figure must not
+    # include compiling vlaunch's sources (run 1 of 2026-11-30 did, with bytecode writing off)
+    "$PY" -m compileall -q cache launcher benchmarks tests >/dev/null
     nvidia-smi -L
     "$PY" -c "import sys, torch, vlaunch.cache as v; print(sys.version.split()[0], 'torch',
 torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'vlaunch',

@@ -176,7 +176,7 @@ elif kind == "profile":
     wrap(C.CacheClient, "_send", "send a request")
     wrap(C.CacheClient, "_recv", "receive a reply (waits for the cache)")
     wrap(C.CacheClient, "handoff", "handoff (own code)")
-    wrap(C, "_import", "fd import + map, all slabs (own code)")
+    wrap(C, "import_slabs", "fd import + map, all slabs (own code)")
     wrap(mods["protocol"], "decode_body",
          lambda a: f"json decode of reply ({current[0]})" if current[0] else "json decode")
     wrap(M.Manifest, "from_wire", "manifest validate (from_wire)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -13,6 +14,7 @@ import click
 from vlaunch.cache.contract.cliopt import SourceOption
 from vlaunch.cache.contract.errors import VlaunchError
 from vlaunch.cache.contract.exitcodes import EXIT_TABLE, ExitStatus
+from vlaunch.cache.contract.launch import RankArgs, rank_command
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("vlaunch.launcher")
@@ -217,10 +219,15 @@ def status(socket_dir: str, url: str, as_json: bool) -> None:
     click.echo(json.dumps(snap, indent=2) if as_json else format_status(snap))
 
 
-def _add_cache_command() -> None:
-    from vlaunch.cache.rank.cli import cache_command
+def _exec_rank(args: RankArgs) -> None:
+    """`vlaunch cache`: become the rank process (same pid, for systemd); the launcher never
+    imports the rank's code, only the contract that names its options."""
+    os.environ.update(args.secret_env())
+    os.execv(sys.executable, [sys.executable, "-m", "vlaunch.cache", *args.to_argv()])
 
-    cli.add_command(cache_command)
+
+def _add_cache_command() -> None:
+    cli.add_command(rank_command("cache", _exec_rank))
     from .verify import verify
 
     cli.add_command(verify)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from vlaunch.cache.client import artifacts as E
 from vlaunch.cache.client.connection import CacheClient
 from vlaunch.cache.contract.errors import ArtifactError, CacheBrokenError
 from vlaunch.cache.contract.protocol import MAX_ARTIFACT
@@ -35,8 +36,8 @@ def test_miss_hand_back_hit_and_oversize(llama_ckpt: Path, sockdir: Path, caches
         produced.append(b"table" * 100)
         return produced[-1]
 
-    assert A.adopt_or_produce(sock, KIND, KEY, adopt=adopted.append, produce=produce) == "miss"
-    assert A.adopt_or_produce(sock, KIND, KEY, adopt=adopted.append, produce=produce) == "hit"
+    assert E.adopt_or_produce(sock, KIND, KEY, adopt=adopted.append, produce=produce) == "miss"
+    assert E.adopt_or_produce(sock, KIND, KEY, adopt=adopted.append, produce=produce) == "hit"
     assert adopted == produced and len(produced) == 1
     client = CacheClient(sock)
     with pytest.raises(ArtifactError, match="over the limit"):
@@ -50,7 +51,7 @@ def test_miss_hand_back_hit_and_oversize(llama_ckpt: Path, sockdir: Path, caches
     client.close()
     # no cache at all: a miss with one warning, the engine tunes and carries on
     with caplog.at_level(logging.WARNING):
-        got = A.adopt_or_produce(sockdir / "nope.sock", KIND, KEY, adopt=adopted.append,
+        got = E.adopt_or_produce(sockdir / "nope.sock", KIND, KEY, adopt=adopted.append,
                                  produce=lambda: b"x")
     assert got == "miss"
     assert [r.message for r in caplog.records if "not fetched" in r.message]
@@ -81,11 +82,12 @@ def test_store_bounds_and_corrupt_files(tmp_path: Path, caplog: pytest.LogCaptur
 
 ENGINE = r"""
 import os, sys
+from vlaunch.cache.client import artifacts as E
 from vlaunch.cache.store import artifacts as A
 from vlaunch.cache.contract.sockdir import socket_path
 sock = socket_path(os.environ["VLAUNCH_SOCKET_DIR"], 0)
 key = A.artifact_key({"test": "launcher"})
-got = A.adopt_or_produce(sock, "flashinfer-autotune", key, adopt=lambda d: None,
+got = E.adopt_or_produce(sock, "flashinfer-autotune", key, adopt=lambda d: None,
                          produce=lambda: b"T" * 1000)
 who = "preload" if os.environ.get("VLAUNCH_PRELOAD") else "engine"
 with open(sys.argv[1], "a") as f:
@@ -141,10 +143,10 @@ def test_flashinfer_table_adopted_through_the_cache(llama_ckpt: Path, sockdir: P
                             ((8, 4096), (4096, 128)), ())
     tuner.profiling_cache[key] = ((3, 1), None)
     table_key = fa.table_key(rank=0, ops=["flashinfer::fused_moe"], shapes=[(8, 4096)])
-    assert A.fetch(sock, fa.KIND, table_key) is None  # miss
-    assert A.hand_back(sock, fa.KIND, table_key, fa.export_table(tuner))  # hand back
+    assert E.fetch(sock, fa.KIND, table_key) is None  # miss
+    assert E.hand_back(sock, fa.KIND, table_key, fa.export_table(tuner))  # hand back
     restarted = AutoTuner()
-    fa.adopt_table(A.fetch(sock, fa.KIND, table_key) or b"", restarted)  # hit: adopt
+    fa.adopt_table(E.fetch(sock, fa.KIND, table_key) or b"", restarted)  # hit: adopt
     saved = json.loads(fa.export_table(restarted))
     assert saved[key.file_key] == ["CutlassFusedMoERunner", [3, 1]]
     with pytest.raises(ArtifactError):

@@ -38,12 +38,12 @@ def test_missing_gpu_exits_71(llama_ckpt: Path, sockdir: Path) -> None:
 
 def test_read_failure_is_an_io_error_with_status_74(tmp_path: Path) -> None:
     """A read that fails underneath (EIO, EISDIR...) is ReadError: the rank exits 74."""
-    from vlaunch.cache.store.reader import ReadError, _pread_into
+    from vlaunch.cache.store.reader import ReadError, pread_into
 
     fd = os.open(tmp_path, os.O_RDONLY)  # reading a directory fails like a bad disk would
     try:
         with pytest.raises(ReadError, match="check the disk") as err:
-            _pread_into(fd, memoryview(bytearray(16)), 0, "shard.safetensors")
+            pread_into(fd, memoryview(bytearray(16)), 0, "shard.safetensors")
     finally:
         os.close(fd)
     assert err.value.status == ExitStatus.IO_ERROR
@@ -110,4 +110,3 @@ def test_vlaunch_status_shows_a_running_launcher(tmp_path: Path, llama_ckpt: Pat
         assert gone.returncode == ExitStatus.USAGE and "no running launcher" in gone.stderr
     finally:
         la.close()
-

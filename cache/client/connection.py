@@ -24,7 +24,7 @@ from vlaunch.cache.contract.errors import (
     SocketDirError,
 )
 from vlaunch.cache.contract.sockdir import check_peer, ensure_socket_dir
-from vlaunch.cache.store.manifest import Manifest, _int, views
+from vlaunch.cache.store.manifest import Manifest, checked_int, views
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -144,7 +144,7 @@ class CacheClient:
         _, fds = self.request({"op": "open", "mode": mode, **({"layout": layout} if layout
                                                               else {})})
         copies: list[torch.Tensor] | None = [] if mode != "share" else None
-        slabs = _import(fds, manifest.slab_sizes, device, copies)
+        slabs = import_slabs(fds, manifest.slab_sizes, device, copies)
         if copies is not None:
             slabs = copies  # one device copy per slab; the mappings drop here
         tensors = views(manifest, slabs)
@@ -196,7 +196,7 @@ class CacheClient:
                 copies: list[torch.Tensor] = []
                 try:
                     # the copies start as each slab is mapped
-                    mapped.extend(_import(ofds, sizes, device, copies if mode != "share"
+                    mapped.extend(import_slabs(ofds, sizes, device, copies if mode != "share"
                                           else None))
                     if mode != "share":
                         self._send(self._hello(fingerprint()))
@@ -403,12 +403,12 @@ def _slab_sizes(obj: Any) -> tuple[int, ...]:
         sizes = obj["slab_sizes"]
         if not isinstance(sizes, list) or len(sizes) > 4096:
             raise ValueError("too many slabs")
-        return tuple(_int(s, "slab size") for s in sizes)
+        return tuple(checked_int(s, "slab size") for s in sizes)
     except (TypeError, ValueError, KeyError) as exc:
         raise CacheBrokenError(f"invalid manifest from cache: {exc}") from exc
 
 
-def _import(fds: list[int], sizes: tuple[int, ...], device: str,
+def import_slabs(fds: list[int], sizes: tuple[int, ...], device: str,
             copies: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Map each slab fd read-only; closes every fd. With `copies`, also copy each slab into
     memory of our own as soon as it is mapped (appended to `copies` in order): one copy per

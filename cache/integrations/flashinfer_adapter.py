@@ -25,8 +25,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from vlaunch.cache.client.artifacts import fetch, hand_back
 from vlaunch.cache.contract.errors import ArtifactError
-from vlaunch.cache.store.artifacts import artifact_key, fetch, hand_back
+from vlaunch.cache.store.artifacts import artifact_key
 
 log = logging.getLogger("vlaunch.cache.flashinfer")
 KIND = "flashinfer-autotune"

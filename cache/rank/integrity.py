@@ -195,11 +195,11 @@ class Integrity:
 def slab_digests(manifest: Manifest, slabs: list[torch.Tensor], threads: int = 8
                  ) -> dict[str, str]:
     """blake2b of each tensor's bytes, in manifest order (the same hash as expected_digests)."""
-    from vlaunch.cache.store.reader import _chunks
+    from vlaunch.cache.store.reader import chunks
 
     def one(rec: Any) -> tuple[str, str]:
         h = identity.digest()
-        for part in _chunks(slabs[rec.slab][rec.offset:rec.offset + rec.nbytes]):
+        for part in chunks(slabs[rec.slab][rec.offset:rec.offset + rec.nbytes]):
             h.update(part)
         return rec.name, h.hexdigest()
 

@@ -85,7 +85,7 @@ def check_layout(source: Manifest, ours: Manifest) -> None:
 def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifest,
               slabs: list[torch.Tensor], device: str, *, timeout: float = TIMEOUT) -> Seeded:
     """Copy the source rank's slabs (mapped from its fds) into `slabs`."""
-    from vlaunch.cache.client.connection import CacheClient, _import
+    from vlaunch.cache.client.connection import CacheClient, import_slabs
     from vlaunch.cache.contract.sockdir import socket_path
 
     start = time.perf_counter()
@@ -98,7 +98,7 @@ def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifes
         source = client.manifest()
         check_layout(source, manifest)
         _, fds = client.request({"op": "open", "mode": "copy"})
-        mapped = _import(fds, source.slab_sizes, device)
+        mapped = import_slabs(fds, source.slab_sizes, device)
         for dst, src in zip(slabs, mapped, strict=True):
             _copy(dst, src)
         mapped.clear()  # unmaps: we no longer depend on the source
@@ -181,13 +181,13 @@ def _ask(sock: socket.socket, message: dict[str, Any], *, miss: bool = False) ->
 
 def _recv_into(sock: socket.socket, slab: torch.Tensor, n: int) -> None:
     """Read exactly n raw bytes into a slab (CPU directly, CUDA through a host buffer)."""
-    from vlaunch.cache.store.reader import _host_view
+    from vlaunch.cache.store.reader import host_view
 
     staging = None if slab.device.type == "cpu" else bytearray(CHUNK)
     done = 0
     while done < n:
         want = min(CHUNK, n - done)
-        view = (_host_view(slab[done:done + want]) if staging is None
+        view = (host_view(slab[done:done + want]) if staging is None
                 else memoryview(staging)[:want])
         got = 0
         while got < want:
@@ -301,9 +301,9 @@ class SeedSource:
             raise ProtocolError(f"no slab {index}")
         slab = self._slabs()[index]
         await self._send(writer, {"ok": True, "slab": index, "nbytes": sizes[index]})
-        from vlaunch.cache.store.reader import _chunks
+        from vlaunch.cache.store.reader import chunks
 
-        for part in _chunks(slab[:sizes[index]]):
+        for part in chunks(slab[:sizes[index]]):
             for at in range(0, len(part), CHUNK):
                 writer.write(part[at:at + CHUNK])
                 await asyncio.wait_for(writer.drain(), self.timeout)

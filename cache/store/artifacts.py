@@ -23,11 +23,11 @@ import os
 import re
 import tempfile
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vlaunch.cache.contract.errors import ArtifactError, VlaunchError
+from vlaunch.cache.contract.errors import ArtifactError
 from vlaunch.cache.contract.protocol import MAX_ARTIFACT
 
 log = logging.getLogger("vlaunch.cache.store.artifacts")
@@ -167,7 +167,7 @@ def read_file(path: Path) -> tuple[str, str, bytes]:
     return kind, key, data
 
 
-# ------------------------------------------------------------------------ engine side
+# ------------------------------------------------------------------------ on the wire
 
 
 def encode(data: bytes) -> str:
@@ -181,55 +181,3 @@ def decode(text: str) -> bytes:
         return base64.b64decode(text.encode("ascii"), validate=True)
     except (binascii.Error, ValueError, UnicodeEncodeError) as exc:
         raise ArtifactError(f"artifact data is not valid base64: {exc}") from None
-
-
-def fetch(socket: Path | str, kind: str, key: str, *, timeout: float = 5.0) -> bytes | None:
-    """The artifact from the cache at `socket`, or None on a miss or on any failure (warned)."""
-    from vlaunch.cache.client.connection import CacheClient
-
-    try:
-        client = CacheClient(socket, timeout=timeout, client="artifacts")
-        try:
-            return client.artifact_get(kind, key)
-        finally:
-            client.close()
-    except VlaunchError as exc:
-        log.warning("artifact %s not fetched from the cache (%s); tuning instead", kind, exc)
-        return None
-
-
-def hand_back(socket: Path | str, kind: str, key: str, data: bytes, *,
-              timeout: float = 5.0) -> bool:
-    """Give a freshly produced artifact to the cache; any failure is one warning, never raised."""
-    from vlaunch.cache.client.connection import CacheClient
-
-    try:
-        client = CacheClient(socket, timeout=timeout, client="artifacts")
-        try:
-            client.artifact_put(kind, key, data)
-        finally:
-            client.close()
-        return True
-    except VlaunchError as exc:
-        log.warning("artifact %s not handed back to the cache (%s); the next engine tunes "
-                    "again", kind, exc)
-        return False
-
-
-def adopt_or_produce(socket: Path | str, kind: str, key: str, *,
-                     adopt: Callable[[bytes], None], produce: Callable[[], bytes]) -> str:
-    """Hit: adopt the cached artifact and skip producing it. Miss: produce, then hand back.
-
-    Returns "hit" or "miss". An artifact failure (no cache, a bad table that `adopt` refuses)
-    degrades to a miss with one warning: the engine never fails because of an artifact.
-    """
-    data = fetch(socket, kind, key)
-    if data is not None:
-        try:
-            adopt(data)
-            return "hit"
-        except Exception as exc:  # a table the library refuses: tune instead
-            log.warning("cached artifact %s was refused (%s); tuning instead", kind, exc)
-    table = produce()
-    hand_back(socket, kind, key, table)
-    return "miss"

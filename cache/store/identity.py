@@ -37,7 +37,7 @@ from typing import Any
 
 from vlaunch.cache.contract.errors import VerifyError
 from vlaunch.cache.store.checkpoint import Checkpoint, open_checkpoint
-from vlaunch.cache.store.reader import _pread_into
+from vlaunch.cache.store.reader import pread_into
 
 log = logging.getLogger("vlaunch.cache.store.identity")
 
@@ -185,7 +185,7 @@ def sample_identity(ckpt: Checkpoint) -> str:
                 fd = fds[file] = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead per sample
             buf = memoryview(bytearray(n))
-            _pread_into(fd, buf, offset, str(file))
+            pread_into(fd, buf, offset, str(file))
             h.update(buf)
     finally:
         for fd in fds.values():
@@ -300,7 +300,7 @@ def expected_digests(model: str, plan_spec: str, layout: Any, *, threads: int = 
             for offset, length in spec.runs():
                 while length:
                     n = min(length, DIGEST_CHUNK)
-                    _pread_into(fd, local.buf[:n], offset, str(file))
+                    pread_into(fd, local.buf[:n], offset, str(file))
                     h.update(local.buf[:n])
                     offset, length = offset + n, length - n
             return spec.name, h.hexdigest()

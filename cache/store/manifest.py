@@ -60,7 +60,7 @@ class Manifest:
 def _parse(obj: Any) -> Manifest:
     from vlaunch.cache.store.dtypes import DTYPES
 
-    sizes = tuple(_int(s, "slab size") for s in obj["slab_sizes"])
+    sizes = tuple(checked_int(s, "slab size") for s in obj["slab_sizes"])
     rows = obj["tensors"]
     if not isinstance(rows, list) or len(rows) > MAX_TENSORS or len(sizes) > 4096:
         raise ValueError("too many tensors or slabs")
@@ -79,14 +79,14 @@ def _parse(obj: Any) -> Manifest:
         count = span = 1
         for d, st in zip(shape_t, stride_t, strict=True):
             if type(d) is not int or not 0 <= d <= _LIMIT:
-                _int(d, "dim")
+                checked_int(d, "dim")
             if type(st) is not int or not 0 <= st <= _LIMIT:
-                _int(st, "stride")
+                checked_int(st, "stride")
             count *= d
             span += (d - 1) * st
         for value, what in ((slab, "slab"), (offset, "offset"), (nbytes, "nbytes")):
             if type(value) is not int or not 0 <= value <= _LIMIT:
-                _int(value, what)
+                checked_int(value, what)
         bits = bitsizes[dtype]
         if nbytes * 8 != count * bits or slab >= nslabs or offset % (bits >> 3 or 1):
             raise ValueError(f"{name}: size, slab or alignment inconsistent")
@@ -96,7 +96,7 @@ def _parse(obj: Any) -> Manifest:
         if nbytes and offset * 8 + span * bits > sizes[slab] * 8:
             raise ValueError(f"{name}: extends past the end of slab {slab}")
         if checksum is not None:
-            _int(checksum, "checksum")
+            checked_int(checksum, "checksum")
         # TensorRecord(...) without the frozen dataclass's per-field object.__setattr__ calls
         # (they cost ~2 µs a record); the same fields, equality and immutability.
         rec = _new(TensorRecord)
@@ -124,7 +124,7 @@ def tensor_name_problem(name: object) -> str:
     return ""
 
 
-def _int(value: Any, what: str) -> int:
+def checked_int(value: Any, what: str) -> int:
     if type(value) is not int or value < 0 or value > _LIMIT:
         raise ValueError(f"{what} {value!r} is not a bounded non-negative integer")
     return value

@@ -46,14 +46,14 @@ class ReadError(VlaunchError):
     status = ExitStatus.IO_ERROR
 
 
-def _host_view(t: torch.Tensor) -> memoryview:
+def host_view(t: torch.Tensor) -> memoryview:
     """A writable memoryview over a CPU tensor's bytes (the tensor must outlive it)."""
     n = t.numel() * t.element_size()
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else \
         memoryview(bytearray())
 
 
-def _pread_into(fd: int, view: memoryview, offset: int, file: str) -> None:
+def pread_into(fd: int, view: memoryview, offset: int, file: str) -> None:
     got = 0
     while got < len(view):
         try:
@@ -209,7 +209,7 @@ class _HostMover:
              mapped: np.ndarray | None = None) -> None:
         """Read one piece into `dst` (`mapped`: the file's bytes, to gather split rows from)."""
         if piece.contiguous:
-            _pread_into(fd, _host_view(dst), piece.offset, file)
+            pread_into(fd, host_view(dst), piece.offset, file)
             return
         if mapped is not None:
             _gather(dst.numpy(), mapped[piece.offset:piece.offset + piece.span], piece)
@@ -219,7 +219,7 @@ class _HostMover:
             import numpy as np
 
             stage = self._local.stage = np.empty(self.chunk, dtype=np.uint8)
-        _pread_into(fd, memoryview(stage)[:piece.span], piece.offset, file)
+        pread_into(fd, memoryview(stage)[:piece.span], piece.offset, file)
         _gather(dst.numpy(), stage, piece)
 
     def finish(self) -> None:
@@ -298,7 +298,7 @@ class _CudaMover:
             if mapped is not None and not piece.contiguous:
                 _gather(buf.numpy(), mapped[piece.offset:piece.offset + piece.span], piece)
             else:
-                _pread_into(fd, _host_view(buf)[:piece.span], piece.offset, file)
+                pread_into(fd, host_view(buf)[:piece.span], piece.offset, file)
             stream, scratch = self._thread()
             if piece.contiguous or mapped is not None:
                 dst.copy_(buf[:piece.nbytes], non_blocking=True)
@@ -344,7 +344,7 @@ def checksums(manifest: Manifest, slabs: list[torch.Tensor], threads: int = 8) -
     """crc32 of every tensor's bytes (CPU slabs; CUDA slabs are copied to host in chunks)."""
     def one(rec: object) -> tuple[str, int]:
         crc = 0
-        for part in _chunks(slabs[rec.slab][rec.offset:rec.offset + rec.nbytes]):  # type: ignore[attr-defined]
+        for part in chunks(slabs[rec.slab][rec.offset:rec.offset + rec.nbytes]):  # type: ignore[attr-defined]
             crc = zlib.crc32(part, crc)
         return rec.name, crc  # type: ignore[attr-defined]
 
@@ -352,9 +352,9 @@ def checksums(manifest: Manifest, slabs: list[torch.Tensor], threads: int = 8) -
         return dict(pool.map(one, manifest.tensors))
 
 
-def _chunks(t: torch.Tensor) -> Iterator[memoryview]:
+def chunks(t: torch.Tensor) -> Iterator[memoryview]:
     for start in range(0, t.numel(), CHUNK):
         part = t[start:start + CHUNK]
         if part.is_cuda:
             part = part.cpu()
-        yield _host_view(part)
+        yield host_view(part)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import struct
 from pathlib import Path
 
@@ -557,3 +558,19 @@ def test_every_dtype_on_cuda_slabs(every_dtype: Path, tmp_path: Path, sockdir: P
         for name, ref in want.items():
             assert got[name].is_cuda, (mode, name)
             assert_same(got[name], ref, (mode, name))
+
+
+# --- the engine's memory budget ---------------------------------------------------------------
+
+
+def test_weights_held_outside_the_engine_must_fit_its_budget(caplog) -> None:
+    from vlaunch.cache.client.budget import GiB, WeightBudgetError, check_external_weights
+
+    caplog.set_level(logging.INFO, "vlaunch.cache")
+    assert check_external_weights(60 * GiB, 140 * GiB, 0.9, "cuda:0") == 66 * GiB
+    assert "60.00 GiB of a 126.00 GiB budget; 66.00 GiB left" in caplog.text
+    with pytest.raises(WeightBudgetError) as err:
+        check_external_weights(130 * GiB, 140 * GiB, 0.9, "cuda:0")
+    assert "130.00 GiB mapped from the vlaunch cache, budget 126.00 GiB (0.9 x 140.00 GiB)" in \
+        str(err.value)
+    assert err.value.status == ExitStatus.BAD_PLAN

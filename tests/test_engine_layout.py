@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -276,3 +277,41 @@ def test_a_respawned_rank_adopts_the_escrowed_engine_layout(
     _equal(dict(got), want)
     status = CacheClient(socket_path(sockdir, 0)).status()
     assert status["raw"] == "released" and len(status["layouts"]) == 1
+
+
+def test_reference_engine_hands_back_then_restarts_on_its_own_layout(
+        model: Path, sockdir: Path, ranks: list[Rank], tmp_path: Path) -> None:
+    """TP 2: the first engine fuses, pads and hands back; a restart maps that layout with the
+    checkpoint moved away and generates the same tokens; workers start before torch loads."""
+    from tests.test_engine import engine
+
+    _spawn_all(model, sockdir, 2, 1, ranks)
+    args = ("--socket-dir", str(sockdir), "--tensor-parallel-size", "2", "--no-fallback")
+    with engine(tmp_path, "first", model, *args) as first:
+        first.wait_healthy(STARTUP_S)
+        stats = first.request("GET", "/stats")[1]
+        assert (stats["source"], stats["layout"]) == ("cache", "handed-back")
+        tokens = [first.generate(p, 6)[1]["tokens"] for p in ([1, 2, 3], [200, 7, 7])]
+        first.proc.send_signal(signal.SIGTERM)
+        assert first.wait() == 0
+    log = first.log.read_text()
+    assert "started rank 1 (pid " in log and "before importing torch" in log
+    for r in ranks:  # each rank adopted the layout and released its raw slabs
+        assert r.frame()[0]["event"] == "layout"
+        assert r.frame()[0] == {"event": "release", "layout": "raw"}
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for f in model.glob("*.safetensors*"):
+        shutil.move(str(f), moved / f.name)
+    try:
+        with engine(tmp_path, "again", model, *args) as again:
+            again.wait_healthy(STARTUP_S)
+            stats = again.request("GET", "/stats")[1]
+            assert (stats["source"], stats["layout"]) == ("cache", "engine")
+            assert [again.generate(p, 6)[1]["tokens"]
+                    for p in ([1, 2, 3], [200, 7, 7])] == tokens
+            again.proc.send_signal(signal.SIGTERM)
+            assert again.wait() == 0
+    finally:
+        for f in moved.iterdir():
+            shutil.move(str(f), model / f.name)

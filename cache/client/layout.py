@@ -57,10 +57,12 @@ def load_layout(path: os.PathLike[str] | str, model: str, layout: Layout, device
     key = el.layout_key(checked)
     client = CacheClient(path, timeout=timeout)
     try:
-        if not _held(client):
+        held = _listing(client)
+        if not held:
             raise LayoutMissError(f"the cache at {path} holds no engine layout yet")
+        recorded = next((x.get("fingerprint") for x in held if x.get("key") == key), None)
         base = _raw_fingerprint(client, model, layout, device, plan, kernel_backends, loader,
-                                quantization)
+                                quantization, recorded)
         # a layout with other fields answers a mismatch that lists every differing field
         client.request({**client._hello(el.extend(base, checked)), "layout": key})
         reply, _ = client.request({"op": "manifest", "layout": key})
@@ -115,7 +117,7 @@ def hand_back(tensors: Mapping[str, torch.Tensor], *, model: str, fields: Mappin
     client = CacheClient(path, timeout=timeout)
     try:
         base = _raw_fingerprint(client, model, lay, device, plan, kernel_backends, loader,
-                                quantization)
+                                quantization, None)
         _, fds = client.request({"op": "layout_alloc", "fingerprint": base, "fields": checked,
                                  "sizes": list(manifest.slab_sizes)})
         _fill(fds, manifest, tensors, backend, device)
@@ -134,17 +136,21 @@ def hand_back(tensors: Mapping[str, torch.Tensor], *, model: str, fields: Mappin
 
 
 def _raw_fingerprint(client: CacheClient, model: str, layout: Layout, device: str, plan: str,
-                     kernel_backends: str, loader: str, quantization: str | None
-                     ) -> dict[str, str]:
-    """This engine rank's raw fingerprint; the checkpoint's identity as the cache recorded it
-    when the checkpoint cannot be read here (moved away once the engine layout exists)."""
+                     kernel_backends: str, loader: str, quantization: str | None,
+                     recorded: Any) -> dict[str, str]:
+    """This engine rank's raw fingerprint. When the checkpoint cannot be read here (moved away
+    once the engine layout exists), its identity as recorded in the layout's fingerprint
+    (`recorded`), which was built from what the cache read; else the error stands."""
     from vlaunch.cache.client.loader import expected_fingerprint
 
     try:
         return expected_fingerprint(model, layout, device, plan, kernel_backends, loader,
                                     socket=client.path, quantization=quantization)
     except (ModelNotFoundError, CheckpointError, OSError) as exc:
-        recorded = client.status().get("fingerprint", {})
+        if not isinstance(recorded, dict):
+            raise LayoutMissError(f"the cache at {client.path} holds no engine layout with "
+                                  f"these fields, and the checkpoint cannot be read ({exc})"
+                                  ) from None
         log.warning("checkpoint %s cannot be read (%s); matching the engine layout on the "
                     "checkpoint identity the cache recorded when it read it", model, exc)
         return expected_fingerprint(model, layout, device, plan, kernel_backends, loader,
@@ -153,10 +159,12 @@ def _raw_fingerprint(client: CacheClient, model: str, layout: Layout, device: st
                                     quantization=quantization)
 
 
-def _held(client: CacheClient) -> bool:
-    """True when the rank holds any engine layout."""
+def _listing(client: CacheClient) -> list[dict[str, Any]]:
+    """A summary of each engine layout the rank holds."""
     listing = client.request({"op": "layouts"})[0].get("layouts")
-    return isinstance(listing, list) and bool(listing)
+    if not isinstance(listing, list) or not all(isinstance(x, dict) for x in listing):
+        raise CacheBrokenError(f"the cache at {client.path} sent a bad list of layouts")
+    return listing
 
 
 def _copy_names(names: Any, manifest: Manifest) -> list[str]:

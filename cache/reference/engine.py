@@ -187,7 +187,8 @@ class Engine:
             proc = subprocess.Popen(self.opts.worker_argv(rank, listener.getsockname()[1]),
                                     env=env, stdin=subprocess.DEVNULL)
             self.workers[rank] = proc
-            log.info("started rank %d (pid %d)", rank, proc.pid)
+            log.info("started rank %d (pid %d)%s", rank, proc.pid,
+                     "" if "torch" in sys.modules else " before importing torch")
         threading.Thread(target=self.watch_workers, name="vlaunch-workers", daemon=True).start()
         return listener
 

@@ -144,8 +144,9 @@ def _run(case: Case, tmp: Path, model: Path) -> subprocess.CompletedProcess[str]
     case.prepare(tmp)
     argv = [a.format(tmp=tmp, model=model) for a in case.argv]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLAUNCH_", "NOTIFY_"))}
+    extra = {k: v.format(tmp=tmp, model=model) for k, v in case.env.items()}
     return subprocess.run([VLAUNCH, *argv], capture_output=True, text=True, timeout=60,
-                          env={**env, **case.env}, cwd=tmp)
+                          env={**env, **extra}, cwd=tmp)
 
 
 def _check(r: subprocess.CompletedProcess[str], case: Case) -> None:
@@ -262,15 +263,38 @@ def test_vlaunch_demo_passes_the_launchers_status_through(tmp_path: Path,
 
 # ------------------------------------------------------------- failures of a cache rank
 
+def _truncated(tmp: Path) -> None:
+    (tmp / "cut").mkdir()
+    (tmp / "cut" / "model.safetensors").write_bytes((880).to_bytes(8, "little") + b"{")
+
+
+def _killing_hook(tmp: Path) -> None:  # a rank that dies by a signal before it is ready
+    (tmp / "killhook.py").write_text("import os, signal\n\ndef plan(*a, **k):\n"
+                                     "    os.kill(os.getpid(), signal.SIGKILL)\n")
+
+
 RANK_CASES = {
     "no model": Case([*RUN[:2], "{tmp}/missing", *RUN[3:]], 66, "does not exist"),
+    "truncated checkpoint": Case([*RUN[:2], "{tmp}/cut", *RUN[3:], "--tensor-parallel-size",
+                                  "1"], 65, "file is truncated", _truncated),
+    "rank killed before ready": Case(
+        [*RUN, "--tensor-parallel-size", "1", "--plan", "killhook:plan"], 68,
+        "exited before ready: killed by signal 9", _killing_hook, env={"PYTHONPATH": "{tmp}"}),
+    "seed source unreachable": Case(
+        [*RUN, "--tensor-parallel-size", "1", "--seed", "unix:{tmp}/nosuch"], 76,
+        "seed source unreachable"),
     "bad plan": Case([*RUN, "--tensor-parallel-size", "3"], 78, "does not divide evenly"),
     "missing gpu": Case([*RUN, "--device", "cuda"], 71, "exited before ready: status 71"),
 }
 
 
-@pytest.mark.parametrize("name", [  # the CUDA probe takes about 6 s
-    pytest.param(n, marks=pytest.mark.slow) if n == "missing gpu" else n
+SLOW_RANK_CASES = {"missing gpu",  # the CUDA probe: about 6 s
+                   "seed source unreachable",  # the seed client retries for 30 s
+                   "rank killed before ready"}  # the hook imports the plan machinery: 5-11 s
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.slow) if n in SLOW_RANK_CASES else n
     for n in sorted(RANK_CASES)])
 def test_rank_failures_pass_their_status_through(name: str, tmp_path: Path,
                                                  llama_ckpt: Path) -> None:

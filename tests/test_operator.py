@@ -28,13 +28,21 @@ VLAUNCH = str(Path(sys.executable).with_name("vlaunch"))
 NOT_ON_CPU = {
     "71 NO_DEVICE for an index out of range or a missing cuda-bindings": "needs a CUDA machine "
     "(the missing-GPU case runs below: test_rank_failures_pass_their_status_through)",
-    "sent a bad ready report": "needs a rank that breaks the ready protocol (a bug); "
-    "tests/test_launcher.py feeds one",
-    "74 IO_ERROR": "needs a failing disk; tests/test_exit_statuses.py reads a directory instead",
-    "69/80/81/82 (engine and rank deaths)": "need a running cache; tests/test_launcher.py and "
-    "tests/test_supervisor_core.py drive them",
     "could not unmap slab mapping at": "CUDA only",
 }
+"""Rows a CPU machine cannot produce, with the reason."""
+
+ELSEWHERE = {
+    "sent a bad report": "a rank that breaks the report protocol is a bug; the launcher's "
+    "reading of a bad progress frame is tested below (test_report_channel_progress_frames)",
+    "74 IO_ERROR": "needs a failing disk; tests/test_exit_statuses.py reads a directory instead",
+    "69, 80, 81, 82 (engine and rank deaths while serving)": "need a serving cache; "
+    "tests/test_launcher.py and tests/test_supervisor_core.py drive them",
+    "67, 72, 79, 83": "checkpoint integrity, connection limits, start-up deadline: "
+    "tests/test_identity.py and tests/faults/",
+    "engine-side load() rows": "in-process: the load() wait below; tests/test_cache.py",
+}
+"""Rows and statuses driven by other test files, and where."""
 
 
 @dataclass
@@ -461,3 +469,22 @@ def test_loaded_bytes_reach_status_metrics_and_sd_notify(tmp_path: Path,
         la.proc.terminate()
         la.wait_exit()
         la.close()
+
+
+def test_report_channel_progress_frames() -> None:
+    from vlaunch.cache.contract import progress, wire
+    from vlaunch.cache.contract.errors import ProtocolError
+    from vlaunch.launcher.progress import recv_ready
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        for loaded in (0, 50, 100):
+            wire.send_frame(theirs, progress.frame(0, loaded, 100))
+        wire.send_frame(theirs, {"event": "ready", "rank": 0})
+        seen: list[tuple[int, int]] = []
+        ready, fds = recv_ready(ours, lambda *lt: seen.append(lt))
+        assert ready == {"event": "ready", "rank": 0} and fds == []
+        assert seen == [(0, 100), (50, 100), (100, 100)]
+        wire.send_frame(theirs, {"event": "progress", "loaded": "lots", "total": 1})
+        with pytest.raises(ProtocolError, match="bad progress frame"):
+            recv_ready(ours, lambda *lt: None)

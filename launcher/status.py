@@ -47,6 +47,11 @@ def format_status(s: dict[str, Any]) -> str:
     if e:
         lines.append(f"engine {e['state']}  pid {e['pid']}  restarts {e['restarts']}  "
                      f"last exit {e['last_exit']}")
+    for rank, r in sorted(s["ranks"].items(), key=lambda kv: int(kv[0])):
+        changed = (r.get("checkpoint") or {}).get("changed")
+        if changed:  # docs/integrity.md: new engines get a mismatch until the rank restarts
+            lines.append(f"rank {rank}: checkpoint changed on disk since loaded: "
+                         f"{', '.join(changed)}")
     if s.get("first_failure"):
         f = s["first_failure"]
         lines.append(f"first failure: rank {f['rank']} pid {f['pid']}: {f['description']}")

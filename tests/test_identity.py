@@ -265,6 +265,10 @@ def test_run_verifies_then_reports_a_changed_checkpoint_in_status_and_metrics(
         assert snap["ranks"]["0"]["checkpoint"]["changed"] == [NAME]
         with urllib.request.urlopen(la.url + "/metrics", timeout=5) as r:
             assert 'vlaunch_checkpoint_changed{rank="0"} 1.0' in r.read().decode()
+        shown = subprocess.run([sys.executable, "-m", "vlaunch.launcher.cli", "status",
+                                "--socket-dir", str(la.sockdir)], capture_output=True,
+                               text=True, timeout=30)
+        assert f"rank 0: checkpoint changed on disk since loaded: {NAME}" in shown.stdout
         la.proc.terminate()
         assert la.wait_exit() == 0, la.text()
     finally:

@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vlaunch.cache")
 
-WATCH_EVERY = float(os.environ.get("VLAUNCH_WATCH_EVERY", "5"))
-"""Seconds between two stats of the checkpoint's files while a rank serves."""
+WATCH_EVERY = 5.0
+"""Seconds between two stats of the checkpoint's files while a rank serves
+($VLAUNCH_WATCH_EVERY overrides it)."""
 DIGEST_PAGE = 1024
 """Most tensors one `digest` reply lists (a name is at most 1024 bytes: replies stay < 2 MB)."""
 
@@ -129,8 +130,9 @@ class Integrity:
             self.record = rec
 
     def _watch(self) -> None:
+        every = _seconds(os.environ.get("VLAUNCH_WATCH_EVERY", ""), WATCH_EVERY)
         while True:
-            time.sleep(WATCH_EVERY)
+            time.sleep(every)
             self.poll()
 
     def poll(self) -> list[str]:
@@ -235,3 +237,12 @@ def verify_loaded(model: str, plan: str, layout: Any, manifest: Manifest,
 def _unlink(path: Path) -> None:
     with contextlib.suppress(OSError):
         path.unlink()
+
+
+def _seconds(text: str, default: float) -> float:
+    """A positive number of seconds from an environment variable, else `default`."""
+    try:
+        value = float(text)
+    except ValueError:
+        return default
+    return value if 0 < value < 1e6 else default

@@ -399,7 +399,7 @@ def reads(n, chunk=16 << 20):
     return total / 1e9 / (time.perf_counter() - t)
 
 
-out["reads_gbps"] = {n: reads(n) for n in (8, 16, 32)}
+out["reads_gbps"] = {n: reads(n) for n in ((16,) if spec.get("quick") else (8, 16, 32))}
 del src
 backend = get_backend(dev)
 held = {}
@@ -426,8 +426,12 @@ def rank_fill(layout, threads, chunk):
 
 
 MiB = 1 << 20
-out["tp1"] = {f"{th}T {ch}M": rank_fill(Layout(1, 0), th, ch * MiB)
-              for th, ch in ((8, 16), (16, 16), (24, 16), (16, 32), (16, 64), (8, 64))}
+configs = ((8, 16), (16, 16)) if spec.get("quick") else (
+    (8, 16), (16, 16), (24, 16), (4, 32), (8, 32), (16, 32))
+out["tp1"] = {f"{th}T {ch}M": rank_fill(Layout(1, 0), th, ch * MiB) for th, ch in configs}
+if spec.get("quick"):
+    print("RESULT " + json.dumps(out))
+    sys.exit(0)
 reader.SPARE_BUFFERS = 16
 out["tp1_run1_pool"] = rank_fill(Layout(1, 0), 16, 16 * MiB)  # 32 buffers, as in run 1
 reader.SPARE_BUFFERS = 2
@@ -498,6 +502,15 @@ def step_sweep(model: Path, device: str, tmp: Path) -> None:
     if out is None:
         raise RuntimeError(f"sweep failed ({r.returncode}): {r.stderr[-3000:]}")
     RESULTS["sweep"] = out
+    # the same reader with torch's pinned memory made by malloc + cudaHostRegister on 8
+    # threads instead of cudaHostAlloc (a torch allocator setting; quick: TP 1 only)
+    conf = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+    q = subprocess.run([sys.executable, "-c", SWEEP, json.dumps({
+        "device": device, "model": str(model), "quick": True})], capture_output=True,
+        text=True, timeout=200, env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf})
+    quick = next((json.loads(line[7:]) for line in q.stdout.splitlines()
+                  if line.startswith("RESULT ")), {"failed": q.stderr[-1500:]})
+    RESULTS["sweep_host_register"] = quick
     best = out["tp1"][out["best"]]
     reads = max(out["reads_gbps"].values())
     table(f"warm reader in one process (tp1 by threads/chunk: "
@@ -515,6 +528,12 @@ def step_sweep(model: Path, device: str, tmp: Path) -> None:
            *[(f"split read alone, rank 0 of {k}", f"{v:.1f}", f"tp1 {best:.1f}",
               f"{v / best:.0%}", ">= 80%") for k, v in out["split"].items()]])
     print(f"tp1 16T 16M with run 1's pool (32 buffers): {out['tp1_run1_pool']:.1f} GB/s")
+    if "tp1" in quick:
+        print(f"with PYTORCH_CUDA_ALLOC_CONF={conf}: 1 GiB pinned alloc "
+              f"{quick['pinned_alloc_gib_s'] * 1e3:.0f} ms; tp1 "
+              f"{', '.join(f'{k} {v:.1f}' for k, v in quick['tp1'].items())} GB/s")
+    else:
+        print(f"with PYTORCH_CUDA_ALLOC_CONF={conf}: failed: {quick}")
     for k, v in out.get("staging", {}).items():
         print(f"  staging {k}: {v.get('buffers')} buffers, {v.get('pinned_s', 0) * 1e3:.0f} ms "
               "allocating pinned memory")

@@ -66,6 +66,8 @@ setup() {
     # include compiling vlaunch's sources (run 1 of 2026-11-30 did, with bytecode writing off)
     "$PY" -m compileall -q cache launcher benchmarks tests >/dev/null
     nvidia-smi -L
+    nvidia-smi topo -m 2>/dev/null | head -8
+    lscpu 2>/dev/null | grep -i -E "numa|model name|^cpu\(s\)"
     "$PY" -c "import sys, torch, vlaunch.cache as v; print(sys.version.split()[0], 'torch',
 torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'vlaunch',
 v.__version__, v.__file__)"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -13,32 +12,19 @@ from pathlib import Path
 
 import psutil
 
-log = logging.getLogger("vlaunch.launcher")
+from vlaunch.cache.contract import lifetime
 
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
+log = logging.getLogger("vlaunch.launcher")
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}
 """NVLink multicast stays off in every child: it can take a shared host's GPUs down."""
 
 
-def _prctl(option: int, value: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(option, value, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), f"prctl({option}) failed")
-
-
-def become_subreaper() -> None:
-    """Orphaned descendants re-parent to us, so the final sweep can find every one of them."""
-    with contextlib.suppress(OSError):
-        _prctl(PR_SET_CHILD_SUBREAPER, 1)
-
-
 def die_with_parent() -> None:
     """preexec_fn: the child gets SIGKILL if the launcher dies, even by SIGKILL, and joins
     the launcher's child cgroup when there is one (contain_children)."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    lifetime.die_with_parent()
     if _CGROUP is not None:
         _CGROUP.join()
 

@@ -15,10 +15,10 @@ from vlaunch.cache.contract.cliopt import SourceOption
 from vlaunch.cache.contract.errors import VlaunchError
 from vlaunch.cache.contract.exitcodes import EXIT_TABLE, ExitStatus
 from vlaunch.cache.contract.launch import RankArgs, rank_command
+from vlaunch.cache.contract.logs import setup_logging
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("vlaunch.launcher")
-LOG_FORMAT = "%(asctime)s vlaunch[%(process)d] %(levelname)s %(message)s"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -159,7 +159,7 @@ def run(engine: tuple[str, ...], **options: Any) -> None:
     """
     from .options import build_spec
 
-    logging.basicConfig(level=options["log_level"], stream=sys.stderr, format=LOG_FORMAT)
+    setup_logging("vlaunch", options["log_level"])
     try:
         spec = build_spec(options, engine, options["model"] or _embedded_model())
     except VlaunchError as exc:
@@ -199,7 +199,7 @@ def demo(tensor_parallel_size: int) -> None:
     """Run the embedded default: caches + reference engine on CPU, restart it, compare."""
     from .demo import run_demo
 
-    logging.basicConfig(level="INFO", stream=sys.stderr, format=LOG_FORMAT)
+    setup_logging("vlaunch", "INFO")
     try:
         sys.exit(run_demo(tensor_parallel_size))
     except VlaunchError as exc:
@@ -251,7 +251,7 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception:  # never 1: an unexpected error is INTERNAL, with its traceback
-        logging.basicConfig(stream=sys.stderr, format=LOG_FORMAT)
+        setup_logging("vlaunch", "WARNING", force=False)
         log.exception("internal error (a bug: please report it with this traceback)")
         sys.exit(int(ExitStatus.INTERNAL))
 

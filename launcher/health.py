@@ -7,7 +7,6 @@ read the latest one, so a slow scrape never holds up a decision.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import socket
 import threading
@@ -19,6 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from vlaunch.cache.contract.errors import UsageError
+from vlaunch.cache.contract.http import reply, reply_json
 
 log = logging.getLogger("vlaunch.launcher")
 
@@ -85,25 +85,15 @@ class HealthServer:
                 status = owner._status
                 if path in PROBES:
                     ok = bool(status.get(PROBES[path]))
-                    self._send(200 if ok else 503, {"ok": ok, "phase": status.get("phase")})
+                    reply_json(self, 200 if ok else 503, {"ok": ok, "phase": status.get("phase")})
                 elif path == "/status":
-                    self._send(200, status)
+                    reply_json(self, 200, status)
                 elif path == "/metrics":
                     body = generate_latest(registry)
-                    self._reply(200, body, "text/plain; version=0.0.4")
+                    reply(self, 200, body, "text/plain; version=0.0.4")
                 else:
-                    self._send(404, {"error": f"no such endpoint {path}",
+                    reply_json(self, 404, {"error": f"no such endpoint {path}",
                                      "endpoints": [*PROBES, "/status", "/metrics"]})
-
-            def _send(self, code: int, obj: Any) -> None:
-                self._reply(code, json.dumps(obj, default=str).encode(), "application/json")
-
-            def _reply(self, code: int, body: bytes, ctype: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 log.debug("http: " + fmt, *args)

@@ -14,9 +14,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from vlaunch.cache.contract.lifetime import become_subreaper
+
 from . import events
 from .children import (
-    become_subreaper,
     contain_children,
     die_with_parent,
     reap_orphans,

@@ -52,7 +52,7 @@ def test_miss_hand_back_hit_and_oversize(llama_ckpt: Path, sockdir: Path, caches
     # no cache at all: a miss with one warning, the engine tunes and carries on
     with caplog.at_level(logging.WARNING):
         got = E.adopt_or_produce(sockdir / "nope.sock", KIND, KEY, adopt=adopted.append,
-                                 produce=lambda: b"x")
+                                 produce=lambda: b"x", timeout=0)  # a miss: do not wait
     assert got == "miss"
     assert [r.message for r in caplog.records if "not fetched" in r.message]
 

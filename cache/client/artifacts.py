@@ -47,13 +47,15 @@ def hand_back(socket: Path | str, kind: str, key: str, data: bytes, *,
 
 
 def adopt_or_produce(socket: Path | str, kind: str, key: str, *,
-                     adopt: Callable[[bytes], None], produce: Callable[[], bytes]) -> str:
+                     adopt: Callable[[bytes], None], produce: Callable[[], bytes],
+                     timeout: float = 5.0) -> str:
     """Hit: adopt the cached artifact and skip producing it. Miss: produce, then hand back.
 
     Returns "hit" or "miss". An artifact failure (no cache, a bad table that `adopt` refuses)
     degrades to a miss with one warning: the engine never fails because of an artifact.
+    `timeout`: how long each of fetch and hand-back waits for a cache that is not up yet.
     """
-    data = fetch(socket, kind, key)
+    data = fetch(socket, kind, key, timeout=timeout)
     if data is not None:
         try:
             adopt(data)
@@ -61,5 +63,5 @@ def adopt_or_produce(socket: Path | str, kind: str, key: str, *,
         except Exception as exc:  # a table the library refuses: tune instead
             log.warning("cached artifact %s was refused (%s); tuning instead", kind, exc)
     table = produce()
-    hand_back(socket, kind, key, table)
+    hand_back(socket, kind, key, table, timeout=timeout)
     return "miss"

@@ -7,8 +7,10 @@ import os
 import sys
 
 
-def setup_logging(program: str, level: str | int = "INFO", rank: int | None = None) -> None:
-    """Log to stderr as `<time> <program>[rank R pid P] LEVEL message` (rank when given)."""
-    who = f"rank {rank} pid {os.getpid()}" if rank is not None else f"pid {os.getpid()}"
-    logging.basicConfig(level=level, stream=sys.stderr, force=True,
+def setup_logging(program: str, level: str | int = "INFO", rank: int | None = None, *,
+                  force: bool = True) -> None:
+    """Log to stderr as `<time> <program>[rank R pid P] LEVEL message`, or `<program>[P]`
+    without a rank; `force=False` leaves a configuration already made alone."""
+    who = f"rank {rank} pid {os.getpid()}" if rank is not None else "%(process)d"
+    logging.basicConfig(level=level, stream=sys.stderr, force=force,
                         format=f"%(asctime)s {program}[{who}] %(levelname)s %(message)s")

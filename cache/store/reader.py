@@ -138,6 +138,12 @@ def pieces(spec: SliceSpec, chunk: int, packed: bool = False) -> list[Piece]:
     is read as spans of whole rows, the other ranks' bytes included, and split after the read
     by one strided copy: one read and one host-to-device copy per span instead of one per row.
     A wider part is read where it lies, row by row, without reading the other ranks' bytes.
+
+    Ranks do not share reads: each rank's process reads what it holds. Sharing a span (one
+    rank reads it, the others get their columns from it) would need the ranks' processes to
+    coordinate and hand device memory to each other during the load; with the page cache
+    warm the cost it saves is a memory copy, and gathering (VLAUNCH_SPLIT_READ=gather) avoids
+    even that without coordination.
     """
     runs = spec.runs()
     if not runs:

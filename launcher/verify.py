@@ -27,13 +27,14 @@ PAGE = 1024
 _SOCKET = re.compile(r"rank-(\d+)\.sock")
 
 
-def verify_rank(socket: Path, model: str = "", threads: int = 8) -> dict[str, Any]:
+def verify_rank(socket: Path, model: str = "", threads: int = 8,
+                timeout: float = 600.0) -> dict[str, Any]:
     """Compare one rank's slabs with the files: {rank, tensors, bytes, mismatches}."""
     from vlaunch.cache.client.connection import CacheClient
     from vlaunch.cache.store.identity import compare_digests, expected_digests
     from vlaunch.cache.store.plan import Layout
 
-    client = CacheClient(socket, client="vlaunch verify")
+    client = CacheClient(socket, client="vlaunch verify", io_timeout=timeout)
     try:
         status = client.status()
         checkpoint = status.get("checkpoint") or {}
@@ -82,8 +83,10 @@ def rank_sockets(socket_dir: Path) -> list[Path]:
               "path each rank read].")
 @click.option("--threads", default=8, type=click.IntRange(1), show_default=True,
               help="Hashing threads per rank, on each side.")
+@click.option("--timeout", default=600.0, type=click.FloatRange(1), show_default=True,
+              help="Seconds a rank may take to hash its slabs.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def verify(socket_dir: str, model: str, threads: int, as_json: bool) -> None:
+def verify(socket_dir: str, model: str, threads: int, timeout: float, as_json: bool) -> None:
     """Hash every byte each cache rank serves and compare it with the checkpoint files."""
     directory = Path(socket_dir or default_socket_dir())
     try:
@@ -96,7 +99,7 @@ def verify(socket_dir: str, model: str, threads: int, as_json: bool) -> None:
                                    "launcher's --socket-dir")
     try:
         with ThreadPoolExecutor(len(sockets)) as pool:
-            results = list(pool.map(lambda s: verify_rank(s, model, threads), sockets))
+            results = list(pool.map(lambda s: verify_rank(s, model, threads, timeout), sockets))
     except VlaunchError as exc:
         raise click.ClickException(str(exc)) from None
     for r in results:

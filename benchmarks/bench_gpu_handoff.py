@@ -126,9 +126,11 @@ elif kind == "profile":
     out["import_s"] = perf() - t0
     out["code"] = L.__file__
     t0 = perf()
-    mods = {m: importlib.import_module("vlaunch.cache." + m)
-            for m in ("checkpoint", "plan", "slabs", "slabs_cuda", "dtypes", "fingerprint",
-                      "client", "manifest", "protocol")}
+    mods = {m.rpartition(".")[2].replace("connection", "client"):
+            importlib.import_module("vlaunch.cache." + m)
+            for m in ("store.checkpoint", "store.plan", "store.slabs", "store.slabs_cuda",
+                      "store.cudadrv", "store.dtypes", "contract.fingerprint",
+                      "client.connection", "store.manifest", "contract.protocol")}
     out["lazy_imports_s"] = perf() - t0  # inside load() in a real run; pre-imported here
     stats = collections.OrderedDict()  # label -> [calls, inclusive, exclusive]
     stack = []
@@ -168,7 +170,7 @@ elif kind == "profile":
     wrap(mods["plan"], "load_plan", "fingerprint: load_plan")
     wrap(mods["slabs"], "get_backend", "get_backend (own code)")
     wrap(SC.CudaBackend, "__init__", "CudaBackend() init")
-    wrap(SC, "_driver", "cuda-bindings import + cuInit (first call)")
+    wrap(mods["cudadrv"], "_load", "libcuda.so.1 load + cuInit (first call)")
     wrap(SC.CudaBackend, "device_info", "fingerprint: device_info")
     wrap(mods["fingerprint"], "build", "fingerprint: build")
     wrap(C, "_connect", "connect (+ socket dir and peer checks)")

@@ -31,6 +31,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from vlaunch.cache.contract.waiting import until
+
 # the console script when installed, else the same entry point from the checkout
 VLAUNCH = [shutil.which("vlaunch")] if shutil.which("vlaunch") else [
     sys.executable, "-c", "import sys; from vlaunch.launcher.cli import main; sys.exit(main())"]
@@ -57,13 +59,7 @@ def engine_stats(port_file: Path) -> dict[str, Any] | None:
 
 def wait(fn: Any, timeout: float = 600) -> Any:
     """Poll fn every 10 ms until it returns something."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise TimeoutError
+    return until(fn, timeout, interval=0.01)
 
 
 def engine_cmd(model: str, device: str, port_file: Path, socket_dir: Path | None) -> list[str]:

@@ -8,6 +8,7 @@ Prints one table: figure, measured (median), target.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -23,6 +24,8 @@ import psutil
 import torch
 from safetensors.torch import save_file
 
+from vlaunch.cache.contract.waiting import until
+
 ENGINE = ('echo start $(date +%s%N) >> "$LOG"; sleep 0.3; echo exit $(date +%s%N) >> "$LOG"; '
           'exit 3')
 
@@ -36,16 +39,14 @@ def status(sockdir: Path) -> dict:  # type: ignore[type-arg]
 
 def wait(sockdir: Path, cond, timeout: float = 60) -> dict:  # type: ignore[no-untyped-def,type-arg]
     """Poll /status until cond holds."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
+
+    def check() -> dict | None:  # type: ignore[type-arg]
+        with contextlib.suppress(OSError, ValueError, KeyError):
             s = status(sockdir)
-            if cond(s):
-                return s
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.05)
-    raise TimeoutError("launcher did not get there")
+            return s if cond(s) else None
+        return None
+
+    return until(check, timeout, what="the launcher's status", interval=0.05)
 
 
 def launch(model: Path, sockdir: Path, *args: str, env: dict | None = None) -> subprocess.Popen:  # type: ignore[type-arg]

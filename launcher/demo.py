@@ -18,6 +18,7 @@ import click
 
 from vlaunch.cache.contract.errors import VlaunchError
 from vlaunch.cache.contract.exitcodes import ExitStatus
+from vlaunch.cache.contract.waiting import until
 
 
 class DemoError(VlaunchError):
@@ -66,19 +67,20 @@ def _get(url: str) -> dict[str, Any] | None:
 
 def _wait(what: str, fn: Callable[[], Any], proc: subprocess.Popen[bytes],
           timeout: float = 300, launcher: bool = True) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
+    def check() -> Any:
         value = fn()
-        if value:
-            return value
-        if proc.poll() is not None:
+        if not value and proc.poll() is not None:
             # the launcher's status means what its table says; anything else is the demo's own
             ok = launcher and proc.returncode > 0
             status = proc.returncode if ok else int(ExitStatus.INTERNAL)
             raise DemoError(f"{what}: process exited with {proc.returncode}; its error is "
                             "above", status)
-        time.sleep(0.05)
-    raise DemoError(f"timed out waiting for {what}; check the machine's load")
+        return value
+
+    try:
+        return until(check, timeout, what=what, interval=0.05)
+    except TimeoutError:
+        raise DemoError(f"timed out waiting for {what}; check the machine's load") from None
 
 
 def _engine_cmd(model: Path, tp: int, port_file: Path, socket_dir: Path | None) -> list[str]:

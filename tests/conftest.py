@@ -6,7 +6,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from hypothesis import settings
 from safetensors.torch import save_file
 
 from vlaunch.cache.contract import progress, wire
+from vlaunch.cache.contract.waiting import until
 
 # Shared CI machines are noisy: no per-example deadline, fixed example counts.
 settings.register_profile("vlaunch", deadline=None, print_blob=True)
@@ -26,21 +26,17 @@ settings.load_profile("vlaunch")
 T = TypeVar("T")
 
 
-def eventually(check: Callable[[], T | None], timeout: float = 60.0, *, what: str = "",
-               interval: float = 0.02) -> T:
+def eventually(check: Callable[[], T | None], timeout: float = 60.0, *,
+               what: str | Callable[[], str] = "", interval: float = 0.02) -> T:
     """Poll `check` until it returns something truthy (returned) or `timeout` passes (fail).
 
     The one wait of the suite: no sleep stands in for synchronisation. `timeout=0` checks
     exactly once, for a test that expects a miss. An exception from `check` propagates.
     """
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"not within {timeout:g} s: {what or check}; last: {got!r}")
-        time.sleep(interval)
+    try:
+        return until(check, timeout, what=what, interval=interval)
+    except TimeoutError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 LLAMA_SHAPES = {

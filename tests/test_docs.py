@@ -20,7 +20,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +34,8 @@ from vlaunch.cache.contract.exitcodes import CONFIG_ERROR_STATUSES
 from vlaunch.cache.contract.fingerprint import FIELDS
 from vlaunch.launcher.cli import run as run_command
 from vlaunch.launcher.core import EXTEND_BY
+
+from .conftest import eventually
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -400,15 +401,15 @@ def test_launcher_run_as_the_unit_runs_it(name: str, tmp_path: Path, llama_ckpt:
     messages: list[str] = []
 
     def wait_for(field: str, timeout: float = 60) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with contextlib.suppress(TimeoutError):
+        def first() -> int | None:
+            with contextlib.suppress(TimeoutError):  # the receive's timeout paces the poll
                 messages.append(notify.recv(4096).decode())
             found = [i for i, m in enumerate(messages) if field in m.splitlines()]
-            if found:
-                return found[0]
-            assert proc.poll() is None, (tmp_path / "launcher.log").read_text()
-        raise AssertionError(f"no {field} in {messages}")
+            assert found or proc.poll() is None, (tmp_path / "launcher.log").read_text()
+            return found[0] + 1 if found else None  # + 1: index 0 is an answer too
+
+        return eventually(first, timeout, what=lambda: f"{field} in {messages}",
+                          interval=0) - 1
 
     try:
         ready = wait_for("READY=1")
@@ -471,30 +472,29 @@ def test_quickstart_runs_for_real(tmp_path: Path) -> None:
     try:
         status_url = ""
 
-        def status() -> dict[str, Any]:
+        def serving() -> dict[str, Any] | None:
             nonlocal status_url
-            deadline = time.monotonic() + 90
-            while time.monotonic() < deadline:
-                assert proc.poll() is None, log.read_text()
-                with contextlib.suppress(OSError, ValueError, KeyError):
-                    if not status_url:
-                        info = json.loads((xdg / "vlaunch" / "launcher.json").read_text())
-                        status_url = info["url"] + "/status"
-                    snap = _http(status_url)
-                    if snap["phase"] == "serving" and snap["engine_ready"]:
-                        return snap
-                time.sleep(0.2)
-            raise AssertionError(log.read_text())
+            assert proc.poll() is None, log.read_text()
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                if not status_url:
+                    info = json.loads((xdg / "vlaunch" / "launcher.json").read_text())
+                    status_url = info["url"] + "/status"
+                snap = _http(status_url)
+                if snap["phase"] == "serving" and snap["engine_ready"]:
+                    return snap
+            return None
+
+        def status() -> dict[str, Any]:
+            return eventually(serving, 90, what=lambda: f"serving\n{log.read_text()}",
+                              interval=0.2)
 
         first = status()["engine"]["pid"]
         out = _http(f"http://127.0.0.1:{port}/generate",
                     json.dumps({"tokens": [1, 2, 3], "max_new_tokens": 4}).encode())
         assert len(out["tokens"]) == 4
         os.kill(first, signal.SIGKILL)
-        deadline = time.monotonic() + 90
-        while status()["engine"]["restarts"] < 1:
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        eventually(lambda: status()["engine"]["restarts"] >= 1, 90, what="a restart",
+                   interval=0.2)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0, log.read_text()
     finally:

@@ -36,6 +36,8 @@ from vlaunch.cache.reference.refmodel import (
 from vlaunch.cache.store.checkpoint import open_checkpoint
 from vlaunch.cache.store.plan import Layout
 
+from .conftest import eventually
+
 TINY: dict[str, Any] = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2,
                         "intermediate": 128, "vocab": 256}
 PROMPTS = ([1, 2, 3], [200, 7, 7, 7, 42, 0, 255], list(range(40)))
@@ -219,20 +221,19 @@ class Engine:
         return self.request("POST", "/generate", json.dumps(
             {"tokens": tokens, "max_new_tokens": max_new}).encode())
 
+    def alive(self) -> bool:
+        """True while the engine runs; fails the test with its log once it has exited."""
+        assert self.proc.poll() is None, self.log.read_text()
+        return True
+
     def wait_port(self, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.port_file.exists():
-            assert self.proc.poll() is None, self.log.read_text()
-            assert time.monotonic() < deadline, self.log.read_text()
-            time.sleep(0.05)
+        eventually(lambda: self.alive() and self.port_file.exists(), timeout,
+                   what="the port file", interval=0.05)
 
     def wait_healthy(self, timeout: float = 60) -> None:
         self.wait_port(timeout)
-        deadline = time.monotonic() + timeout
-        while self.request("GET", "/health")[0] != 200:
-            assert self.proc.poll() is None, self.log.read_text()
-            assert time.monotonic() < deadline, self.log.read_text()
-            time.sleep(0.05)
+        eventually(lambda: self.alive() and self.request("GET", "/health")[0] == 200, timeout,
+                   what="/health", interval=0.05)
 
     def wait(self, timeout: float = 30) -> int:
         return self.proc.wait(timeout)

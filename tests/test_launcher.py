@@ -101,7 +101,8 @@ class Launcher:
                 return None
             return snap if cond(snap) else None
 
-        return eventually(check, timeout, what=f"launcher status\n{self.text()}", interval=0.1)
+        return eventually(check, timeout, what=lambda: f"launcher status\n{self.text()}",
+                          interval=0.1)
 
     def wait_exit(self, timeout: float = 60) -> int:
         """Wait for the launcher to exit; returns its status."""

@@ -71,8 +71,8 @@ EXIT_TABLE: tuple[ExitInfo, ...] = (
     ExitInfo(ExitStatus.INTERNAL, "launcher, cache",
              "Internal error (a bug: please report).", True),
     ExitInfo(ExitStatus.NO_DEVICE, "launcher, cache",
-             "The requested device is missing: no CUDA GPU, an index out of range, or "
-             "cuda-bindings not installed.", False),
+             "The requested device is missing: no CUDA GPU, an index out of range, or no "
+             "NVIDIA driver library (libcuda.so.1).", False),
     ExitInfo(ExitStatus.RANK_STARVED, "cache",
              "A serving cache rank could accept no client for 30 s, even after shedding idle "
              "connections: out of file descriptors (RLIMIT_NOFILE) or another per-process "

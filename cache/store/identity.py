@@ -25,21 +25,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import stat as stat_mod
 import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vlaunch.cache.contract.errors import VerifyError
 from vlaunch.cache.store.checkpoint import Checkpoint, open_checkpoint
 from vlaunch.cache.store.reader import pread_into
-
-log = logging.getLogger("vlaunch.cache.store.identity")
 
 SAMPLE_BUDGET = 1 << 20
 """Most bytes the sampled identity reads, whatever the checkpoint's size."""
@@ -77,7 +74,7 @@ class FileStat:
 
 @dataclass
 class Record:
-    """The identity of a checkpoint as a cache read it: stats first, then what they hashed to."""
+    """The identity of a checkpoint as a cache read it: its files' stats and its two hashes."""
 
     model: str  # absolute path as given (a file or a directory)
     root: Path
@@ -86,7 +83,6 @@ class Record:
     header: str  # Checkpoint.identity: names, dtypes, shapes, offsets
     data: str  # sample_identity
     root_stat: FileStat | None = None
-    changed: list[str] = field(default_factory=list)
 
     def restat(self) -> list[str]:
         """Files whose stats differ from the recorded ones now (a missing file counts)."""

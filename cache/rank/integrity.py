@@ -92,7 +92,8 @@ class Integrity:
     """What a serving rank knows about the files its slabs came from."""
 
     def __init__(self, server: Any, model: str, plan: str, socket: Path) -> None:
-        self.server, self.plan, self.socket = server, plan, socket
+        self.server, self.socket = server, socket
+        self.plan = os.path.abspath(plan) if os.path.isfile(plan) else plan  # for verify
         self.model = str(Path(model).absolute())
         self.record: identity.Record | None = _LAST.get("record")
         self.slabs: list[torch.Tensor] | None = _LAST.get("slabs")

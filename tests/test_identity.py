@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from vlaunch.cache.contract.sockdir import socket_path
 from vlaunch.cache.store import identity
 from vlaunch.cache.store.checkpoint import open_checkpoint
 
-from .conftest import CacheProc, llama_tensors, spawn_cache
+from .conftest import CacheProc, eventually, llama_tensors, spawn_cache
 from .test_launcher import Launcher
 
 NAME = "model.safetensors"
@@ -42,16 +41,6 @@ def _fine_tune(scale: float = 1e-2) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return {k: (v.float() + scale * torch.randn(v.shape, generator=g)).to(v.dtype)
             for k, v in llama_tensors().items()}
-
-
-def _wait(what: str, cond, timeout: float = 30.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _status(sockdir: Path) -> dict:
@@ -138,8 +127,8 @@ def test_checkpoint_rewritten_under_a_serving_cache(tmp_path: Path, sockdir: Pat
                 plan="replicate")
     assert held.source == "cache" and _status(sockdir)["checkpoint"]["changed"] == []
     _write(model, _fine_tune())  # a new checkpoint of the same architecture, replaced in place
-    changed = _wait("the change in the rank's status",
-                    lambda: _status(sockdir)["checkpoint"]["changed"])
+    changed = eventually(lambda: _status(sockdir)["checkpoint"]["changed"], 30,
+                         what="the change in the rank's status")
     assert changed == [NAME]
     with pytest.raises(FingerprintMismatchError) as err:
         load(str(model), socket_dir=str(sockdir), fallback=False, device="cpu", plan="replicate")

@@ -96,8 +96,8 @@ def _opt(name: str, env: str, **kw: Any) -> Callable[[F], F]:
            "-1: off).")
 @_opt("--engine-ready", "ENGINE_READY", default="auto",
       type=click.Choice(["auto", "notify", "http", "none"]),
-      help="Engine readiness: its sd_notify READY=1, its health URL, or none (ready once "
-           "started); auto: http when --engine-health-url is set, else none.")
+      help="Engine readiness: its sd_notify READY=1, its health URL, or none (ready once it "
+           "has run 1 s); auto: http when --engine-health-url is set, else none.")
 @_opt("--engine-health-url", "ENGINE_HEALTH_URL", default="",
       help="URL that answers 2xx when the engine is ready (e.g. vLLM's /health).")
 @_opt("--restart-max", "RESTART_MAX", default=5, type=click.IntRange(0),

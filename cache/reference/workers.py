@@ -32,6 +32,8 @@ STORE_TIMEOUT = datetime.timedelta(seconds=300)
 # Workers wait in a broadcast for the next request, however long the engine idles; a dead
 # peer is caught by process monitoring (parent-death signal, rank 0's watcher), not by this.
 GROUP_TIMEOUT = datetime.timedelta(days=3650)
+LAYOUT_WORDS = {"engine": "mapped from the cache", "handed-back": "built and handed back to the "
+                "cache", "own": "built, held by the engine alone"}
 PR_SET_PDEATHSIG = 1
 
 
@@ -123,8 +125,9 @@ def start_rank(opts: EngineOptions, rank: int, cfg: ModelConfig, store: Any) -> 
         torch.cuda.synchronize(device)
     ms = (time.perf_counter() - start) * 1000
     nbytes = sum(t.nbytes for t in loaded.tensors.values())
-    log.info("rank %d: weights from %s in %.1f ms (%s layout, %.2f GB)", rank, loaded.source,
-             ms, loaded.layout, nbytes / 1e9)
+    log.info("rank %d: weights from %s in %.1f ms (%.2f GB)", rank, loaded.source, ms,
+             nbytes / 1e9)
+    log.info("rank %d: engine layout %s", rank, LAYOUT_WORDS[loaded.layout])
     comm = TorchDistributed() if opts.tp_size > 1 else SingleRank()
     model = TPLlama(loaded.tensors, cfg, comm)
     return RankState(rank=rank, tp_size=opts.tp_size, device=device,

@@ -153,23 +153,24 @@ def test_verify_passes_on_a_good_cache_and_names_a_tampered_tensor(
         tmp_path: Path, sockdir: Path, caches: list[CacheProc], llama_ckpt: Path) -> None:
     model = tmp_path / "m"
     shutil.copytree(llama_ckpt, model)
-    cache = spawn_cache(model, sockdir, "--tensor-parallel-size", "1")
-    caches.append(cache)
-    assert cache.ready
+    for rank in (0, 1):  # tensor parallel 2: each rank holds half of the split tensors
+        caches.append(spawn_cache(model, sockdir, tp=2, rank=rank))
+        assert caches[-1].ready
     ok = _verify(sockdir)
     assert ok.returncode == 0, ok.stderr
-    assert "rank 0:" in ok.stdout and "ok" in ok.stdout
+    assert "rank 0: 19 tensors ok" in ok.stdout and "rank 1: 19 tensors ok" in ok.stdout
     ckpt = open_checkpoint(model)
     victim = ckpt.tensors["model.layers.1.mlp.down_proj.weight"]
     with open(victim.file, "r+b") as f:  # one value, same size: only a full check sees it
-        f.seek(victim.begin + victim.nbytes // 2)
+        f.seek(victim.begin + victim.nbytes // 2)  # row 16, column 0: rank 0's half
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x40]))
     bad = _verify(sockdir)
     assert bad.returncode == ExitStatus.VERIFY_FAILED, bad.stdout + bad.stderr
     assert "model.layers.1.mlp.down_proj.weight" in bad.stderr
-    assert "1 MISMATCH" in bad.stdout
+    assert "rank 0: 19 tensors 1 MISMATCH(ES)" in bad.stdout
+    assert "rank 1: 19 tensors ok" in bad.stdout
 
 
 # ------------------------------------------------------------------ a change during the load

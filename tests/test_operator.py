@@ -488,3 +488,18 @@ def test_report_channel_progress_frames() -> None:
         wire.send_frame(theirs, {"event": "progress", "loaded": "lots", "total": 1})
         with pytest.raises(ProtocolError, match="bad progress frame"):
             recv_ready(ours, lambda *lt: None)
+
+
+def test_engine_that_cannot_start_later_is_named_so() -> None:
+    from vlaunch.launcher.core import Supervisor
+    from vlaunch.launcher.events import CacheReady, ChildExited, Log, Spawned, Started
+    from vlaunch.launcher.events import SupervisorConfig as Config
+
+    sup = Supervisor(Config(ranks=(0,), has_engine=True, engine_readiness="notify",
+                            engine_config_error_statuses=frozenset({127})))
+    actions = [a for e in (Started(0), Spawned("cache", 0, 100, 0), CacheReady(0, 1),
+                           ChildExited("engine", None, 0, 127, 1))  # exec failed: no pid
+               for a in sup.handle(e)]
+    errors = [a.message for a in actions if isinstance(a, Log) and a.level == "ERROR"]
+    assert errors[0].startswith("engine could not be started: status 127")
+    assert "pid 0" not in " ".join(errors) and sup.exit_status is None  # stopping the ranks

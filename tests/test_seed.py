@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from vlaunch.cache import CacheClient, load
+from vlaunch.cache.client import artifacts as E
 from vlaunch.cache.contract import protocol, wire
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.sockdir import socket_path
@@ -46,7 +47,7 @@ def source(llama_ckpt: Path, tmp_path: Path, caches) -> tuple[CacheProc, int]:
                       "--seed-timeout", "1", env=_env())
     caches.append(src)
     assert src.proc.poll() is None
-    assert A.hand_back(socket_path(src.socket_dir, 0), "flashinfer-autotune", KEY, b"tab")
+    assert E.hand_back(socket_path(src.socket_dir, 0), "flashinfer-autotune", KEY, b"tab")
     return src, port
 
 
@@ -77,7 +78,7 @@ def test_seeded_replica_is_bit_exact_and_independent(llama_ckpt: Path, tmp_path:
     assert set(got) == set(want)
     for name, ref in want.items():
         assert got[name].view(-1).view(dtype=ref.dtype).equal(ref.view(-1)), name
-    assert A.fetch(socket_path(new.socket_dir, 0), "flashinfer-autotune", KEY) == b"tab"
+    assert E.fetch(socket_path(new.socket_dir, 0), "flashinfer-autotune", KEY) == b"tab"
 
 
 def _refused(llama_ckpt: Path, tmp_path: Path, caches, *args: str, token: str = TOKEN

@@ -45,6 +45,8 @@ class Seeded:
     manifest: Manifest
     artifacts: list[tuple[str, str, bytes]]
     seconds: float
+    copy_seconds: float = 0.0
+    """The bytes' move alone: map + copy + unmap (same host) or the slab streams (TCP)."""
 
 
 def parse_source(spec: str) -> tuple[str, str, int]:
@@ -98,10 +100,13 @@ def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifes
         source = client.manifest()
         check_layout(source, manifest)
         _, fds = client.request({"op": "open", "mode": "copy"})
+        moved = time.perf_counter()
         mapped = import_slabs(fds, source.slab_sizes, device)
         for dst, src in zip(slabs, mapped, strict=True):
             _copy(dst, src)
+        _synchronize(slabs)  # every copy done before the source's memory is unmapped
         mapped.clear()  # unmaps: we no longer depend on the source
+        moved = time.perf_counter() - moved
         artifacts = [(k, h, client.artifact_get(k, h) or b"") for k, h, _ in
                      client.artifact_list()]
     except (VlaunchError, OSError) as exc:
@@ -111,13 +116,26 @@ def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifes
     finally:
         client.close()
     _verify(source, slabs)
-    return Seeded(source, [a for a in artifacts if a[2]], time.perf_counter() - start)
+    return Seeded(source, [a for a in artifacts if a[2]], time.perf_counter() - start, moved)
+
+
+def _synchronize(slabs: list[torch.Tensor]) -> None:
+    """Wait for the copies queued on the CUDA slabs' device (nothing to wait for on CPU)."""
+    if slabs and slabs[0].is_cuda:
+        import torch
+
+        torch.cuda.synchronize(slabs[0].device)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, threads: int = 8) -> None:
-    """Copy a slab: device to device on CUDA; on CPU in chunks on several threads, so that the
-    page faults of the fresh destination (and of the source mapping) are taken in parallel."""
-    if dst.is_cuda or src.is_cuda or dst.numel() <= CHUNK:
+    """Copy a slab: on CUDA one device-to-device copy (both sides are device memory: the
+    source's slab is mapped from its fd on our device, no host round trip); on CPU in chunks on
+    several threads, so that the page faults of the fresh destination (and of the source
+    mapping) are taken in parallel."""
+    if dst.is_cuda != src.is_cuda:
+        raise SeedError(f"seeding maps the source on {src.device} but our slabs are on "
+                        f"{dst.device}; start both replicas with the same --device")
+    if dst.is_cuda or dst.numel() <= CHUNK:
         dst.copy_(src)
         return
     from concurrent.futures import ThreadPoolExecutor
@@ -149,12 +167,16 @@ def seed_tcp(host: str, port: int, token: str, ours: fp.Fingerprint, manifest: M
             check_fingerprint(reply.get("fingerprint") or {}, ours)
             source = Manifest.from_wire(reply.get("manifest"))
             check_layout(source, manifest)
+            moved = time.perf_counter()
+            staging = _Staging(slabs)
             for i, slab in enumerate(slabs):
                 head = _ask(sock, {"op": "seed_slab", "slab": i})
                 if head.get("nbytes") != source.slab_sizes[i]:
                     raise SeedError(f"seed source announced {head.get('nbytes')!r} bytes for "
                                     f"slab {i}, expected {source.slab_sizes[i]}")
-                _recv_into(sock, slab, source.slab_sizes[i])
+                staging.receive(sock, slab, source.slab_sizes[i])
+            _synchronize(slabs)
+            moved = time.perf_counter() - moved
             artifacts = []
             for kind, key, _ in reply.get("artifacts") or []:
                 got = _ask(sock, {"op": "artifact_get", "kind": kind, "key": key}, miss=True)
@@ -165,7 +187,7 @@ def seed_tcp(host: str, port: int, token: str, ours: fp.Fingerprint, manifest: M
     except (OSError, EOFError, ProtocolError, ArtifactError, ValueError, TypeError) as exc:
         raise SeedError(f"seeding from {host}:{port} failed: {exc or 'timed out'}") from None
     _verify(source, slabs)
-    return Seeded(source, artifacts, time.perf_counter() - start)
+    return Seeded(source, artifacts, time.perf_counter() - start, moved)
 
 
 def _ask(sock: socket.socket, message: dict[str, Any], *, miss: bool = False) -> dict[str, Any]:
@@ -179,28 +201,47 @@ def _ask(sock: socket.socket, message: dict[str, Any], *, miss: bool = False) ->
     return reply
 
 
-def _recv_into(sock: socket.socket, slab: torch.Tensor, n: int) -> None:
-    """Read exactly n raw bytes into a slab (CPU directly, CUDA through a host buffer)."""
-    from vlaunch.cache.store.reader import host_view
+class _Staging:
+    """Receives raw slab bytes: straight into CPU slabs; into CUDA slabs through two pinned
+    host buffers, one filling from the socket while the other is copied to the device."""
 
-    staging = None if slab.device.type == "cpu" else bytearray(CHUNK)
-    done = 0
-    while done < n:
-        want = min(CHUNK, n - done)
-        view = (host_view(slab[done:done + want]) if staging is None
-                else memoryview(staging)[:want])
-        got = 0
-        while got < want:
-            k = sock.recv_into(view[got:], want - got)
-            if not k:
-                raise EOFError(f"stream ended after {done + got} of {n} bytes (truncated)")
-            got += k
-        if staging is not None:
+    def __init__(self, slabs: list[torch.Tensor]) -> None:
+        self.buffers: list[torch.Tensor] = []
+        self.events: list[Any] = []
+        if slabs and slabs[0].is_cuda:
             import torch
 
-            slab[done:done + want].copy_(torch.frombuffer(staging, dtype=torch.uint8,
-                                                          count=want))
-        done += want
+            self.buffers = [torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True)
+                            for _ in range(2)]
+            self.events = [None, None]
+
+    def receive(self, sock: socket.socket, slab: torch.Tensor, n: int) -> None:
+        """Read exactly n bytes from `sock` into the start of `slab`."""
+        from vlaunch.cache.store.reader import host_view
+
+        if not self.buffers:
+            _recv_exact(sock, host_view(slab[:n]), 0, n)
+            return
+        import torch
+
+        for turn, at in enumerate(range(0, n, CHUNK)):
+            want, i = min(CHUNK, n - at), turn % 2
+            if self.events[i] is not None:
+                self.events[i].synchronize()  # its last copy to the device has finished
+            _recv_exact(sock, host_view(self.buffers[i][:want]), at, n)
+            slab[at:at + want].copy_(self.buffers[i][:want], non_blocking=True)
+            self.events[i] = torch.cuda.Event()
+            self.events[i].record(torch.cuda.current_stream(slab.device))
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, at: int, n: int) -> None:
+    """Fill `view` from the socket (`at`, `n`: where in the slab's n bytes, for the error)."""
+    got = 0
+    while got < len(view):
+        k = sock.recv_into(view[got:], len(view) - got)
+        if not k:
+            raise EOFError(f"stream ended after {at + got} of {n} bytes (truncated)")
+        got += k
 
 
 def _verify(source: Manifest, slabs: list[torch.Tensor]) -> None:

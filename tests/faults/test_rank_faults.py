@@ -43,13 +43,17 @@ def ranks() -> Iterator[list[Rank]]:
         assert_gone([r.pid], r.sockdir)
 
 
-@pytest.fixture
-def rank(llama_ckpt: Path, sockdir: Path, ranks: list[Rank]) -> Rank:
-    """One serving rank on the session's checkpoint."""
+@pytest.fixture(scope="module")
+def rank(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rank]:
+    """One serving rank for every fault that must leave it serving (it is checked after)."""
+    sockdir = tmp_path_factory.mktemp("rank") / "s"
+    sockdir.mkdir(mode=0o700)
     r = start_rank(llama_ckpt, sockdir)
-    ranks.append(r)
     assert r.ready, r.text()
-    return r
+    yield r
+    assert r.proc.poll() is None, r.text()  # every fault harmed only its own client
+    r.stop()
+    assert_gone([r.pid], sockdir)
 
 
 def _load(model: Path, rank: Rank, **kw: object) -> dict:
@@ -250,6 +254,7 @@ def test_a_rank_that_cannot_accept_exits_72(llama_ckpt: Path, sockdir: Path,
                                             ranks: list[Rank]) -> None:
     """Connections that all hold leases, past the fd limit: the rank says so and exits 72."""
     env = {"VLAUNCH_MAX_CONNECTIONS": "100000", "VLAUNCH_STARVED_AFTER": "1"}
+    memfds = fd_kinds()["memfd"]
     r = start_rank(llama_ckpt, sockdir, env=env, limits={resource.RLIMIT_NOFILE: 64})
     ranks.append(r)
     assert r.ready, r.text()
@@ -267,4 +272,4 @@ def test_a_rank_that_cannot_accept_exits_72(llama_ckpt: Path, sockdir: Path,
             s.close()
     assert "could accept no client" in r.text() and "LimitNOFILE" in r.text()
     r.stop()
-    assert fd_kinds()["memfd"] == 0  # the escrow was the last reference we held
+    assert fd_kinds()["memfd"] == memfds  # its escrow was the last reference we held

@@ -107,24 +107,9 @@ IMPORTER = textwrap.dedent("""
     os._exit(0)
 """)
 
-# Child: allocate and fill a slab, export it, release its own handle and mapping, send the fd
-# with the data's sha256, then wait to be killed.
-EXPORTER = textwrap.dedent("""
-    import hashlib, socket, sys, time
-    import torch
-    from vlaunch.cache.store.slabs import get_backend
-    sock = socket.socket(fileno=int(sys.argv[1]))
-    size = int(sys.argv[3])
-    slab = get_backend(sys.argv[2]).allocate(size)
-    g = torch.Generator(sys.argv[2]).manual_seed(7)
-    slab.tensor().copy_(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g,
-                                      device=sys.argv[2]))
-    digest = hashlib.sha256(slab.tensor().cpu().numpy().tobytes()).hexdigest()
-    fd = slab.export_fd()
-    slab.release()
-    socket.send_fds(sock, [f"{size} {digest}".encode()], [fd])
-    time.sleep(600)
-""")
+# A child that allocates, fills and exports a slab, then waits (benchmarks/slab_exporter.py).
+EXPORTER = (Path(__file__).resolve().parents[1] / "benchmarks"
+            / "slab_exporter.py").read_text()
 
 
 def fill(t, seed: int) -> None:  # type: ignore[no-untyped-def]

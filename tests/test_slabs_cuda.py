@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import weakref
+from pathlib import Path
 
 import pytest
 
@@ -44,24 +45,9 @@ IMPORTER = textwrap.dedent("""
     print(hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest(), flush=True)
 """)
 
-# A child that allocates and fills a slab, exports it, releases its own handle and mapping,
-# sends the fd with the data's sha256, then waits to be killed.
-EXPORTER = textwrap.dedent("""
-    import hashlib, socket, sys, time
-    import torch
-    from vlaunch.cache.store.slabs import get_backend
-    sock = socket.socket(fileno=int(sys.argv[1]))
-    size = int(sys.argv[3])
-    slab = get_backend(sys.argv[2]).allocate(size)
-    g = torch.Generator(sys.argv[2]).manual_seed(7)
-    slab.tensor().copy_(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g,
-                                      device=sys.argv[2]))
-    digest = hashlib.sha256(slab.tensor().cpu().numpy().tobytes()).hexdigest()
-    fd = slab.export_fd()
-    slab.release()
-    socket.send_fds(sock, [f"{size} {digest}".encode()], [fd])
-    time.sleep(600)
-""")
+# A child that allocates, fills and exports a slab, then waits (benchmarks/slab_exporter.py).
+EXPORTER = (Path(__file__).resolve().parents[1] / "benchmarks"
+            / "slab_exporter.py").read_text()
 
 
 def _fill(t: torch.Tensor, seed: int) -> None:

@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -16,7 +15,7 @@ import torch
 
 from vlaunch.cache.contract.exitcodes import ExitStatus
 
-from .conftest import spawn_cache
+from .conftest import eventually, spawn_cache
 from .test_launcher import Launcher, serving
 
 
@@ -82,9 +81,7 @@ def test_final_sweep_leaves_no_grandchild(tmp_path: Path, llama_ckpt: Path) -> N
         assert psutil.pid_exists(grandchild)
         la.proc.send_signal(signal.SIGTERM)
         assert la.wait_exit() == ExitStatus.OK
-        time.sleep(0.2)
-        assert not psutil.pid_exists(grandchild) or \
-            psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+        eventually(lambda: _gone(grandchild), 10, what="the grandchild swept")
         assert "swept 1 leftover" in la.text() and "sleep 600" in la.text()
     finally:
         la.close()
@@ -110,3 +107,11 @@ def test_vlaunch_status_shows_a_running_launcher(tmp_path: Path, llama_ckpt: Pat
         assert gone.returncode == ExitStatus.USAGE and "no running launcher" in gone.stderr
     finally:
         la.close()
+
+
+def _gone(pid: int) -> bool:
+    """Whether `pid` has exited (a zombie waiting for its parent counts)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

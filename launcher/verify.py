@@ -24,6 +24,7 @@ from vlaunch.cache.contract.sockdir import default_socket_dir
 
 log = logging.getLogger("vlaunch.launcher")
 PAGE = 1024
+MAX_TENSORS = 1_000_000  # as a manifest
 _SOCKET = re.compile(r"rank-(\d+)\.sock")
 
 
@@ -62,10 +63,17 @@ def _held(client: Any) -> dict[str, str]:
     total = None
     while total is None or len(out) < total:
         reply, _ = client.request({"op": "digest", "start": len(out), "count": PAGE})
-        total, rows = int(reply["total"]), reply["digests"]
-        if not rows and len(out) < total:
+        try:
+            total, rows = int(reply["total"]), reply["digests"]
+            if not 0 <= total <= MAX_TENSORS or not isinstance(rows, list) or len(rows) > PAGE:
+                raise ValueError("out of bounds")
+            page = {str(n): str(d) for n, d in rows}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise VlaunchError(f"cache at {client.path} sent a malformed digest reply ({exc}); "
+                               "run the same vlaunch version on both sides") from None
+        if not page and len(out) < total:
             raise VlaunchError(f"cache at {client.path} sent an empty digest page")
-        out.update((str(n), str(d)) for n, d in rows)
+        out.update(page)
     return out
 
 

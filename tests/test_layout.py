@@ -17,11 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"launcher": "vlaunch.launcher", "cache": "vlaunch.cache"}
 CONTRACT = "vlaunch.cache.contract"
 
-LAUNCHER_EXCEPTIONS = {
-    # `vlaunch verify` hashes checkpoint slices with the store's light modules and asks the
-    # ranks through the client; to move behind an exec of a cache-side module like `cache`.
-    "vlaunch.launcher.verify": {"vlaunch.cache.client.connection", "vlaunch.cache.store.identity",
-                                "vlaunch.cache.store.plan"},
+LAUNCHER_EXCEPTIONS: dict[str, set[str]] = {
+    # none: `vlaunch verify` execs vlaunch.cache.client.verify for its work
 }
 
 

@@ -36,6 +36,7 @@ from vlaunch.launcher.cli import run as run_command
 from vlaunch.launcher.core import EXTEND_BY
 
 from .conftest import eventually
+from .test_launcher import ENGINE
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -343,15 +344,6 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
 
 
-NOTIFY_ENGINE = """\
-import os, signal, socket, sys, time
-signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
-s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-s.connect(os.environ["NOTIFY_SOCKET"])
-s.send(b"READY=1")
-while True:
-    time.sleep(0.2)
-"""
 
 
 def systemd_argv(exec_start: str, env: dict[str, str]) -> list[str]:
@@ -377,7 +369,7 @@ def test_launcher_run_as_the_unit_runs_it(name: str, tmp_path: Path, llama_ckpt:
     conf.mkdir(parents=True)
     (conf / "t.toml").write_text(f'model = "{llama_ckpt}"\nengine-ready = "notify"\n'
                                  "health-port = 0\n")
-    (tmp_path / "engine.py").write_text(NOTIFY_ENGINE)
+    (tmp_path / "engine.py").write_text(ENGINE)
     (conf / "t.env").write_text(f"ENGINE_COMMAND={sys.executable} {tmp_path / 'engine.py'}\n")
     runtime = tmp_path / "run" / s["RuntimeDirectory"][0]
     runtime.mkdir(parents=True, mode=0o700)  # what RuntimeDirectory=, RuntimeDirectoryMode= do

@@ -47,9 +47,13 @@ class FakeChild:
 class FakeHooks:
     """Scripted process operations: ranks report ready on their channel with one memfd slab."""
 
-    def __init__(self, *, rank_ready: bool = True, missing: Sequence[str] = ()) -> None:
+    def __init__(self, *, rank_ready: bool = True, missing: Sequence[str] = (),
+                 engine_exits: Sequence[int] = (), stubborn: bool = False) -> None:
         self.rank_ready = rank_ready
         self.missing = set(missing)
+        self.engine_exits = list(engine_exits)  # successive engines exit at once with these
+        self.stubborn = stubborn  # engines ignore SIGTERM
+        self.engines: list[int] = []
         self.children: dict[int, FakeChild] = {}
         self.spawned: list[tuple[list[str], dict[str, str]]] = []
         self.signals: list[tuple[int, int]] = []
@@ -72,6 +76,10 @@ class FakeHooks:
         self.spawned.append((list(argv), dict(env)))
         if argv[1:3] == ["-m", "vlaunch.cache"]:
             self._rank(RankArgs.parse(argv[3:]), child)
+        else:
+            self.engines.append(child.pid)
+            if self.engine_exits:
+                self.loop.call_soon(child.exit, self.engine_exits.pop(0))
         return child
 
     def _rank(self, args: RankArgs, child: FakeChild) -> None:
@@ -98,6 +106,8 @@ class FakeHooks:
 
     def signal(self, pid: int, sig: int) -> None:
         self.signals.append((pid, sig))
+        if self.stubborn and sig == signal.SIGTERM and pid in self.engines:
+            return
         if sig in (signal.SIGTERM, signal.SIGKILL) and pid in self.children:
             self.children[pid].exit(-sig)
 
@@ -291,3 +301,54 @@ def test_an_engine_that_cannot_start_is_a_configuration_error(start: Any) -> Non
     run = start(hooks=FakeHooks(missing=["engine-cmd"]),
                 engine_config_error_statuses=frozenset({127}))
     assert run.wait() == 81
+
+
+def engine_ready(run: Running) -> bool:
+    engine = run.executor.core.engine
+    return engine is not None and engine.state.value == "ready"
+
+
+def test_an_engine_crash_is_restarted_against_the_same_caches(start: Any,
+                                                              notify: socket.socket) -> None:
+    run = start(hooks=FakeHooks(engine_exits=[3]))
+    eventually(lambda: engine_ready(run) and run.executor.core.engine.restarts == 1, 10,
+               what="the engine restarted and ready")
+    assert run.executor.core.engine.last_exit == 3
+    assert len(run.hooks.spawned) == 4  # two ranks, two engines: the caches stayed
+    run.post(events.SignalReceived(signal.SIGTERM, 0.0))
+    assert run.wait() == 0
+    assert [m for m in notified(notify) if m.get("READY") == "1"]
+
+
+def test_an_exhausted_restart_budget_exits_80(start: Any) -> None:
+    run = start(hooks=FakeHooks(engine_exits=[1, 1, 1]), restart_max=2)
+    assert run.wait() == 80
+    assert len(run.hooks.engines) == 3
+
+
+def test_an_engine_configuration_error_exits_81(start: Any) -> None:
+    run = start(hooks=FakeHooks(engine_exits=[78]))
+    assert run.wait() == 81
+    assert len(run.hooks.engines) == 1  # not restarted
+
+
+def test_a_stop_that_times_out_kills_everything_and_exits_82(start: Any) -> None:
+    run = start(hooks=FakeHooks(stubborn=True), stop_timeout=0.3)
+    eventually(lambda: engine_ready(run), 10, what="serving")
+    engine = run.pid("engine")
+    run.post(events.SignalReceived(signal.SIGTERM, 0.0))
+    assert run.wait() == 82
+    assert (engine, signal.SIGTERM) in run.hooks.signals
+    assert (engine, signal.SIGKILL) in run.hooks.signals
+
+
+def test_sighup_restarts_the_engine_with_reloading(start: Any, notify: socket.socket) -> None:
+    run = start()
+    eventually(lambda: engine_ready(run), 10, what="serving")
+    first = run.pid("engine")
+    run.post(events.SignalReceived(signal.SIGHUP, 0.0))
+    eventually(lambda: engine_ready(run) and run.pid("engine") != first, 10,
+               what="a new engine ready")
+    assert any(m.get("RELOADING") == "1" for m in notified(notify))
+    run.post(events.SignalReceived(signal.SIGINT, 0.0))
+    assert run.wait() == 0

@@ -119,6 +119,8 @@ class CacheClient:
             return reply, fds
         for fd in fds:
             os.close(fd)
+        if reply.get("error") == "busy":  # at its connection bound: like no cache at all
+            raise CacheUnavailableError(f"cache at {self.path}: {reply.get('message')}")
         if reply.get("error") == "mismatch":
             raise FingerprintMismatchError([tuple(m) for m in reply.get("mismatch", [])])
         raise CacheBrokenError(f"cache at {self.path} answered {reply.get('error')}: "

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.test_launcher import Launcher, engine, serving
@@ -16,6 +17,14 @@ from vlaunch.cache.contract.exitcodes import ExitStatus
 
 from .harness import assert_gone, descendants, wait_until
 
+STUBBORN = [sys.executable, "-c", """
+import os, signal, socket, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.connect(os.environ["NOTIFY_SOCKET"])
+s.send(b"READY=1")
+time.sleep(600)
+"""]
 NEVER_READY = [sys.executable, "-c", "import time; time.sleep(600)"]
 # An engine that starts a worker of its own, which daemonizes out of the engine's process
 # group (as some engines' workers do): the worst orphan there is.
@@ -50,7 +59,7 @@ def _start(started: list[Launcher], tmp: Path, model: Path, *args: str,
 def test_sigquit_kills_everything_at_once_and_exits_131(launch, tmp_path: Path,
                                                          llama_ckpt: Path) -> None:
     la = _start(launch, tmp_path, llama_ckpt, "--stop-timeout", "30",
-                engine_cmd=engine("stubborn"))  # it ignores SIGTERM: only SIGKILL ends it
+                engine_cmd=STUBBORN)  # it ignores SIGTERM: only SIGKILL ends it
     snap = la.wait_for(serving)
     pids = la.pids(snap) + descendants(la.proc.pid)
     la.proc.send_signal(signal.SIGQUIT)
@@ -66,7 +75,8 @@ def test_a_rank_frozen_in_its_first_load_ends_the_start_with_83(launch, tmp_path
     ignores SIGTERM, so the stop times out into SIGKILL) with 83, and nothing is left."""
     la = _start(launch, tmp_path, llama_ckpt, "--start-timeout", "2",
                 engine_cmd=NEVER_READY)
-    ranks = wait_until(lambda: descendants(la.proc.pid), what="the rank to start")
+    ranks = wait_until(lambda: [p for p in descendants(la.proc.pid) if _is_rank(p)],
+                       what="the rank to start")
     for pid in ranks:
         os.kill(pid, signal.SIGSTOP)
     assert la.wait_exit(60) == ExitStatus.START_TIMEOUT
@@ -74,6 +84,14 @@ def test_a_rank_frozen_in_its_first_load_ends_the_start_with_83(launch, tmp_path
     assert "not serving within --start-timeout (2 s): cache rank(s) 0 still loading" in text
     assert "killing" in text  # the stop timed out: SIGKILL
     assert_gone(ranks, la.sockdir)
+
+
+def _is_rank(pid: int) -> bool:
+    """Whether `pid` is a cache rank (not another helper the launcher runs)."""
+    try:
+        return "vlaunch.cache" in psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return False
 
 
 def test_a_killed_launcher_leaves_no_child(launch, tmp_path: Path, llama_ckpt: Path) -> None:
@@ -99,7 +117,7 @@ def test_a_killed_launcher_leaves_no_child(launch, tmp_path: Path, llama_ckpt: P
 def test_a_rank_killed_under_a_serving_engine(launch, tmp_path: Path, llama_ckpt: Path,
                                               policy: str, status: int | None) -> None:
     la = _start(launch, tmp_path, llama_ckpt, "--on-rank-exit", policy,
-                engine_cmd=engine("serve"))
+                engine_cmd=engine())
     snap = la.wait_for(serving)
     pids = la.pids(snap)
     rank_pid = snap["ranks"]["0"]["pid"]

@@ -33,7 +33,7 @@ from vlaunch.cache.store.plan import Layout
 if TYPE_CHECKING:
     import torch
 
-    from vlaunch.cache.client.loader import Weights
+    from vlaunch.cache.client.weights import Weights
 
 log = logging.getLogger("vlaunch.cache")
 
@@ -49,7 +49,7 @@ def load_layout(path: os.PathLike[str] | str, model: str, layout: Layout, device
                 kernel_backends: str = "", loader: str = "vlaunch",
                 quantization: str | None = None, timeout: float = 0.0) -> Weights:
     """The engine layout with these fields from the rank's cache; the `copy` names private."""
-    from vlaunch.cache.client.loader import Weights
+    from vlaunch.cache.client.weights import Weights
 
     if mode not in ("share", "copy"):
         raise ValueError(f"an engine layout is mapped in share or copy mode, not {mode!r}")
@@ -100,7 +100,7 @@ def hand_back(tensors: Mapping[str, torch.Tensor], *, model: str, fields: Mappin
     """
     import torch
 
-    from vlaunch.cache.client.loader import default_device
+    from vlaunch.cache.client.weights import default_device
 
     plan = plan or EngineEnv.from_env().plan_or_default  # the plan vlaunch run named
     checked = el.check_fields(fields)
@@ -141,7 +141,7 @@ def _raw_fingerprint(client: CacheClient, model: str, layout: Layout, device: st
     """This engine rank's raw fingerprint. When the checkpoint cannot be read here (moved away
     once the engine layout exists), its identity as recorded in the layout's fingerprint
     (`recorded`), which was built from what the cache read; else the error stands."""
-    from vlaunch.cache.client.loader import expected_fingerprint
+    from vlaunch.cache.client.weights import expected_fingerprint
 
     try:
         return expected_fingerprint(model, layout, device, plan, kernel_backends, loader,

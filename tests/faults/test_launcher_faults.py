@@ -69,20 +69,27 @@ def test_sigquit_kills_everything_at_once_and_exits_131(launch, tmp_path: Path,
     assert not (la.sockdir / "launcher.json").exists()
 
 
-def test_a_rank_frozen_in_its_first_load_ends_the_start_with_83(launch, tmp_path: Path,
-                                                                llama_ckpt: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL])
+def test_a_rank_frozen_or_killed_in_its_first_load(launch, tmp_path: Path, llama_ckpt: Path,
+                                                   sig: int) -> None:
     """SIGSTOP of a loading rank: the start-up deadline stops the launcher (the frozen rank
-    ignores SIGTERM, so the stop times out into SIGKILL) with 83, and nothing is left."""
+    ignores SIGTERM, so the stop times out into SIGKILL) with 83. SIGKILL: 68. Either way
+    nothing is left."""
     la = _start(launch, tmp_path, llama_ckpt, "--start-timeout", "2",
                 engine_cmd=NEVER_READY)
     ranks = wait_until(lambda: [p for p in descendants(la.proc.pid) if _is_rank(p)],
                        what="the rank to start")
     for pid in ranks:
-        os.kill(pid, signal.SIGSTOP)
-    assert la.wait_exit(60) == ExitStatus.START_TIMEOUT
-    text = la.text()
-    assert "not serving within --start-timeout (2 s): cache rank(s) 0 still loading" in text
-    assert "killing" in text  # the stop timed out: SIGKILL
+        os.kill(pid, sig)
+    text = la.text
+    if sig == signal.SIGSTOP:
+        assert la.wait_exit(60) == ExitStatus.START_TIMEOUT
+        assert "not serving within --start-timeout (2 s): cache rank(s) 0 still loading" \
+            in text()
+        assert "killing" in text()  # the stop timed out: SIGKILL
+    else:
+        assert la.wait_exit(60) == ExitStatus.RANK_START_FAILED
+        assert "exited before ready: killed by signal 9" in text()
     assert_gone(ranks, la.sockdir)
 
 

@@ -10,6 +10,8 @@ import resource
 import signal
 import socket
 import struct
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -191,6 +193,32 @@ def test_a_bad_client_harms_only_itself(llama_ckpt: Path, rank: Rank, bad: str) 
     evil.close()
     wait_until(lambda: open_fds(rank.pid) <= base, what="the rank to drop the bad client")
     assert rank.proc.poll() is None
+
+
+ENGINE_DIES = r"""
+import os, signal, socket, sys
+from vlaunch.cache.contract import wire
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1])
+wire.send_frame(s, {"op": "manifest"})
+wire.send_frame(s, {"op": "open", "mode": "share"})
+if sys.argv[2] == "holding the slabs":
+    wire.recv_frame(s)
+    _, fds = wire.recv_frame(s)
+    assert fds
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("when", ["before the replies", "holding the slabs"])
+def test_an_engine_killed_mid_handoff_leaves_nothing_in_the_rank(llama_ckpt: Path, rank: Rank,
+                                                                 when: str) -> None:
+    base = open_fds(rank.pid)
+    engine = subprocess.run([sys.executable, "-c", ENGINE_DIES, str(rank.socket), when])
+    assert engine.returncode == -signal.SIGKILL
+    wait_until(lambda: open_fds(rank.pid) <= base and _leases(rank) == 0,
+               what="the rank to forget the dead engine")
+    assert_bit_exact(_load(llama_ckpt, rank, mode="copy"), llama_ckpt)
 
 
 # ---------------------------------------------------------------------- resources

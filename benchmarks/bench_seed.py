@@ -1,31 +1,42 @@
-"""CPU: seeding a rank from a running replica against loading the same shard from disk.
+"""Seeding a rank from a running replica, against a disk load of the same shard and against a
+plain copy of the same bytes, all measured in the same run.
 
-A source cache rank holds a shard of about --size-mb; this process then fills fresh CPU slabs
-three ways, each timed from nothing to a filled shard (median of --repeats):
+A source cache rank (a real `vlaunch cache` process, TCP seeding on) loads the checkpoint; its
+start (spawn -> ready) is the first figure. This process then fills fresh slabs of the same
+backend, each figure the median of --repeats:
 
-- baseline: `load_shard` from the checkpoint file (page cache warm: the second of two reads);
-- same host: `seed_unix`, over the source's slab fds (map read-only, memcpy, unmap);
-- TCP: `seed_tcp` over loopback, one stream, token checked, slabs streamed in 16 MiB chunks.
+- same host: `seed_unix` over the source's slab fds (map, copy, unmap: device to device on
+  CUDA), against a copy of the same number of bytes between two tensors of this process
+  (`copy_`: device to device on CUDA, memcpy on CPU). "move" is the map + copy + unmap alone,
+  "seed" the whole request (connect, fingerprint, manifest, fds, move, artifacts);
+- TCP: `seed_tcp` over loopback (one stream, token checked, 16 MiB chunks), against
+  `load_shard` of the same shard from the checkpoint (page cache warm: after a first read);
+- a seeded rank process (`vlaunch cache --seed unix:...`), spawn -> ready, against the source's.
 
-The source runs with --no-checksum so both sides skip the crc32 pass (seeding verifies the
-checksums when the manifest has them; that pass costs the same on either side).
+The source runs with --no-checksum so neither side adds a crc32 pass (on CUDA it is off anyway).
 
-    python benchmarks/bench_seed.py [--size-mb 1024] [--repeats 3]
+    python benchmarks/bench_seed.py [--model DIR] [--device cpu|cuda] [--size-mb 1024]
+        [--repeats 3] [--tcp-repeats N] [--json FILE] [--logs DIR]
 
-Prints one table: figure, vlaunch, baseline, ratio (baseline time / vlaunch time).
+Without --model a checkpoint of about --size-mb is written to a temporary directory. Prints one
+table: figure, vlaunch, baseline, ratio (vlaunch throughput / baseline throughput).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -35,10 +46,11 @@ from vlaunch.cache.contract import wire
 from vlaunch.cache.contract.sockdir import socket_path
 from vlaunch.cache.rank.seed import seed_tcp, seed_unix
 from vlaunch.cache.store.plan import Layout
-from vlaunch.cache.store.shard import empty_shard, load_shard
-from vlaunch.cache.store.slabs import CpuBackend
+from vlaunch.cache.store.shard import Shard, empty_shard, load_shard
+from vlaunch.cache.store.slabs import get_backend
 
 TOKEN = "bench-token-0123456789abcdef"
+GB = 1e9
 
 
 def make_checkpoint(path: Path, size_mb: int) -> None:
@@ -48,76 +60,181 @@ def make_checkpoint(path: Path, size_mb: int) -> None:
                .to(torch.bfloat16) for i in range(max(1, size_mb // 8))}, str(path))
 
 
-def timed(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
-    """Median seconds of fn() (which allocates and frees its own shard)."""
-    out = []
-    for _ in range(repeats):
+def sync(device: str) -> None:
+    """Wait for the device's queued work (nothing on CPU)."""
+    if device != "cpu":
+        torch.cuda.synchronize(device)
+
+
+def free(shard: Shard) -> None:
+    """Give a shard's slabs back."""
+    shard.tensors.clear()
+    for slab in shard.slabs:
+        slab.release()
+
+
+def median(fn: Callable[[], float], repeats: int) -> float:
+    """Median of fn()'s seconds over `repeats` calls."""
+    return statistics.median(fn() for _ in range(max(1, repeats)))
+
+
+class Rank:
+    """A `vlaunch cache` process; `seconds`: spawn -> ready."""
+
+    def __init__(self, model: str, device: str, sockdir: Path, log: Path, *extra: str) -> None:
+        ours, theirs = socket.socketpair()
         start = time.perf_counter()
-        shard = fn()
-        out.append(time.perf_counter() - start)
-        shard.tensors.clear()
-        for slab in shard.slabs:
-            slab.release()
-    return statistics.median(out)
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vlaunch.cache", "--model", model, "--plan", "replicate",
+             "--device", device, "--socket-dir", str(sockdir), "--no-checksum",
+             "--ready-fd", str(theirs.fileno()), *extra], pass_fds=[theirs.fileno()],
+            env={**os.environ, "VLAUNCH_SEED_TOKEN": TOKEN}, stderr=log.open("wb"))
+        theirs.close()
+        with ours:
+            while True:  # progress frames, then ready
+                try:
+                    msg, fds = wire.recv_frame(ours)
+                except EOFError:
+                    raise SystemExit(f"rank exited before ready; see {log}:\n"
+                                     f"{log.read_text()[-2000:]}") from None
+                for fd in fds:
+                    os.close(fd)
+                if msg.get("event") == "ready":
+                    break
+        self.seconds = time.perf_counter() - start
+
+    def rate(self, word: str) -> str:
+        """The GB/s of the rank's own `loaded`/`seeded` log line, or '?'."""
+        found = re.findall(rf"{word} .*?\(([0-9.]+) GB/s\)", self.log.read_text())
+        return found[-1] if found else "?"
+
+    def stop(self) -> None:
+        """SIGTERM and wait."""
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def measure(model: str, device: str, repeats: int, tcp_repeats: int, logs: Path
+            ) -> dict[str, Any]:
+    """Every figure of the table, as a dict."""
+    short = Path(tempfile.mkdtemp(prefix="vl-seed-"))  # socket paths stay short
+    sockdir, newdir = short / "src", short / "new"
+    for d in (sockdir, newdir):
+        d.mkdir(mode=0o700)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    source = Rank(model, device, sockdir, logs / "source.log", "--seed-listen-port", str(port))
+    out: dict[str, Any] = {"device": device, "source_start_s": source.seconds,
+                           "source_load_gbps": source.rate("loaded")}
+    try:
+        client = CacheClient(socket_path(sockdir, 0))
+        fingerprint, nbytes = client.status()["fingerprint"], client.manifest().nbytes
+        client.close()
+        backend = get_backend(device)
+        device = backend.device
+        layout = Layout.from_global(0, 1, 1, 1)
+        out["bytes"] = nbytes
+
+        def seeded(how: str) -> tuple[float, float]:
+            shard = empty_shard(model, "replicate", layout, backend)
+            try:
+                if how == "unix":
+                    got = seed_unix(str(sockdir), 0, fingerprint, shard.manifest, shard.tensors,
+                                    device)
+                else:
+                    got = seed_tcp("127.0.0.1", port, TOKEN, fingerprint, shard.manifest,
+                                   shard.tensors)
+                return got.seconds, got.copy_seconds
+            finally:
+                free(shard)
+
+        def disk() -> float:
+            start = time.perf_counter()
+            shard = load_shard(model, "replicate", layout, backend)
+            sync(device)
+            seconds = time.perf_counter() - start
+            free(shard)
+            return seconds
+
+        pair = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+
+        def copy() -> float:
+            sync(device)
+            start = time.perf_counter()
+            pair[1].copy_(pair[0])
+            sync(device)
+            return time.perf_counter() - start
+
+        copy()  # first touch / warm-up
+        out["copy_s"] = median(copy, repeats)
+        pair.clear()
+        if device != "cpu":
+            torch.cuda.empty_cache()  # the seeded rank process needs that memory
+        seeded("unix")  # warm-up: first import of the source's slabs, allocator
+        unix = [seeded("unix") for _ in range(max(1, repeats))]
+        out["seed_unix_s"] = statistics.median(u[0] for u in unix)
+        out["seed_unix_move_s"] = statistics.median(u[1] for u in unix)
+        disk()  # page cache warm
+        out["disk_s"] = median(disk, repeats)
+        tcp = [seeded("tcp") for _ in range(max(1, tcp_repeats))]
+        out["seed_tcp_s"] = statistics.median(t[0] for t in tcp)
+        new = Rank(model, device, newdir, logs / "seeded.log", "--seed", f"unix:{sockdir}")
+        out["seeded_start_s"], out["seeded_rank_gbps"] = new.seconds, new.rate("seeded")
+        new.stop()
+    finally:
+        source.stop()
+    return out
+
+
+def table(r: dict[str, Any]) -> str:
+    """The printed table."""
+    gb = r["bytes"] / GB
+
+    def row(name: str, ours: float, base: float) -> str:
+        return (f"{name:<44} {gb / ours:>8.1f} GB/s {gb / base:>8.1f} GB/s "
+                f"{base / ours:>7.2f}x")
+
+    lines = [f"{r['device']}: {gb:.2f} GB shard; ratio = vlaunch throughput / baseline",
+             f"{'figure':<44} {'vlaunch':>13} {'baseline':>13} {'ratio':>8}",
+             row("seed same host (slab fds) vs copy_", r["seed_unix_s"], r["copy_s"]),
+             row("  its move alone (map+copy+unmap) vs copy_", r["seed_unix_move_s"],
+                 r["copy_s"]),
+             row("seed TCP loopback vs disk load (warm)", r["seed_tcp_s"], r["disk_s"]),
+             f"{'seeded rank spawn->ready vs source rank':<44} {r['seeded_start_s']:>10.2f} s "
+             f"{r['source_start_s']:>10.2f} s {r['source_start_s'] / r['seeded_start_s']:>7.2f}x",
+             f"  rank logs: source loaded at {r['source_load_gbps']} GB/s, the seeded rank "
+             f"seeded at {r['seeded_rank_gbps']} GB/s",
+             f"  times: seed {r['seed_unix_s'] * 1e3:.1f} ms (move "
+             f"{r['seed_unix_move_s'] * 1e3:.1f} ms), copy_ {r['copy_s'] * 1e3:.1f} ms, TCP "
+             f"{r['seed_tcp_s']:.2f} s, disk {r['disk_s']:.2f} s"]
+    return "\n".join(lines)
 
 
 def main() -> None:
-    """Run the three figures and print the table."""
+    """Measure and print the table (and --json)."""
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="", help="checkpoint (default: write one of --size-mb)")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--size-mb", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tcp-repeats", type=int, default=0, help="default: --repeats")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--logs", default="", help="rank logs (default: a temporary directory)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = Path(tmp) / "model.safetensors"
-        make_checkpoint(model, args.size_mb)
-        sockdir = Path(tmp) / "s"
-        sockdir.mkdir(mode=0o700)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ours, theirs = socket.socketpair()
-        src = subprocess.Popen(
-            [sys.executable, "-m", "vlaunch.cache", "--model", str(model), "--plan", "replicate",
-             "--socket-dir", str(sockdir), "--no-checksum", "--seed-listen-port", str(port),
-             "--ready-fd", str(theirs.fileno())], pass_fds=[theirs.fileno()],
-            env={**os.environ, "VLAUNCH_SEED_TOKEN": TOKEN}, stderr=subprocess.DEVNULL)
-        theirs.close()
-        try:
-            _, fds = wire.recv_frame(ours)
-            for fd in fds:
-                os.close(fd)
-            client = CacheClient(socket_path(sockdir, 0))
-            fingerprint = client.status()["fingerprint"]
-            client.close()
-            backend, layout = CpuBackend(), Layout.from_global(0, 1, 1, 1)
-
-            def disk():  # type: ignore[no-untyped-def]
-                return load_shard(str(model), "replicate", layout, backend)
-
-            def seeded(how: str):  # type: ignore[no-untyped-def]
-                shard = empty_shard(str(model), "replicate", layout, backend)
-                if how == "unix":
-                    seed_unix(str(sockdir), 0, fingerprint, shard.manifest, shard.tensors, "cpu")
-                else:
-                    seed_tcp("127.0.0.1", port, TOKEN, fingerprint, shard.manifest,
-                             shard.tensors)
-                return shard
-
-            timed(disk, 1)  # warm the page cache
-            base = timed(disk, args.repeats)
-            unix = timed(lambda: seeded("unix"), args.repeats)
-            tcp = timed(lambda: seeded("tcp"), args.repeats)
-        finally:
-            src.terminate()
-            src.wait(30)
-    gb = args.size_mb / 1024 * 1.073741824
-    print(f"shard: {args.size_mb} MiB on CPU, median of {args.repeats}; ratio = disk / seed")
-    print(f"{'figure':<40} {'vlaunch':>12} {'baseline':>12} {'ratio':>8}")
-    for name, t in (("seed same host (slab fds) vs disk load", unix),
-                    ("seed TCP loopback vs disk load", tcp)):
-        print(f"{name:<40} {t * 1e3:>9.0f} ms {base * 1e3:>9.0f} ms {base / t:>7.2f}x")
-    for name, t in (("  throughput same host", unix), ("  throughput TCP", tcp)):
-        print(f"{name:<40} {gb / t:>7.2f} GB/s {gb / base:>7.2f} GB/s")
+        model = args.model
+        if not model:
+            model = str(Path(tmp) / "model.safetensors")
+            make_checkpoint(Path(model), args.size_mb)
+        logs = Path(args.logs or tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        result = measure(model, args.device, args.repeats, args.tcp_repeats or args.repeats,
+                         logs)
+    print(table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

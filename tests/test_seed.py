@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from vlaunch.cache import CacheClient, load
 from vlaunch.cache.client import artifacts as E
@@ -153,3 +154,35 @@ def test_truncated_stream_fails_the_seed(llama_ckpt: Path, tmp_path: Path, cache
     assert "truncated" in log
     listener.close()
     assert _serving(src)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("how", ["unix", "tcp"])
+def test_cuda_seeding_is_bit_exact(llama_ckpt: Path, tmp_path: Path, caches, how: str) -> None:
+    """On a GPU: a rank seeded from a CUDA source (device to device over the slab fds, or
+    through pinned buffers over TCP) holds the source's bytes, after the source is gone."""
+    port = _free_port()
+    src = spawn_cache(llama_ckpt, _dir(tmp_path, "src"), "--device", "cuda:0",
+                      "--seed-listen-port", str(port), env=_env())
+    caches.append(src)
+    spec = f"unix:{src.socket_dir}" if how == "unix" else f"tcp://127.0.0.1:{port}"
+    new = spawn_cache(llama_ckpt, _dir(tmp_path, "new"), "--device", "cuda:0", "--seed", spec,
+                      env=_env())
+    caches.append(new)
+    assert new.ready, new.proc.stderr.read().decode() if new.proc.stderr else ""
+
+    def held(proc: CacheProc) -> dict[str, torch.Tensor]:
+        client = CacheClient(socket_path(proc.socket_dir, 0))
+        try:
+            return {k: v.cpu() for k, v in client.map(client.manifest(), mode="copy",
+                                                       device="cuda:0").items()}
+        finally:
+            client.close()
+
+    want = held(src)
+    src.stop()
+    got = held(new)
+    assert set(got) == set(want)
+    for name, ref in want.items():
+        assert got[name].equal(ref), name

@@ -40,6 +40,8 @@ import psutil
 
 from vlaunch.cache.contract.errors import VlaunchError
 from vlaunch.cache.contract.exitcodes import CONFIG_ERROR_STATUSES
+from vlaunch.cache.contract.logs import setup_logging
+from vlaunch.cache.contract.notify import SdNotify, parse_fields
 from vlaunch.cache.reference.http import EngineStopping, parse_generate, start_http
 from vlaunch.cache.reference.options import EX_CONFIG, ConfigError, EngineOptions, parse_args
 from vlaunch.cache.reference.workers import (
@@ -98,9 +100,7 @@ def exit_status(exc: BaseException) -> int:
 
 
 def _setup_logging(rank: int, level: str) -> None:
-    logging.basicConfig(level=level, stream=sys.stderr, force=True,
-                        format=f"%(asctime)s vlaunch-engine[rank {rank} pid {os.getpid()}] "
-                               "%(levelname)s %(message)s")
+    setup_logging("vlaunch-engine", level, rank)
 
 
 @dataclass
@@ -291,16 +291,10 @@ class _StopRequested(BaseException):
 
 
 def notify(state: str) -> None:
-    """Send `state` to systemd when NOTIFY_SOCKET is set; failures are logged."""
-    if not os.environ.get("NOTIFY_SOCKET"):
-        return
-    import sdnotify
-
-    try:
-        sdnotify.SystemdNotifier(debug=True).notify(state)
-    except OSError as exc:
-        log.warning("sd_notify %r to %s failed: %s", state.replace("\n", " "),
-                    os.environ["NOTIFY_SOCKET"], exc)
+    """Send `state` (KEY=value lines) to NOTIFY_SOCKET if set; never blocks, never raises."""
+    out = SdNotify()
+    out.send(parse_fields(state.encode()))
+    out.close()
 
 
 if __name__ == "__main__":

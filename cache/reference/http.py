@@ -20,6 +20,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vlaunch.cache.contract.http import reply_json
+
 if TYPE_CHECKING:
     from vlaunch.cache.reference.config import ModelConfig
     from vlaunch.cache.reference.engine import Engine
@@ -132,12 +134,7 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(length)
 
     def _reply(self, status: HTTPStatus, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        reply_json(self, status, body)
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("http %s: " + format, self.client_address[0], *args)

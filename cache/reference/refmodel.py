@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from vlaunch.cache.contract.logs import setup_logging
 from vlaunch.cache.reference.config import CONFIG_NAME, ModelConfig, ModelConfigError
 from vlaunch.cache.store.checkpoint import INDEX_NAME
 
@@ -416,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="cpu",
                    help="where to draw the random numbers; cuda is far faster for large sizes")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    setup_logging("vlaunch-refmodel", "INFO")
     target = None if args.target_gib is None else int(args.target_gib * (1 << 30))
     shapes: dict[str, Any] = dict(LLAMA_8B_SHAPES) if args.llama_8b else {}
     path = make_checkpoint(args.path, **shapes, layers=args.layers, shards=args.shards,

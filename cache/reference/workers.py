@@ -9,7 +9,6 @@ workers: a header [op, n_tokens, max_new_tokens] (op 0: stop, 1: generate), then
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import logging
 import os
@@ -19,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vlaunch.cache.contract.lifetime import die_with_parent
 from vlaunch.cache.reference.options import ConfigError, EngineOptions
 
 if TYPE_CHECKING:
@@ -34,7 +34,6 @@ STORE_TIMEOUT = datetime.timedelta(seconds=300)
 GROUP_TIMEOUT = datetime.timedelta(days=3650)
 LAYOUT_WORDS = {"engine": "mapped from the cache", "handed-back": "built and handed back to the "
                 "cache", "own": "built, held by the engine alone"}
-PR_SET_PDEATHSIG = 1
 
 
 def reserve_store() -> socket.socket:
@@ -206,8 +205,6 @@ def run_worker(opts: EngineOptions) -> int:
 
 def _die_with_parent(parent_pid: int) -> None:
     """Have the kernel SIGKILL this process when rank 0 dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    die_with_parent()
     if parent_pid and os.getppid() != parent_pid:  # rank 0 died before prctl took effect
         raise RuntimeError(f"rank 0 (pid {parent_pid}) is gone; exiting")

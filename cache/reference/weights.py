@@ -7,8 +7,12 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+# imported with this module (before the engine times its load), not inside load_weights
+from vlaunch.cache.client.layout import hand_back
+from vlaunch.cache.client.loader import load
 from vlaunch.cache.contract.errors import VlaunchError
 from vlaunch.cache.reference.config import ModelConfig
+from vlaunch.cache.reference.layout import engine_layout, layout_fields
 from vlaunch.cache.reference.options import EngineOptions
 
 if TYPE_CHECKING:
@@ -28,9 +32,6 @@ class Loaded:
 
 def load_weights(opts: EngineOptions, rank: int, device: str, cfg: ModelConfig) -> Loaded:
     """Map the engine layout; else load the raw shard, fuse and pad it, and hand it back."""
-    from vlaunch.cache import hand_back, load
-    from vlaunch.cache.reference.layout import engine_layout, layout_fields
-
     fields = layout_fields(cfg, "as-checkpoint")
     use_layout = opts.engine_layout and opts.mode in ("share", "copy")
     where = {"rank": rank, "tensor_parallel_size": opts.tp_size, "device": device,

@@ -4,17 +4,27 @@ While the launcher holds them, the slabs outlive their rank: a rank respawned af
 adopts them instead of reading the disk. What a rank holds, the escrow holds: its checkpoint
 ("raw") slabs from its ready report, each engine layout it adopts, and nothing of a layout it
 released (copy-release, or an engine layout that replaced the raw one): held fds would keep
-that memory allocated forever.
+that memory allocated forever. Its artifacts (autotune tables) are held too, as the rank sent
+them, bounded by count and bytes (the oldest go first), so that a respawned rank gets them
+back without an artifact directory.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from vlaunch.cache.contract import protocol, wire
+
+log = logging.getLogger("vlaunch.launcher.escrow")
+MAX_ARTIFACTS = 64
+"""Artifacts held per rank (a rank holds as many)."""
+MAX_ARTIFACT_BYTES = 64 << 20
+"""Base64 bytes of artifacts held per rank; the oldest go first beyond it."""
 
 
 @dataclass
@@ -25,6 +35,8 @@ class Held:
     fds: list[int]
     released: bool = False
     layouts: list[tuple[dict[str, Any], list[int]]] = field(default_factory=list)
+    artifacts: OrderedDict[tuple[str, str], dict[str, Any]] = field(
+        default_factory=OrderedDict)
 
 
 def _close(fds: list[int]) -> int:
@@ -56,6 +68,21 @@ class Escrow:
             return
         held.layouts.append((frame, fds))
 
+    def keep_artifact(self, rank: int, frame: dict[str, Any]) -> None:
+        """Hold an artifact frame of a held rank (replacing one of the same name), bounded."""
+        held = self._held.get(rank)
+        if held is None:
+            return
+        if len(frame["data"]) > protocol.MAX_ARTIFACT_DATA or max(
+                len(frame["kind"]), len(frame["key"])) > protocol.MAX_STRING:
+            log.warning("cache rank %d sent an oversized artifact frame: not escrowed", rank)
+            return
+        held.artifacts.pop((frame["kind"], frame["key"]), None)
+        held.artifacts[(frame["kind"], frame["key"])] = frame
+        while len(held.artifacts) > MAX_ARTIFACTS or (len(held.artifacts) > 1 and sum(
+                len(f["data"]) for f in held.artifacts.values()) > MAX_ARTIFACT_BYTES):
+            held.artifacts.popitem(last=False)
+
     def release_raw(self, rank: int) -> int:
         """The rank dropped its raw slabs: close ours; returns how many fds were closed. With
         no engine layout left either, nothing is held: a respawn reads the disk."""
@@ -84,6 +111,8 @@ class Escrow:
                         held.fds)
         for frame, fds in held.layouts:
             wire.send_frame(sock, frame, fds)
+        for frame in held.artifacts.values():
+            wire.send_frame(sock, frame)
 
     def fd_count(self) -> int:
         """Fds held, over every rank."""

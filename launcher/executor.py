@@ -85,7 +85,7 @@ class Executor:
         }
         self._channel_handlers: dict[str, Callable[[int, dict[str, Any], list[int]], None]] = {
             "ready": self._rank_ready, "layout": self._rank_layout,
-            "release": self._rank_release,
+            "release": self._rank_release, "artifact": self._rank_artifact,
         }
 
     # ----------------------------------------------------------------------- main loop
@@ -250,7 +250,7 @@ class Executor:
                     self._bad_report(running, str(exc))
                     return
                 self._channel_handlers[msg["event"]](rank, msg, fds)
-                expect = ("layout", "release")
+                expect = ("layout", "release", "artifact")
 
     def _bad_report(self, running: _Running, why: str) -> None:
         log.error("cache rank %s sent a bad report (%s): killing it", running.rank, why)
@@ -268,6 +268,12 @@ class Executor:
     def _rank_layout(self, rank: int, frame: dict[str, Any], fds: list[int]) -> None:
         """The rank adopted an engine layout: escrow its fds too."""
         self.escrow.keep_layout(rank, frame, fds)
+
+    def _rank_artifact(self, rank: int, msg: dict[str, Any], fds: list[int]) -> None:
+        """The rank holds an artifact: escrow it, so that a respawn gets it back."""
+        for fd in fds:
+            os.close(fd)
+        self.escrow.keep_artifact(rank, msg)
 
     def _rank_release(self, rank: int, msg: dict[str, Any], fds: list[int]) -> None:
         """The rank dropped its raw copy (copy-release, or an engine layout replaced it): drop

@@ -154,3 +154,37 @@ def test_flashinfer_table_adopted_through_the_cache(llama_ckpt: Path, sockdir: P
     # the context manager: a hit yields True and the engine skips its pass
     with fa.tuned(sock, rank=0, ops=["flashinfer::fused_moe"], shapes=[(8, 4096)]) as hit:
         assert hit
+
+
+def test_a_respawned_rank_gets_its_artifacts_back_from_the_escrow(tmp_path: Path,
+                                                                  llama_ckpt: Path) -> None:
+    """No --artifact-dir: the rank escrows each artifact it is handed with the launcher, and
+    a rank respawned after a SIGKILL (--on-rank-exit respawn) holds it again."""
+    import psutil
+
+    from .conftest import eventually
+
+    sockdir, log = tmp_path / "sock", tmp_path / "launcher.log"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "vlaunch.launcher.cli", "run", "--model", str(llama_ckpt),
+         "--plan", "replicate", "--socket-dir", str(sockdir), "--health-port", "-1",
+         "--on-rank-exit", "respawn"], stderr=log.open("wb"))
+    sock = socket_path(sockdir, 0)
+
+    def rank_pid() -> int | None:
+        assert launcher.poll() is None, log.read_text()
+        ranks = [p for p in psutil.Process(launcher.pid).children()
+                 if "vlaunch.cache" in " ".join(p.cmdline())]
+        return ranks[0].pid if ranks and sock.exists() else None
+
+    try:
+        first = eventually(rank_pid, 60, what=lambda: log.read_text())
+        assert E.hand_back(sock, KIND, KEY, b"table" * 1000)
+        psutil.Process(first).kill()
+        eventually(lambda: (rank_pid() or first) != first and "adopted escrowed artifact"
+                   in log.read_text(), 60, what=lambda: log.read_text())
+        assert E.fetch(sock, KIND, KEY, timeout=30) == b"table" * 1000
+        assert "adopted 1 escrowed slab(s)" in log.read_text()
+    finally:
+        launcher.terminate()
+        assert launcher.wait(60) == 0, log.read_text()

@@ -287,6 +287,14 @@ class CacheServer:
             self.escrow.close()
             self.escrow = None
 
+    def escrow_artifacts(self, *only: tuple[str, str, str]) -> None:
+        """Hand artifacts to the launcher's escrow, so that a respawned rank gets them back:
+        `only` (kind, key, base64 data), or every one held."""
+        items = only or tuple((k, h, art.encode(self.artifacts.get(k, h) or b""))
+                              for k, h, _ in self.artifacts.listing())
+        for kind, key, data in items:
+            self._send_escrow(protocol.event("artifact", kind=kind, key=key, data=data), [])
+
     def handle_digest(self, lease: Lease, f: dict[str, Any]) -> Any:
         """digest: a page of (tensor, blake2b of its bytes in the slabs), for vlaunch verify."""
         if self.integrity is None:
@@ -316,6 +324,7 @@ class CacheServer:
             return protocol.error(code, str(exc)), []
         log.info("rank %d: artifact %s/%s (%d bytes) from pid %d", self.rank, f["kind"],
                  f["key"][:12], len(data), lease.pid)
+        self.escrow_artifacts((f["kind"], f["key"], f["data"]))
         return {"ok": True}, []
 
     def handle_artifact_list(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any],

@@ -73,7 +73,8 @@ def _run(opts: RankArgs, rank: int) -> int:
         adopted: list[Any] = []
         raw_released = False
         if opts.adopt_fd >= 0:
-            manifest, fds, fingerprint, release, adopted, raw_released = _adopt(opts.adopt_fd)
+            manifest, fds, fingerprint, release, adopted, raw_released = _adopt(opts.adopt_fd,
+                                                                                store)
         elif opts.seed:
             manifest, fds, fingerprint, release = _seed_or_load(opts, backend, rank, store)
         else:
@@ -194,9 +195,11 @@ def _seed_or_load(opts: RankArgs, backend: Any, rank: int, store: Any
     return _finish(opts, backend, shard, seeded.manifest)
 
 
-def _adopt(fd: int) -> tuple[Manifest, list[int], fp.Fingerprint, Any, list[Any], bool]:
+def _adopt(fd: int, store: Any
+           ) -> tuple[Manifest, list[int], fp.Fingerprint, Any, list[Any], bool]:
     """Take over escrowed slabs (fds + manifest) from the launcher instead of loading: the raw
-    layout's (unless it was released), then any engine layout's (docs/engine-layout.md)."""
+    layout's (unless it was released), then any engine layout's (docs/engine-layout.md), and
+    the escrowed artifacts into `store`."""
     from vlaunch.cache.rank.layouts import LayoutError, adopt
 
     layouts: list[Any] = []
@@ -205,6 +208,9 @@ def _adopt(fd: int) -> tuple[Manifest, list[int], fp.Fingerprint, Any, list[Any]
         try:
             while True:
                 frame, layout_fds = wire.recv_frame(sock)
+                if frame.get("event") == "artifact":
+                    _adopt_artifact(frame, layout_fds, store)
+                    continue
                 try:
                     if frame.get("event") != "layout":
                         raise ProtocolError("adopt channel carried an unknown frame")
@@ -226,6 +232,21 @@ def _adopt(fd: int) -> tuple[Manifest, list[int], fp.Fingerprint, Any, list[Any]
              " (raw layout released)" if released else "", len(layouts))
     return (manifest, fds, {str(k): str(v) for k, v in msg["fingerprint"].items()}, None,
             layouts, released)
+
+
+def _adopt_artifact(frame: dict[str, Any], fds: list[int], store: Any) -> None:
+    """Keep an escrowed artifact; a bad one is one warning (the engine tunes again)."""
+    from vlaunch.cache.store.artifacts import decode
+
+    for x in fds:
+        os.close(x)
+    try:
+        protocol.validate_event(frame, "artifact")
+        store.put(frame["kind"], frame["key"], decode(frame["data"]))
+    except VlaunchError as exc:
+        log.warning("escrowed artifact not adopted: %s", exc)
+        return
+    log.info("adopted escrowed artifact %s/%s", frame["kind"], frame["key"][:12])
 
 
 def asyncio_run(coro: Any) -> None:
@@ -292,6 +313,7 @@ def _report_ready(server: Any, lock: RankLock, opts: RankArgs) -> None:
             server._send_escrow(layout.escrow(), layout.fds)
         if server.raw_released:
             server._send_escrow({"event": "release", "layout": "raw"}, [])
+        server.escrow_artifacts()  # from --artifact-dir, a seed or the escrow: kept there too
     notify = SdNotify()  # `vlaunch cache` under its own unit; never blocks, never raises
     notify.send({"READY": "1", "STATUS": f"rank {rank} serving"})
     notify.close()

@@ -24,6 +24,7 @@ import torch
 from tests.conftest import spawn_cache
 from vlaunch.cache import hand_back, load
 from vlaunch.cache.client.connection import CacheClient
+from vlaunch.cache.client.layout import layout_nbytes
 from vlaunch.cache.client.loader import load_from_disk
 from vlaunch.cache.contract import engine_layout as el
 from vlaunch.cache.contract import progress, wire
@@ -179,9 +180,15 @@ def test_every_field_of_an_engine_layout_must_match(model: Path, sockdir: Path,
     caches.append(spawn_cache(model, sockdir))
     fields = {**layout_fields(cfg, "bfloat16"), "kernel_backends": "attn=sdpa"}
     raw = load(str(model), socket_dir=str(sockdir), device="cpu")
-    hand_back(engine_layout(raw, cfg, 1), model=str(model), fields=fields,
-              socket_dir=str(sockdir), device="cpu", release_raw=False)
-    del raw
+    eng = engine_layout(raw, cfg, 1)
+    back = hand_back(eng, model=str(model), fields=fields, socket_dir=str(sockdir),
+                     device="cpu", release_raw=False, copy=["model.norm.weight"])
+    del raw, back
+    sized = {"model": str(model), "layout": Layout.from_global(0, 1), "device": "cpu"}
+    (held,) = CacheClient(socket_path(sockdir, 0)).status()["layouts"]
+    shared = held["bytes"] - eng["model.norm.weight"].nbytes  # slabs, less the private copy
+    assert layout_nbytes(socket_path(sockdir, 0), fields=fields, **sized) == shared
+    assert layout_nbytes(socket_path(sockdir, 0), fields={**fields, "engine": "x"}, **sized) == 0
     for name in fields:
         other = {**fields, name: fields[name] + "-other"}
         weights = load(str(model), socket_dir=str(sockdir), device="cpu", layout=other)

@@ -57,17 +57,8 @@ def load_layout(path: os.PathLike[str] | str, model: str, layout: Layout, device
     key = el.layout_key(checked)
     client = CacheClient(path, timeout=timeout)
     try:
-        held = _listing(client)
-        if not held:
-            raise LayoutMissError(f"the cache at {path} holds no engine layout yet")
-        recorded = next((x.get("fingerprint") for x in held if x.get("key") == key), None)
-        base = _raw_fingerprint(client, model, layout, device, plan, kernel_backends, loader,
-                                quantization, recorded)
-        # a layout with other fields answers a mismatch that lists every differing field
-        client.request({**client._hello(el.extend(base, checked)), "layout": key})
-        reply, _ = client.request({"op": "manifest", "layout": key})
-        manifest = Manifest.from_wire(reply["manifest"])
-        copy = _copy_names(reply.get("copy"), manifest)
+        manifest, copy = _checked_manifest(client, model, layout, device, checked, plan,
+                                           kernel_backends, loader, quantization)
         tensors = client.map(manifest, mode=mode, device=device, layout=key)
     except BaseException:
         client.close()
@@ -81,6 +72,51 @@ def load_layout(path: os.PathLike[str] | str, model: str, layout: Layout, device
     if mode != "share":  # a share lease lasts while the engine holds the mapped tensors
         client.close()
     return weights
+
+
+def layout_nbytes(path: os.PathLike[str] | str, model: str, layout: Layout, device: str,
+                  fields: Mapping[str, Any], *, plan: str = DEFAULT_PLAN,
+                  kernel_backends: str = "", loader: str = "vlaunch",
+                  quantization: str | None = None) -> int:
+    """Bytes a share-mode load of this engine layout would map (its copied tensors are the
+    engine's own); 0 when the rank holds no matching layout. Maps nothing."""
+    from vlaunch.cache.contract.errors import (
+        CacheUnavailableError,
+        FingerprintMismatchError,
+    )
+
+    checked = el.check_fields(fields)
+    try:
+        client = CacheClient(path)
+    except CacheUnavailableError:
+        return 0
+    try:
+        manifest, copy = _checked_manifest(client, model, layout, device, checked, plan,
+                                           kernel_backends, loader, quantization)
+    except (LayoutMissError, CacheUnavailableError, FingerprintMismatchError, CacheBrokenError):
+        return 0
+    finally:
+        client.close()
+    copied = set(copy)
+    return manifest.nbytes - sum(t.nbytes for t in manifest.tensors if t.name in copied)
+
+
+def _checked_manifest(client: CacheClient, model: str, layout: Layout, device: str,
+                      checked: dict[str, str], plan: str, kernel_backends: str, loader: str,
+                      quantization: str | None) -> tuple[Manifest, list[str]]:
+    """After a fingerprint check, the layout's manifest and the names of its copied tensors."""
+    key = el.layout_key(checked)
+    held = _listing(client)
+    if not held:
+        raise LayoutMissError(f"the cache at {client.path} holds no engine layout yet")
+    recorded = next((x.get("fingerprint") for x in held if x.get("key") == key), None)
+    base = _raw_fingerprint(client, model, layout, device, plan, kernel_backends, loader,
+                            quantization, recorded)
+    # a layout with other fields answers a mismatch that lists every differing field
+    client.request({**client._hello(el.extend(base, checked)), "layout": key})
+    reply, _ = client.request({"op": "manifest", "layout": key})
+    manifest = Manifest.from_wire(reply["manifest"])
+    return manifest, _copy_names(reply.get("copy"), manifest)
 
 
 def hand_back(tensors: Mapping[str, torch.Tensor], *, model: str, fields: Mapping[str, Any],

@@ -154,6 +154,14 @@ def test_flashinfer_table_adopted_through_the_cache(llama_ckpt: Path, sockdir: P
     # the context manager: a hit yields True and the engine skips its pass
     with fa.tuned(sock, rank=0, ops=["flashinfer::fused_moe"], shapes=[(8, 4096)]) as hit:
         assert hit
+    # a miss runs the body under flashinfer.autotune(True), then hands the process-wide
+    # tuner's table (AutoTuner.get().save_configs) back: the next engine hits
+    other = {"rank": 0, "ops": ["flashinfer::bmm_fp8"], "shapes": [(16, 16)]}
+    with fa.tuned(sock, **other) as hit:
+        assert not hit
+    assert E.fetch(sock, fa.KIND, fa.table_key(**other)) is not None
+    with fa.tuned(sock, **other) as hit:
+        assert hit
 
 
 def test_a_respawned_rank_gets_its_artifacts_back_from_the_escrow(tmp_path: Path,

@@ -123,6 +123,17 @@ def spawn_cache(model: Path | str, socket_dir: Path, *args: str, rank: int = 0,
 
 
 @pytest.fixture
+def notify_reader(tmp_path: Path) -> Iterator[socket.socket]:
+    """A bound, non-blocking datagram socket standing in for systemd's NOTIFY_SOCKET; tests
+    read it, or leave it unread."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "notify.sock"))
+    sock.settimeout(0)
+    yield sock
+    sock.close()
+
+
+@pytest.fixture
 def sockdir(tmp_path: Path) -> Path:
     """A fresh 0700 socket directory."""
     d = tmp_path / "s"

@@ -164,12 +164,8 @@ class Running:
 
 
 @pytest.fixture
-def notify(tmp_path: Path) -> Iterator[socket.socket]:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(str(tmp_path / "notify.sock"))
-    sock.settimeout(0)
-    yield sock
-    sock.close()
+def notify(notify_reader: socket.socket) -> socket.socket:
+    return notify_reader
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ The contract imports nothing else of vlaunch; nothing in `cache/` imports the la
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -38,9 +39,16 @@ def sources() -> Iterator[tuple[str, Path]]:
             yield module_name(path), path
 
 
-def imports(path: Path, module: str) -> set[str]:
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """A file's syntax tree, parsed once per session."""
+    return ast.parse(path.read_text(), str(path))
+
+
+@functools.cache
+def imports(path: Path, module: str) -> frozenset[str]:
     """Every vlaunch module `path` imports, at any depth, except under `if TYPE_CHECKING:`."""
-    tree = ast.parse(path.read_text(), str(path))
+    tree = parsed(path)
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
             and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
@@ -58,7 +66,7 @@ def imports(path: Path, module: str) -> set[str]:
             names = {f"{base}.{a.name}" for a in node.names}
             known = {n for n in names if n in MODULES}  # `from pkg import module`
             out |= known or {base}
-    return {name for name in out if name.startswith("vlaunch.")}
+    return frozenset(name for name in out if name.startswith("vlaunch."))
 
 
 MODULES = {name for name, _ in sources()}
@@ -136,7 +144,7 @@ def test_no_module_imports_another_modules_private_names() -> None:
     bad = []
     for top in ("cache", "launcher", "tests", "benchmarks"):
         for path in sorted((ROOT / top).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            for node in ast.walk(parsed(path)):
                 if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith(
                         "vlaunch"):
                     continue

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,13 +12,8 @@ from vlaunch.cache.contract.notify import SdNotify, parse_fields
 
 
 @pytest.fixture
-def reader(tmp_path: Path) -> Iterator[socket.socket]:
-    """A bound datagram socket standing in for systemd; tests read it, or not."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(str(tmp_path / "notify.sock"))
-    sock.settimeout(5)
-    yield sock
-    sock.close()
+def reader(notify_reader: socket.socket) -> socket.socket:
+    return notify_reader
 
 
 def fill(path: str) -> int:

@@ -94,8 +94,10 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
     port = o["health_port"]
     return RunSpec(model=model, socket_dir=Path(o["socket_dir"] or default_socket_dir()),
                    ranks=ranks, devices=rank_devices(ranks, o["device"], o["devices"]),
-                   tp=o["tensor_parallel_size"], pp=o["pipeline_parallel_size"],
-                   dp=o["data_parallel_size"], plan=o["plan"], threads=o["threads"],
+                   tensor_parallel_size=o["tensor_parallel_size"],
+                   pipeline_parallel_size=o["pipeline_parallel_size"],
+                   data_parallel_size=o["data_parallel_size"], plan=o["plan"],
+                   threads=o["threads"],
                    engine=engine, engine_health_url=o["engine_health_url"],
                    health_host=o["health_host"], health_port=None if port < 0 else port,
                    kernel_backends=o["kernel_backends"], supervisor=config,

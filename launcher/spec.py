@@ -19,9 +19,9 @@ class RunSpec:
     socket_dir: Path
     ranks: tuple[int, ...]
     devices: Mapping[int, str]
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     plan: str = DEFAULT_PLAN
     threads: int = 8
     engine: tuple[str, ...] = ()
@@ -42,8 +42,7 @@ class RunSpec:
 
     def rank_args(self, rank: int, ready_fd: int, adopt_fd: int = -1) -> RankArgs:
         """The arguments of cache rank `rank`, reporting on `ready_fd`."""
-        return RankArgs(model=self.model, rank=rank, tensor_parallel_size=self.tp,
-                        pipeline_parallel_size=self.pp, data_parallel_size=self.dp,
+        return RankArgs(model=self.model, rank=rank, **self._sizes(),
                         device=self.devices[rank], socket_dir=str(self.socket_dir),
                         plan=self.plan, threads=self.threads,
                         kernel_backends=self.kernel_backends, ready_fd=ready_fd,
@@ -56,10 +55,15 @@ class RunSpec:
                    preload: bool = False) -> EngineEnv:
         """What the engine is told; `devices` overrides a rank's device (GPU UUIDs)."""
         kind = "cuda" if any(d.startswith("cuda") for d in self.devices.values()) else "cpu"
-        return EngineEnv(model=self.model, socket_dir=str(self.socket_dir),
-                         tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp,
-                         data_parallel_size=self.dp, ranks=self.ranks, device=kind,
+        return EngineEnv(model=self.model, socket_dir=str(self.socket_dir), **self._sizes(),
+                         ranks=self.ranks, device=kind,
                          engine_devices=tuple(devices.get(r, self.devices[r])
                                               for r in self.ranks),
                          plan=self.plan, kernel_backends=self.kernel_backends,
                          attempt=attempt, preload=preload)
+
+    def _sizes(self) -> dict[str, int]:
+        """The parallel sizes, spelled as everywhere else."""
+        return {"tensor_parallel_size": self.tensor_parallel_size,
+                "pipeline_parallel_size": self.pipeline_parallel_size,
+                "data_parallel_size": self.data_parallel_size}

@@ -176,7 +176,8 @@ def start(tmp_path: Path, notify: socket.socket) -> Iterator[Any]:
               **config: Any) -> Running:
         ranks = (0, 1)
         spec = RunSpec(model="/models/m", socket_dir=tmp_path / "s", ranks=ranks,
-                       devices=dict.fromkeys(ranks, "cpu"), tp=2, plan="replicate",
+                       devices=dict.fromkeys(ranks, "cpu"), tensor_parallel_size=2,
+                       plan="replicate",
                        engine=engine, health_port=None,
                        supervisor=events.SupervisorConfig(ranks=ranks, has_engine=bool(engine),
                                                           backoff_initial=0.0, **config))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vlaunch.cache.contract import protocol
 from vlaunch.cache.contract.errors import ProtocolError
 
 EVENT = "progress"
@@ -20,7 +21,7 @@ MAX_BYTES = 1 << 50  # a bound for values read off the channel: 1 PiB per rank
 
 def frame(rank: int, loaded: int, total: int) -> dict[str, Any]:
     """The progress frame a loading rank sends."""
-    return {"event": EVENT, "rank": rank, "loaded": loaded, "total": total}
+    return protocol.event(EVENT, rank=rank, loaded=loaded, total=total)
 
 
 def parse(message: dict[str, Any]) -> tuple[int, int] | None:

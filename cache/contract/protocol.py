@@ -176,15 +176,15 @@ def error(code: str, message: str, **extra: Any) -> dict[str, Any]:
 
 
 # Launcher <-> rank frames. A rank reports on its ready channel (a socketpair from the launcher,
-# kept open while it lives): "ready" once serving, with duplicates of its slab fds for the
-# launcher's escrow; "layout" for each engine layout it adopts (docs/engine-layout.md), with its
-# fds; "release" when it dropped a layout ("raw": the checkpoint's, after a copy-release or once
-# an engine layout replaced it), so that the launcher closes its duplicates: held fds would keep
-# the memory allocated. "artifact" carries an artifact (base64, at most MAX_ARTIFACT_DATA) the
-# rank holds, once when it is ready and again whenever one is handed back, so that a respawned
-# rank gets its artifacts back as it gets its slabs. A respawned rank gets "escrow" (then its
-# "layout" and "artifact" frames) on its adopt channel. Field -> (type, required); "layout"
-# frames are checked by the rank that adopts them.
+# kept open while it lives): "progress" while it loads (contract/progress.py), "ready" once
+# serving, with duplicates of its slab fds for the launcher's escrow; "layout" for each engine
+# layout it adopts (docs/engine-layout.md), with its fds; "release" when it dropped a layout
+# ("raw": the checkpoint's, after a copy-release or once an engine layout replaced it), so that
+# the launcher closes its duplicates: held fds would keep the memory allocated. "artifact" carries
+# an artifact (base64, at most MAX_ARTIFACT_DATA) the rank holds, once when it is ready and again
+# whenever one is handed back, so that a respawned rank gets its artifacts back as it gets its
+# slabs. A respawned rank gets "escrow" (then its "layout" and "artifact" frames) on its adopt
+# channel. Field -> (type, required); "layout" frames are checked by the rank that adopts them.
 EVENTS: dict[str, dict[str, tuple[type, bool]] | None] = {
     "ready": {"rank": (_INT, True), "pid": (_INT, True), "socket": (_STR, True),
               "at": (float, True), "bytes": (_INT, True), "device": (_STR, True),
@@ -193,6 +193,7 @@ EVENTS: dict[str, dict[str, tuple[type, bool]] | None] = {
                "released": (_BOOL, False)},
     "layout": None,
     "release": {"layout": (_STR, True)},
+    "progress": {"rank": (_INT, True), "loaded": (_INT, True), "total": (_INT, True)},
     "artifact": {"kind": (_STR, True), "key": (_STR, True), "data": (_STR, True)},
 }
 

@@ -1,0 +1,71 @@
+"""The launcher <-> rank <-> engine contract: one definition, read the same way at both ends."""
+
+from __future__ import annotations
+
+import pytest
+
+from vlaunch.cache.client.weights import engine_args
+from vlaunch.cache.contract.errors import UsageError
+from vlaunch.cache.contract.launch import DEFAULT_PLAN, EngineEnv, RankArgs
+
+
+def test_rank_args_survive_their_command_line_and_keep_the_token_off_it() -> None:
+    args = RankArgs(model="/m", rank=3, tensor_parallel_size=2, pipeline_parallel_size=2,
+                    plan="replicate", checksum=False, seed_fallback=True, seed_token="secret",
+                    ready_fd=7)
+    argv = args.to_argv()
+    assert "secret" not in " ".join(argv) and args.secret_env() == {"VLAUNCH_SEED_TOKEN": "secret"}
+    assert RankArgs.parse(argv) == RankArgs(**{**vars(args), "seed_token": ""})
+
+
+def test_every_rank_option_is_spelled_out_so_no_inherited_variable_changes_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLAUNCH_PLAN", "replicate")
+    monkeypatch.setenv("VLAUNCH_THREADS", "1")
+    assert RankArgs.parse(["--model", "/m"]).plan == "replicate"  # `vlaunch cache` reads it
+    assert RankArgs.parse(RankArgs(model="/m").to_argv()) == RankArgs(model="/m")
+
+
+def test_a_bad_rank_option_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match="tensor-parallel-size"):
+        RankArgs.parse(["--model", "/m", "--tensor-parallel-size", "0"])
+
+
+def test_the_engine_environment_round_trips_and_names_a_malformed_variable() -> None:
+    env = EngineEnv(model="/m", socket_dir="/s", tensor_parallel_size=2, ranks=(0, 1),
+                    device="cuda", engine_devices=("cuda:GPU-a", "cuda:GPU-b"),
+                    plan="replicate", attempt=3, preload=True)
+    assert EngineEnv.from_env(env.to_env()) == env
+    assert EngineEnv.from_env({}) == EngineEnv() and EngineEnv().plan_or_default == DEFAULT_PLAN
+    with pytest.raises(UsageError, match="VLAUNCH_TENSOR_PARALLEL_SIZE='two'"):
+        EngineEnv.from_env({"VLAUNCH_TENSOR_PARALLEL_SIZE": "two"})
+
+
+def test_load_takes_what_the_caller_leaves_out_from_the_launcher_and_explicit_wins(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in EngineEnv(model="/m", tensor_parallel_size=4, pipeline_parallel_size=2,
+                                plan="replicate", kernel_backends="fi").to_env().items():
+        monkeypatch.setenv(key, value)
+    assert engine_args(None, None, None, None, None, None) == ("/m", 4, 2, 1, "replicate", "fi")
+    assert engine_args("/x", 1, 1, 1, "llama", "") == ("/x", 1, 1, 1, "llama", "")
+
+
+def test_load_without_a_model_anywhere_says_how_to_give_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLAUNCH_MODEL", raising=False)
+    with pytest.raises(UsageError, match="load\\(\\) has no model"):
+        engine_args(None, None, None, None, None, None)
+
+
+def test_the_reference_engine_reads_the_same_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vlaunch.cache.reference.options import ConfigError, parse_args
+
+    for key, value in EngineEnv(model="/m", tensor_parallel_size=2, socket_dir="/s",
+                                device="cpu").to_env().items():
+        monkeypatch.setenv(key, value)
+    opts = parse_args([])
+    assert (opts.model, opts.tp_size, opts.socket_dir, opts.device) == ("/m", 2, "/s", "cpu")
+    assert parse_args(["--model", "/x", "--tensor-parallel-size", "1"]).tp_size == 1
+    monkeypatch.setenv("VLAUNCH_TENSOR_PARALLEL_SIZE", "-1")
+    with pytest.raises(ConfigError, match="VLAUNCH_TENSOR_PARALLEL_SIZE"):
+        parse_args([])

@@ -117,6 +117,18 @@ def test_gathered_pieces_are_sized_by_the_bytes_kept(ckpt: Path) -> None:
     assert all(p.nbytes <= 200 for p in got) and sum(p.nbytes for p in got) == down.nbytes
 
 
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("chunk", [8, 96, 200, 4096])
+def test_no_piece_outgrows_the_staging_buffer(ckpt: Path, packed: bool, chunk: int) -> None:
+    for tp, pp in [(1, 1), (2, 1), (4, 2)]:
+        for rank in range(tp * pp):
+            for spec in plan_rank(open_checkpoint(ckpt), LLAMA_PLAN, Layout.from_global(
+                    rank, tp, pp)):
+                got = pieces(spec, chunk, packed=packed)
+                assert sum(p.nbytes for p in got) == spec.nbytes
+                assert all((p.nbytes if packed else p.span) <= chunk for p in got), spec.name
+
+
 def test_wide_or_long_rows_are_read_where_they_lie(ckpt: Path) -> None:
     down = {s.name: s for s in plan_rank(open_checkpoint(ckpt), LLAMA_PLAN, Layout(2, 1))}[
         "model.layers.2.mlp.down_proj.weight"]

@@ -149,10 +149,10 @@ def pieces(spec: SliceSpec, chunk: int, packed: bool = False) -> list[Piece]:
     if not runs:
         return []
     width = runs[0][1]
-    if len(runs) > 1 and width < NARROW and (packed or runs[1][0] - runs[0][0] <= chunk):
+    if len(runs) > 1 and width < NARROW and (width if packed else runs[1][0] - runs[0][0]) <= chunk:
         row = runs[1][0] - runs[0][0]
         first = spec.source.begin
-        per = max(1, chunk // (width if packed else row))
+        per = chunk // (width if packed else row)
         return [Piece(first + i * row, min(per, len(runs) - i), row, runs[0][0] - first, width,
                       i * width) for i in range(0, len(runs), per)]
     out = []

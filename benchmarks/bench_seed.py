@@ -137,7 +137,7 @@ def measure(model: str, device: str, repeats: int, tcp_repeats: int, logs: Path
         layout = Layout.from_global(0, 1, 1, 1)
         out["bytes"] = nbytes
 
-        def seeded(how: str) -> tuple[float, float]:
+        def seeded(how: str) -> tuple[float, float, dict[str, float]]:
             shard = empty_shard(model, "replicate", layout, backend)
             try:
                 if how == "unix":
@@ -146,7 +146,7 @@ def measure(model: str, device: str, repeats: int, tcp_repeats: int, logs: Path
                 else:
                     got = seed_tcp("127.0.0.1", port, TOKEN, fingerprint, shard.manifest,
                                    shard.tensors)
-                return got.seconds, got.copy_seconds
+                return got.seconds, got.copy_seconds, got.phases
             finally:
                 free(shard)
 
@@ -176,6 +176,8 @@ def measure(model: str, device: str, repeats: int, tcp_repeats: int, logs: Path
         unix = [seeded("unix") for _ in range(max(1, repeats))]
         out["seed_unix_s"] = statistics.median(u[0] for u in unix)
         out["seed_unix_move_s"] = statistics.median(u[1] for u in unix)
+        out["seed_unix_phases_ms"] = {k: statistics.median(u[2][k] for u in unix) * 1e3
+                                      for k in unix[0][2]}
         disk()  # page cache warm
         out["disk_s"] = median(disk, repeats)
         tcp = [seeded("tcp") for _ in range(max(1, tcp_repeats))]
@@ -206,6 +208,8 @@ def table(r: dict[str, Any]) -> str:
              f"{r['source_start_s']:>10.2f} s {r['source_start_s'] / r['seeded_start_s']:>7.2f}x",
              f"  rank logs: source loaded at {r['source_load_gbps']} GB/s, the seeded rank "
              f"seeded at {r['seeded_rank_gbps']} GB/s",
+             "  same-host steps (ms): " + ", ".join(
+                 f"{k} {v:.2f}" for k, v in r["seed_unix_phases_ms"].items()),
              f"  times: seed {r['seed_unix_s'] * 1e3:.1f} ms (move "
              f"{r['seed_unix_move_s'] * 1e3:.1f} ms), copy_ {r['copy_s'] * 1e3:.1f} ms, TCP "
              f"{r['seed_tcp_s']:.2f} s, disk {r['disk_s']:.2f} s"]

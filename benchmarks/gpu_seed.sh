@@ -89,7 +89,7 @@ stage tests 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_seed.py
     echo
     echo "command: bash benchmarks/gpu_seed.sh $CKPT  ($(date -u +%Y-%m-%dT%H:%MZ))"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1
-    grep -v "^$" "$OUT/seed.log" 2>/dev/null | tail -n 9
+    grep -v "^$" "$OUT/seed.log" 2>/dev/null | tail -n 12
     grep -E "passed|failed|error" "$OUT/tests.log" 2>/dev/null | tail -n 1
     echo "total $(($(date +%s) - T0))s (checkpoint build excluded)"
 } | tee -a "$OUT/summary.txt"

@@ -20,7 +20,7 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.contract import fingerprint as fp
@@ -47,6 +47,20 @@ class Seeded:
     seconds: float
     copy_seconds: float = 0.0
     """The bytes' move alone: map + copy + unmap (same host) or the slab streams (TCP)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds of each step, in order (same host: connect, ask, map, copy, unmap, artifacts)."""
+
+
+class _Laps:
+    """Seconds between successive `lap(name)` calls."""
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name], self.last = now - self.last, now
 
 
 def parse_source(spec: str) -> tuple[str, str, int]:
@@ -91,24 +105,30 @@ def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifes
     from vlaunch.cache.contract.sockdir import socket_path
 
     start = time.perf_counter()
+    laps = _Laps()
     try:
         client = CacheClient(socket_path(directory, rank), timeout=timeout, client="seed")
     except VlaunchError as exc:
         raise SeedError(f"seed source unreachable: {exc}") from None
     try:
+        laps.lap("connect")
         check_fingerprint(client.status()["fingerprint"], ours)
         source = client.manifest()
         check_layout(source, manifest)
         _, fds = client.request({"op": "open", "mode": "copy"})
-        moved = time.perf_counter()
+        laps.lap("ask")
         mapped = import_slabs(fds, source.slab_sizes, device)
+        laps.lap("map")
         for dst, src in zip(slabs, mapped, strict=True):
             _copy(dst, src)
         _synchronize(slabs)  # every copy done before the source's memory is unmapped
+        laps.lap("copy")
         mapped.clear()  # unmaps: we no longer depend on the source
-        moved = time.perf_counter() - moved
+        laps.lap("unmap")
+        moved = sum(laps.phases[k] for k in ("map", "copy", "unmap"))
         artifacts = [(k, h, client.artifact_get(k, h) or b"") for k, h, _ in
                      client.artifact_list()]
+        laps.lap("artifacts")
     except (VlaunchError, OSError) as exc:
         if isinstance(exc, SeedError):
             raise
@@ -116,7 +136,9 @@ def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifes
     finally:
         client.close()
     _verify(source, slabs)
-    return Seeded(source, [a for a in artifacts if a[2]], time.perf_counter() - start, moved)
+    laps.lap("close+verify")
+    return Seeded(source, [a for a in artifacts if a[2]], time.perf_counter() - start, moved,
+                  laps.phases)
 
 
 def _synchronize(slabs: list[torch.Tensor]) -> None:

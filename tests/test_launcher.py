@@ -195,15 +195,6 @@ def test_rank_that_fails_to_load_ends_startup_with_its_status(launch, tmp_path: 
     assert "bad checkpoint" in la.text() and "engine started" not in la.text()
 
 
-def test_caches_only_layout_is_ready_without_an_engine(launch, llama_ckpt: Path) -> None:
-    la = launch(llama_ckpt, engine=None)
-    snap = la.wait_for(lambda s: s["phase"] == "serving")
-    assert snap["engine"] is None and la.probe("/readyz") == 200
-    assert any("READY=1" in m for m in la.drain())
-    la.proc.send_signal(signal.SIGTERM)
-    assert la.wait_exit() == 0
-
-
 def test_respawn_adopts_escrowed_slabs_without_the_disk(launch, llama_ckpt: Path,
                                                         tmp_path: Path) -> None:
     import shutil
@@ -319,15 +310,17 @@ def memfd_holders(inodes: set[int]) -> list[str]:
     return out
 
 
-def test_copy_release_under_run_returns_the_memory(launch, llama_ckpt: Path,
-                                                   tmp_path: Path) -> None:
-    # and systemd's notify socket is one that nobody reads: the launcher must not stall on it
+def test_caches_only_copy_release_returns_the_memory(launch, llama_ckpt: Path,
+                                                     tmp_path: Path) -> None:
+    # the caches-only layout (no engine) serves; systemd's notify socket is one that nobody
+    # reads: the launcher must not stall on it
     full = tmp_path / "full.sock"
     reader = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     reader.bind(str(full))
     assert fill(str(full)) > 0  # the launcher's first message finds the queue full
     la = launch(llama_ckpt, tp=1, notify_socket=str(full))
-    snap = la.wait_for(lambda s: s["caches_ready"])
+    snap = la.wait_for(lambda s: s["phase"] == "serving")
+    assert snap["engine"] is None and la.probe("/readyz") == 200
     rank = snap["ranks"]["0"]["pid"]
     fds = [f"/proc/{rank}/fd/{fd}" for fd in os.listdir(f"/proc/{rank}/fd")]
     inodes = {os.stat(p).st_ino for p in fds if "memfd:vlaunch-slab" in os.readlink(p)}

@@ -23,8 +23,9 @@ from vlaunch.cache.contract import protocol, wire
 log = logging.getLogger("vlaunch.launcher.escrow")
 MAX_ARTIFACTS = 64
 """Artifacts held per rank (a rank holds as many)."""
-MAX_ARTIFACT_BYTES = 64 << 20
-"""Base64 bytes of artifacts held per rank; the oldest go first beyond it."""
+MAX_ARTIFACT_BYTES = 4 * protocol.MAX_ARTIFACT_DATA
+"""Base64 bytes of artifacts held per rank (four at the size limit, about 85 MiB); the oldest go
+first beyond it."""
 
 
 @dataclass

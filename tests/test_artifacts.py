@@ -196,3 +196,46 @@ def test_a_respawned_rank_gets_its_artifacts_back_from_the_escrow(tmp_path: Path
     finally:
         launcher.terminate()
         assert launcher.wait(60) == 0, log.read_text()
+
+
+def test_the_escrow_bounds_the_artifacts_it_holds_and_hands_them_over() -> None:
+    """Pure escrow: a rank not held is ignored, an oversized frame refused, count and bytes
+    capped (the oldest go first); a respawn gets the escrow frame, then the artifacts."""
+    import socket
+    import threading
+
+    from vlaunch.cache.contract import protocol, wire
+    from vlaunch.launcher.escrow import MAX_ARTIFACTS, Escrow
+
+    def frame(i: int, size: int = 8) -> dict:
+        return protocol.event("artifact", kind=KIND, key=A.artifact_key({"i": i}),
+                              data="QQ==" * (size // 4))
+
+    def handed(escrow: Escrow, rank: int, n: int) -> list[dict]:
+        """The n frames a respawn of `rank` gets, and that nothing follows them."""
+        ours, theirs = socket.socketpair()
+        sender = threading.Thread(target=escrow.hand_over, args=(rank, ours))
+        sender.start()
+        with theirs:
+            theirs.settimeout(30)
+            frames = [wire.recv_frame(theirs)[0] for _ in range(n)]
+            sender.join(30)
+            ours.close()
+            with pytest.raises(EOFError):
+                wire.recv_frame(theirs)
+        return frames
+
+    escrow = Escrow()
+    escrow.keep_artifact(0, frame(0))  # not held: nothing to attach it to
+    assert 0 not in escrow
+    for rank in (0, 1):
+        escrow.keep(rank, {"manifest": {}, "fingerprint": {}}, [])
+    escrow.keep_artifact(0, frame(-1, protocol.MAX_ARTIFACT_DATA + 4))  # over the limit
+    for i in range(MAX_ARTIFACTS + 3):
+        escrow.keep_artifact(0, frame(i))
+    frames = handed(escrow, 0, 1 + MAX_ARTIFACTS)
+    assert frames[0]["event"] == "escrow"
+    assert [f["key"] for f in frames[1:]] == [frame(i)["key"] for i in range(3, MAX_ARTIFACTS + 3)]
+    for i in range(6):  # at the size limit: four fit
+        escrow.keep_artifact(1, frame(i, protocol.MAX_ARTIFACT_DATA))
+    assert [f["key"] for f in handed(escrow, 1, 5)[1:]] == [frame(i)["key"] for i in range(2, 6)]

@@ -13,6 +13,7 @@ from vlaunch.cache.store.checkpoint import open_checkpoint
 from vlaunch.cache.store.manifest import pack, views
 from vlaunch.cache.store.plan import LLAMA_PLAN, Layout, plan_rank
 from vlaunch.cache.store.reader import NARROW, fill, pieces
+from vlaunch.cache.store.registered import windows
 from vlaunch.cache.store.shard import PlainBackend
 from vlaunch.cache.store.slabs import CpuBackend
 
@@ -138,14 +139,30 @@ def test_wide_or_long_rows_are_read_where_they_lie(ckpt: Path) -> None:
     assert NARROW >= 1 << 16  # parts this wide are read alone; the tests' tensors are narrower
 
 
+def test_registration_windows_cover_every_piece_once_in_order() -> None:
+    spans = [(0, 10), (10, 30), (70, 5), (95, 40), (200, 1), (130, 0)]
+    got = windows(spans, size=203, window=32)
+    assert [(start, length) for start, length, _ in got] == [
+        (0, 32), (32, 32), (64, 32), (96, 32), (128, 32), (192, 11)]
+    assert sorted(i for _, _, ready in got for i in ready) == [0, 1, 2, 3, 4]
+    seen = set()
+    for start, _, ready in got:
+        seen.add(start)
+        for i in ready:  # every window a piece touches is registered by the time it is ready
+            offset, length = spans[i]
+            assert {k * 32 for k in range(offset // 32, (offset + length - 1) // 32 + 1)} <= seen
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (4, 2)])
-@pytest.mark.parametrize("split_read", ["span", "gather"])
-def test_cuda_ranks_match_a_disk_load(ckpt: Path, tp: int, pp: int, split_read: str,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("reader", "split_read"), [("staging", "span"), ("staging", "gather"),
+                                                    ("register", "span")])
+def test_cuda_ranks_match_a_disk_load(ckpt: Path, tp: int, pp: int, reader: str,
+                                      split_read: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     monkeypatch.setenv("VLAUNCH_SPLIT_READ", split_read)
+    monkeypatch.setenv("VLAUNCH_READER", reader)
     for rank, chunk in itertools.product(range(tp * pp), (96, 64 << 20)):
         layout = Layout.from_global(rank, tp, pp)
         _check_rank(ckpt, layout, _load(ckpt, layout, chunk, 4, PlainBackend("cuda")))

@@ -9,6 +9,7 @@ as an end value that grows with N.
 
     python benchmarks/bench_soak.py                 # N = 1000
     python benchmarks/bench_soak.py --n 200         # CI: about a minute on 2 cores
+    python benchmarks/bench_soak.py --device cuda   # GPU: share loads only (no fork with CUDA)
 
 Prints one table: resource, start, end, end - start (fds, threads, leases: want 0).
 """
@@ -44,12 +45,13 @@ def make_checkpoint(path: Path) -> None:
                .to(torch.bfloat16) for i in range(16)}, str(path))
 
 
-def start_rank(model: Path, sockdir: Path) -> subprocess.Popen[bytes]:
+def start_rank(model: Path, sockdir: Path, device: str) -> subprocess.Popen[bytes]:
     """A cache rank; returns once it reported ready."""
     ours, theirs = socket.socketpair()
     proc = subprocess.Popen([sys.executable, "-m", "vlaunch.cache", "--model", str(model),
                              "--socket-dir", str(sockdir), "--ready-fd", str(theirs.fileno()),
-                             "--plan", "replicate"], pass_fds=[theirs.fileno()])
+                             "--plan", "replicate", "--device", device],
+                            pass_fds=[theirs.fileno()])
     theirs.close()
     ours.settimeout(300)
     while True:
@@ -93,9 +95,10 @@ def engine_restart(model: Path, sockdir: Path, crash: bool) -> None:
         raise SystemExit(f"engine restart failed with wait status {status}")
 
 
-def share_load(model: Path, sockdir: Path) -> None:
+def share_load(model: Path, sockdir: Path, device: str = "cpu") -> None:
     """Map the weights here and drop them."""
-    w = load(str(model), socket_dir=str(sockdir), fallback=False, plan="replicate")
+    w = load(str(model), socket_dir=str(sockdir), fallback=False, plan="replicate",
+             device=device)
     assert w.source == "cache"
     del w
 
@@ -111,38 +114,45 @@ def settle(sockdir: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=1000, help="restarts and share loads each")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (share loads only)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # forked engines: no intra-op thread pool to inherit half-alive
     with tempfile.TemporaryDirectory() as tmp:
         model, sockdir = Path(tmp) / "m.safetensors", Path(tmp) / "s"
         sockdir.mkdir(mode=0o700)
         make_checkpoint(model)
-        rank = start_rank(model, sockdir)
+        rank = start_rank(model, sockdir, args.device)
         try:
-            share_load(model, sockdir)  # warm: imports, backends, the watcher thread
+            share_load(model, sockdir, args.device)  # warm: imports, backends, the watcher
+            gpu = args.device.startswith("cuda")
             settle(sockdir)
             me0, rank0 = snapshot(os.getpid()), snapshot(rank.pid, sockdir)
             times: dict[str, list[float]] = {"engine restart": [], "share load": []}
             for i in range(args.n):
                 t0 = time.perf_counter()
-                engine_restart(model, sockdir, crash=bool(i % 2))
+                if not gpu:  # a forked child cannot use its parent's CUDA context
+                    engine_restart(model, sockdir, crash=bool(i % 2))
                 t1 = time.perf_counter()
-                share_load(model, sockdir)
+                share_load(model, sockdir, args.device)
                 t2 = time.perf_counter()
-                times["engine restart"].append(t1 - t0)
+                if not gpu:
+                    times["engine restart"].append(t1 - t0)
                 times["share load"].append(t2 - t1)
             settle(sockdir)
             me1, rank1 = snapshot(os.getpid()), snapshot(rank.pid, sockdir)
         finally:
             rank.terminate()
             rank.wait(30)
-    print(f"soak: {args.n} engine restarts (half SIGKILLed) and {args.n} share loads")
+    restarts = "no engine restarts" if not times["engine restart"] else \
+        f"{args.n} engine restarts (half SIGKILLed)"
+    print(f"soak on {args.device}: {restarts} and {args.n} share loads")
     print(f"{'resource':<22}{'start':>10}{'end':>10}{'end - start':>14}")
     for who, a, b in (("soak process", me0, me1), ("rank", rank0, rank1)):
         for key in a:
             print(f"{who + ' ' + key:<22}{a[key]:>10.1f}{b[key]:>10.1f}{b[key] - a[key]:>14.1f}")
     for what, ts in times.items():
-        print(f"{what:<22} median {statistics.median(ts) * 1e3:.2f} ms")
+        if ts:
+            print(f"{what:<22} median {statistics.median(ts) * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":

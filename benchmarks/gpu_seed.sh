@@ -4,8 +4,8 @@
 #
 #   bash benchmarks/gpu_seed.sh [CHECKPOINT_DIR]      # from the repository root
 #
-# CHECKPOINT_DIR (or CKPT; default /tmp/vlaunch-ckpt16) is built when missing: the 16 GiB (TARGET_GIB)
-# Llama-shaped checkpoint of benchmarks/gpu_session.sh. Stages, each under its own time limit
+# CHECKPOINT_DIR (or CKPT; default /tmp/vlaunch-ckpt16) is built when missing: the 16 GiB
+# (TARGET_GIB) Llama-shaped checkpoint of benchmarks/gpu_session.sh. Stages, each under its own time limit
 # (a failed stage does not stop the others):
 #   setup  vlaunch importable (editable install, no network, only if it is not), versions
 #   ckpt   the checkpoint, only when it is missing (not counted in the 3-minute goal)
@@ -15,12 +15,13 @@
 #   tests  pytest -m gpu tests/test_seed.py (CUDA seeding is bit-exact, both ways)
 # FlashInfer's autotune pass is not run here: flashinfer-python 0.7.4's wheel alone is 101 MB,
 # over the 64 MiB a call may carry (docs/artifacts-and-seeding.md says what CI runs instead).
-# Logs, seed.json and summary.txt go to $OUT (default /tmp/vlaunch-gpu-seed); the table is
-# printed last, with the command and the date, ready for benchmarks/results/.
+# session.log (every stage's output), the ranks' logs, seed.json and summary.txt go to $OUT
+# (default /tmp/vlaunch-gpu-seed); the table is printed last, with the command and the date, ready for benchmarks/results/.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/vlaunch-gpu-seed}
 mkdir -p "$OUT"
+LOGS=$(mktemp -d)  # one log per stage; $OUT keeps them together in session.log (8 files come back)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 CKPT=${1:-${CKPT:-/tmp/vlaunch-ckpt16}}
@@ -43,12 +44,12 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run it under a time limit, log it, n
     ((limit > left)) && limit=$left
     t=$(date +%s)
     echo "=== $name ($(date -u +%H:%M:%S) UTC, limit ${limit}s): $*" | tee -a "$OUT/session.log"
-    timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    timeout -k 5 "$limit" "$@" >"$LOGS/$name.log" 2>&1
     rc=$?
-    cat "$OUT/$name.log" >>"$OUT/session.log"
+    cat "$LOGS/$name.log" >>"$OUT/session.log"
     echo "$name: rc=$rc in $(($(date +%s) - t))s (limit ${limit}s)" | tee -a "$OUT/summary.txt"
     if ((rc != 0)); then
-        tail -n 12 "$OUT/$name.log" | sed 's/^/    /' >>"$OUT/summary.txt"
+        tail -n 12 "$LOGS/$name.log" | sed 's/^/    /' >>"$OUT/summary.txt"
     fi
 }
 
@@ -68,8 +69,8 @@ v.__version__)"
 }
 
 ckpt() {
-    "$PY" -m vlaunch.cache.reference.refmodel "$CKPT" --llama-8b --target-gib "${TARGET_GIB:-16}" --shards 4 \
-        --device "$DEVICE"
+    "$PY" -m vlaunch.cache.reference.refmodel "$CKPT" --llama-8b \
+        --target-gib "${TARGET_GIB:-16}" --shards 4 --device "$DEVICE"
 }
 
 export -f setup ckpt
@@ -89,7 +90,7 @@ stage tests 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_seed.py
     echo
     echo "command: bash benchmarks/gpu_seed.sh $CKPT  ($(date -u +%Y-%m-%dT%H:%MZ))"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1
-    grep -v "^$" "$OUT/seed.log" 2>/dev/null | tail -n 12
-    grep -E "passed|failed|error" "$OUT/tests.log" 2>/dev/null | tail -n 1
+    grep -v "^$" "$LOGS/seed.log" 2>/dev/null | tail -n 12
+    grep -E "passed|failed|error" "$LOGS/tests.log" 2>/dev/null | tail -n 1
     echo "total $(($(date +%s) - T0))s (checkpoint build excluded)"
 } | tee -a "$OUT/summary.txt"

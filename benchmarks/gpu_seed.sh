@@ -5,8 +5,8 @@
 #   bash benchmarks/gpu_seed.sh [CHECKPOINT_DIR]      # from the repository root
 #
 # CHECKPOINT_DIR (or CKPT; default /tmp/vlaunch-ckpt16) is built when missing: the 16 GiB
-# (TARGET_GIB) Llama-shaped checkpoint of benchmarks/gpu_session.sh. Stages, each under its own time limit
-# (a failed stage does not stop the others):
+# (TARGET_GIB) Llama-shaped checkpoint of benchmarks/gpu_session.sh. Stages, each under its own
+# time limit (a failed stage does not stop the others):
 #   setup  vlaunch importable (editable install, no network, only if it is not), versions
 #   ckpt   the checkpoint, only when it is missing (not counted in the 3-minute goal)
 #   seed   benchmarks/bench_seed.py --device cuda: source rank start; seed over the slab fds
@@ -16,7 +16,8 @@
 # FlashInfer's autotune pass is not run here: flashinfer-python 0.7.4's wheel alone is 101 MB,
 # over the 64 MiB a call may carry (docs/artifacts-and-seeding.md says what CI runs instead).
 # session.log (every stage's output), the ranks' logs, seed.json and summary.txt go to $OUT
-# (default /tmp/vlaunch-gpu-seed); the table is printed last, with the command and the date, ready for benchmarks/results/.
+# (default /tmp/vlaunch-gpu-seed); the table is printed last, with the command and the date,
+# ready for benchmarks/results/.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/vlaunch-gpu-seed}

@@ -112,3 +112,29 @@ def test_vllm_restarted_under_vlaunch_run_maps_without_the_checkpoint(
         assert la.wait_exit(120) == 0
     finally:
         la.close()
+
+
+def test_engine_layout_maps_vllms_own_parameters_and_generates_the_same(
+        tiny: Path, sockdir: Path, caches) -> None:
+    """First start: vLLM loads from the raw cache and hands its parameters back (the raw
+    layout goes); second start: it maps its own layout and skips load_weights."""
+    want = _generate(tiny, "safetensors")["tokens"]
+    caches.append(spawn_cache(tiny, sockdir, "--plan", "replicate"))
+    first = _child("generate", str(tiny), "--load-format", "vlaunch", "--extra",
+                   json.dumps({"fallback": False}), sockdir=sockdir)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert json.loads(first.stdout.strip().splitlines()[-1])["tokens"] == want
+    assert "parameters shared" in first.stdout + first.stderr, first.stdout[-4000:]
+    again = _child("generate", str(tiny), "--load-format", "vlaunch", "--extra",
+                   json.dumps({"fallback": False}), sockdir=sockdir)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert json.loads(again.stdout.strip().splitlines()[-1])["tokens"] == want
+    assert "parameters shared" in again.stdout + again.stderr
+    assert "no engine layout to map" not in again.stdout + again.stderr
+    from vlaunch.cache.client.connection import CacheClient
+    from vlaunch.cache.contract.sockdir import socket_path
+
+    status = CacheClient(socket_path(sockdir, 0)).status()
+    (layout,) = status["layouts"]
+    assert status["raw"] == "released" and layout["fields"]["engine"] == "vllm"
+    assert layout["shared"] + layout["copied"] == layout["tensors"]

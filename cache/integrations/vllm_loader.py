@@ -14,9 +14,17 @@ device and asks its cache (`vlaunch.cache.load`) for the checkpoint's tensors:
 
 then the model finishes its post-load processing (`process_weights_after_loading`), which
 replaces some weights with new tensors (on CPU, every linear weight is repacked for oneDNN)
-but never writes into the mapped ones. vLLM slices tensor-parallel shards itself, so the
-cache must hold whole tensors: at tensor-parallel size > 1 run the caches with
-`--plan replicate`.
+but never writes into the mapped ones.
+
+Engine layout (docs/engine-layout.md; `engine_layout`, on by default in share mode): once its
+`load_weights` ran, a rank hands its parameters back to its cache, in vLLM's own per-rank
+layout (fused, sliced, padded, quantized as loaded), and the cache drops its raw layout.
+Later starts map that layout: no checkpoint, no `load_weights`, only the post-load
+processing; every parameter is then the cache's mapping except those of layers whose
+post-load processing may write into them (quantized layers), which are copied. At
+tensor-parallel size > 1 the raw layout must hold whole tensors for `load_weights` (`--plan
+replicate`); with a sliced plan a rank without its engine layout reads the checkpoint with
+vLLM's own loader instead, hands back, and from then on its cache holds 1/N of the model.
 
 Options come from `--model-loader-extra-config` (JSON): mode, fallback, timeout, socket_dir,
 plan, kernel_backends, loader; the rest from the environment `vlaunch run` sets.
@@ -59,6 +67,7 @@ class LoaderOptions:
     plan: str = ""  # default: the plan vlaunch run names (EngineEnv), else "replicate"
     kernel_backends: str = ""
     loader: str = "vlaunch"
+    engine_layout: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -79,13 +88,8 @@ class LoaderOptions:
         return cls(**extra)
 
     def plan_for(self, tp_size: int) -> str:
-        """The cache's plan; vLLM slices shards itself, so it needs whole tensors."""
-        plan = self.plan or EngineEnv.from_env().plan or "replicate"
-        if tp_size > 1 and plan != "replicate":
-            raise VllmLoaderError(f"vlaunch load format: plan {plan!r} at tensor-parallel size "
-                                  f"{tp_size}: vLLM slices the shards itself and needs whole "
-                                  "tensors; run the caches with --plan replicate")
-        return plan
+        """The caches' plan: named, or what vlaunch run says, else replicate."""
+        return self.plan or EngineEnv.from_env().plan or "replicate"
 
 
 def register() -> None:
@@ -117,7 +121,13 @@ def _loader_class() -> type:
             from vlaunch.cache.client.loader import cached_nbytes
 
             model = vllm_config.model_config.model
-            return cached_nbytes(model, **_where(vllm_config, self.options))
+            where = _where(vllm_config, self.options)
+            if self.options.engine_layout:  # the engine layout, when the rank holds it
+                held = _layout_nbytes(model, where, layout_fields(vllm_config,
+                                                                  vllm_config.model_config))
+                if held:
+                    return held
+            return cached_nbytes(model, **where)
 
         def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
             """Fill an already built model from the cache (vLLM's reload path): copies."""
@@ -135,31 +145,161 @@ def _loader_class() -> type:
             start = time.perf_counter()
             load_device = vllm_config.load_config.device or vllm_config.device_config.device
             target = torch.device(load_device)
-            weights = self._cached(model_config, vllm_config)
+            fields = (layout_fields(vllm_config, model_config) if self.options.engine_layout
+                      and self.options.mode in ("share", "copy") else None)
+            weights = self._cached(model_config, vllm_config, fields)
             with set_default_torch_dtype(model_config.dtype):
                 with target, parameters_on_meta():
                     model = self.create_model(vllm_config=vllm_config,
                                               model_config=model_config, prefix=prefix)
-                share = self.options.mode == "share" and weights.source == "cache"
-                assigned = _assign(model, weights) if share else {}
-                _fill(model, weights, assigned, model_config, target)
+                if weights.layout:  # vLLM's own per-rank parameters: no load_weights
+                    _adopt_layout(model, weights)
+                    assigned = dict(weights)
+                else:
+                    assigned = self._fill_raw(model, weights, model_config, target)
+                    if fields is not None and self.options.mode == "share" and (
+                            weights.source == "cache" or "released" in weights.reason):
+                        weights = _hand_back(model, fields, vllm_config, self.options) \
+                            or weights
                 process_weights_after_loading(model, model_config, target)
-            log.info("vlaunch load format: %d of %d tensors mapped from the %s, the rest "
-                     "loaded by vLLM, in %.3f s", len(assigned), len(weights), weights.source,
-                     time.perf_counter() - start)
+            if weights.layout:
+                log.info("vlaunch load format: rank %d: engine layout %s: %d parameters "
+                         "shared, %d copied (%s), in %.3f s", _where(vllm_config, self.options)
+                         ["rank"], weights.layout, len(weights) - len(weights.copied),
+                         len(weights.copied), ", ".join(sorted(weights.copied)[:8]) or "none",
+                         time.perf_counter() - start)
+            else:
+                log.info("vlaunch load format: %d of %d tensors mapped from the %s, the rest "
+                         "loaded by vLLM, in %.3f s", len(assigned), len(weights),
+                         weights.source, time.perf_counter() - start)
             return model.eval()
 
-        def _cached(self, model_config: Any, vllm_config: Any) -> Any:
-            from vllm.config import get_current_vllm_config
+        def _fill_raw(self, model: Any, weights: Any, model_config: Any, target: Any
+                      ) -> dict[str, Any]:
+            """Fill the model from the raw layout (whole tensors) or, sliced, the checkpoint."""
+            where = _where(get_vllm_config(), self.options)
+            whole = where["tensor_parallel_size"] == 1 or where["plan"] == "replicate"
+            if not whole and weights.source == "cache":  # sliced: vLLM slices from the files
+                weights = _disk_weights(self.load_config, model_config, model)
+                _fill(model, weights, {}, model_config, target)
+                return {}
+            share = self.options.mode == "share" and weights.source == "cache"
+            assigned = _assign(model, weights) if share else {}
+            _fill(model, weights, assigned, model_config, target)
+            return assigned
 
+        def _cached(self, model_config: Any, vllm_config: Any, layout: Any = None) -> Any:
             from vlaunch.cache.client.loader import load
 
-            config = vllm_config or get_current_vllm_config()
+            config = vllm_config or get_vllm_config()
             return load(model_config.model, mode=self.options.mode,
                         fallback=self.options.fallback, timeout=self.options.timeout,
-                        **_where(config, self.options))
+                        layout=layout, **_where(config, self.options))
 
     return VlaunchModelLoader
+
+
+def get_vllm_config() -> Any:
+    """The vLLM config of the running engine."""
+    from vllm.config import get_current_vllm_config
+
+    return get_current_vllm_config()
+
+
+def layout_fields(vllm_config: Any, model_config: Any) -> dict[str, str]:
+    """What shapes vLLM's per-rank parameters beyond the raw fingerprint (engine layout)."""
+    import hashlib
+
+    import vllm
+
+    hf = getattr(model_config.hf_config, "to_json_string", lambda: repr(model_config.hf_config))
+    return {"engine": "vllm", "engine_version": str(vllm.__version__),
+            "model_config": hashlib.sha256(hf().encode()).hexdigest()[:16],
+            "vllm_dtype": str(model_config.dtype).removeprefix("torch."),
+            "vllm_quantization": str(getattr(model_config, "quantization", None) or "none"),
+            "vllm_device": str(vllm_config.device_config.device_type),
+            "stage": "after-load-weights"}
+
+
+def _layout_nbytes(model: str, where: dict[str, Any], fields: dict[str, str]) -> int:
+    """Bytes the rank's engine layout with these fields would map; 0 without one."""
+    from vlaunch.cache.client.layout import layout_nbytes
+    from vlaunch.cache.client.weights import engine_args
+    from vlaunch.cache.contract.sockdir import default_socket_dir, socket_path
+    from vlaunch.cache.store.plan import Layout
+
+    _, tp, pp, dp, plan, kernel_backends = engine_args(
+        model, where["tensor_parallel_size"], where["pipeline_parallel_size"],
+        where["data_parallel_size"], where["plan"], where["kernel_backends"])
+    path = socket_path(where["socket_dir"] or default_socket_dir(), where["rank"])
+    return layout_nbytes(path, model, Layout.from_global(where["rank"], tp, pp, dp),
+                         where["device"], fields, plan=plan, kernel_backends=kernel_backends,
+                         loader=where["loader"])
+
+
+def _adopt_layout(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Make each parameter its tensor of the engine layout (shape and dtype must match)."""
+    from vlaunch.cache.integrations.meta import set_data
+
+    params = dict(model.named_parameters())
+    if params.keys() != weights.keys():
+        missing = sorted(params.keys() - weights.keys())[:5]
+        raise VllmLoaderError(f"vlaunch load format: the engine layout does not fit this model "
+                              f"(missing {missing}); bump engine_version or restart the caches")
+    for name, param in params.items():
+        t = weights[name]
+        if t.shape != param.shape or t.dtype != param.dtype:
+            raise VllmLoaderError(f"vlaunch load format: engine layout tensor {name} is "
+                                  f"{t.dtype} {list(t.shape)}, the model wants {param.dtype} "
+                                  f"{list(param.shape)}; restart the caches")
+        set_data(param, t)
+
+
+def _hand_back(model: torch.nn.Module, fields: dict[str, str], vllm_config: Any,
+               options: LoaderOptions) -> Any:
+    """Hand the loaded parameters back as the rank's engine layout and rebind them to it;
+    None (with a warning) when the cache refuses."""
+    from vlaunch.cache.client.layout import hand_back
+    from vlaunch.cache.client.weights import engine_args
+    from vlaunch.cache.contract.errors import VlaunchError
+    from vlaunch.cache.integrations.meta import set_data
+
+    where = _where(vllm_config, options)
+    model_path = vllm_config.model_config.model
+    _, tp, pp, dp, plan, kernel_backends = engine_args(
+        model_path, where["tensor_parallel_size"], where["pipeline_parallel_size"],
+        where["data_parallel_size"], where["plan"], where["kernel_backends"])
+    params = dict(model.named_parameters())
+    copy = [name for name in params if _rewritten(model, name)]
+    try:
+        back = hand_back({n: p.data for n, p in params.items()}, model=model_path,
+                         fields=fields, copy=copy, rank=where["rank"], tensor_parallel_size=tp,
+                         pipeline_parallel_size=pp, data_parallel_size=dp,
+                         socket_dir=where["socket_dir"], device=where["device"], plan=plan,
+                         kernel_backends=kernel_backends, loader=where["loader"])
+    except (VlaunchError, ValueError) as exc:
+        log.warning("vlaunch load format: could not hand the engine layout back to the cache "
+                    "(%s); vLLM keeps its own copy", exc)
+        return None
+    for name, param in params.items():
+        set_data(param, back[name])
+    return back
+
+
+def _rewritten(model: torch.nn.Module, name: str) -> bool:
+    """True for a parameter of a layer whose post-load processing may write into it."""
+    module = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    method = getattr(module, "quant_method", None)
+    return method is not None and type(method).__name__ not in _READ_ONLY_METHODS
+
+
+def _disk_weights(load_config: Any, model_config: Any, model: Any) -> dict[str, Any]:
+    """The checkpoint's whole tensors through vLLM's default loader (a sliced raw layout
+    cannot feed vLLM's weight loaders)."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    source = DefaultModelLoader(load_config)
+    return dict(source.get_all_weights(model_config, model))
 
 
 def _where(vllm_config: Any, options: LoaderOptions) -> dict[str, Any]:

@@ -4,8 +4,9 @@
     python benchmarks/bench_gpu_engine_layout.py --model DIR [--target-gib 8] [--reps 3]
 
 DIR is a reference-engine checkpoint; if it does not exist, one with Llama-3-8B shapes of
-about --target-gib is written there first (on the GPU). Two ranks: on GPUs 0 and 1 when the
-machine has two, else both on GPU 0 (`--devices 0,0`). In one run, under `vlaunch run`:
+about --target-gib is written there first (on the GPU). Two ranks on GPUs 0 and 1: it needs
+two GPUs (the `nvidia-h200-x2` kind), since the engine's NCCL group refuses two ranks on one
+GPU. In one run, under `vlaunch run`:
 - bytes per GPU (nvidia-smi: the GPU's used memory, and each process's) once the caches hold
   the raw layout, before any engine starts (the engine waits for a go file);
 - the same once the first engine has handed its fused, padded layout back and the caches
@@ -90,7 +91,9 @@ def main() -> None:
     os.environ.update(MULTICAST_OFF)
     if args.device == "cuda":
         ensure_model(args.model, args.target_gib)
-    devices = ("0,1" if len(smi("gpu=index")) >= 2 else "0,0") if args.device == "cuda" else "-"
+    devices = "0,1" if args.device == "cuda" else "-"
+    if args.device == "cuda" and len(smi("gpu=index")) < 2:
+        sys.exit("needs two GPUs (nvidia-h200-x2): NCCL refuses two engine ranks on one GPU")
     gpu_bytes = _gpu_bytes if args.device == "cuda" else lambda: {"used_mib": {},
                                                                   "per_process_mib": {}}
     bare = []

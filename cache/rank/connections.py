@@ -79,6 +79,7 @@ class Connections:
         self._active: dict[int, float] = {}
         self._refused = 0
         self._short_logged = False
+        self._shed, self._shed_logged = 0, -1e9
 
     def __len__(self) -> int:
         return len(self._socks)
@@ -105,9 +106,11 @@ class Connections:
         for _, cid in idle[:count]:
             with contextlib.suppress(OSError):
                 self._socks[cid].shutdown(socket.SHUT_RDWR)  # its task sees EOF and closes it
-        if idle[:count]:
+        self._shed += len(idle[:count])
+        if self._shed and now - self._shed_logged >= 5.0:  # a flood logs every 5 s, not per cut
             log.warning("rank %d: shed %d idle connection(s) (%d open, bound %d)", self.rank,
-                        len(idle[:count]), len(self), self.bound)
+                        self._shed, len(self), self.bound)
+            self._shed, self._shed_logged = 0, now
         return len(idle[:count])
 
     async def accept_loop(self, loop: asyncio.AbstractEventLoop, listener: socket.socket,

@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.client.connection import CacheClient, backend_for
 from vlaunch.cache.contract import engine_layout as el
+from vlaunch.cache.contract.engine_env import DEFAULT_PLAN, EngineEnv
 from vlaunch.cache.contract.errors import (
     CacheBrokenError,
     CheckpointError,
     ModelNotFoundError,
     VlaunchError,
 )
-from vlaunch.cache.contract.launch import DEFAULT_PLAN, EngineEnv
 from vlaunch.cache.contract.sockdir import default_socket_dir, socket_path
 from vlaunch.cache.store.manifest import Manifest, TensorRecord, pack, views
 from vlaunch.cache.store.plan import Layout

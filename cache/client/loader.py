@@ -17,12 +17,12 @@ from vlaunch.cache.client.weights import (
     engine_args,
     expected_fingerprint,
 )
+from vlaunch.cache.contract.engine_env import DEFAULT_PLAN
 from vlaunch.cache.contract.errors import (
     CacheBrokenError,
     CacheUnavailableError,
     FingerprintMismatchError,
 )
-from vlaunch.cache.contract.launch import DEFAULT_PLAN
 from vlaunch.cache.contract.protocol import MODES
 from vlaunch.cache.contract.sockdir import default_socket_dir, socket_path
 from vlaunch.cache.store import slabs as _slabs  # noqa: F401  (imported here, not during the first handoff)

@@ -11,8 +11,8 @@ import os
 
 from vlaunch.cache.client.connection import CacheClient, backend_for
 from vlaunch.cache.contract import fingerprint as fp
+from vlaunch.cache.contract.engine_env import DEFAULT_PLAN, EngineEnv
 from vlaunch.cache.contract.errors import UsageError
-from vlaunch.cache.contract.launch import DEFAULT_PLAN, EngineEnv
 from vlaunch.cache.store import identity
 from vlaunch.cache.store.plan import Layout
 

@@ -10,19 +10,18 @@ Light: no torch, nothing from the rest of `vlaunch.cache`.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 import click
 
 from vlaunch.cache.contract.cliopt import SourceOption
+from vlaunch.cache.contract.engine_env import DEFAULT_PLAN, PREFIX, EngineEnv, env_name
 from vlaunch.cache.contract.errors import UsageError
 
-DEFAULT_PLAN = "llama"
-"""The shard plan used when nobody names one (the launcher, a rank, `load()`)."""
-PREFIX = "VLAUNCH_"
+# The engine's side lives in engine_env.py (an engine's load() must not import click).
+__all__ = ["DEFAULT_PLAN", "PREFIX", "EngineEnv", "RankArgs", "rank_command"]
 
 
 def _opt(flag: str, help: str, *, type: Any = None, env: bool = True,
@@ -102,7 +101,7 @@ class RankArgs:
 
     def secret_env(self) -> dict[str, str]:
         """The variables that carry what `to_argv` leaves out."""
-        return {_env_name(f.name): getattr(self, f.name) for f in fields(self)
+        return {env_name(f.name): getattr(self, f.name) for f in fields(self)
                 if f.metadata["secret"] and getattr(self, f.name)}
 
     @classmethod
@@ -129,83 +128,8 @@ def rank_command(name: str, run: Callable[[RankArgs], Any], help: str = "") -> c
             [meta["flag"], f.name],
             type=meta["type"], required=required, help=meta["help"],
             default=None if required else f.default, show_default=not meta["secret"],
-            envvar=_env_name(f.name) if meta["env"] else None, show_envvar=meta["env"]))
+            envvar=env_name(f.name) if meta["env"] else None, show_envvar=meta["env"]))
     return click.Command(name, params=params, callback=callback,
                          help=help or "Run one cache rank: load its shard, then serve it on "
                                       "its socket until SIGTERM.",
                          context_settings={"help_option_names": ["-h", "--help"]})
-
-
-def _env_name(name: str) -> str:
-    return PREFIX + name.upper()
-
-
-# ------------------------------------------------------------------------------ engine
-
-
-@dataclass(frozen=True)
-class EngineEnv:
-    """What `vlaunch run` tells its engine; an unset field is "" / None / () (not given)."""
-
-    model: str = ""
-    socket_dir: str = ""
-    tensor_parallel_size: int | None = None
-    pipeline_parallel_size: int | None = None
-    data_parallel_size: int | None = None
-    ranks: tuple[int, ...] = ()
-    device: str = ""  # cpu or cuda: where the caches hold the weights
-    engine_devices: tuple[str, ...] = ()  # per local rank: cpu, cuda:N or cuda:GPU-<uuid>
-    plan: str = ""
-    kernel_backends: str = ""
-    attempt: int | None = None
-    preload: bool = False
-
-    def to_env(self) -> dict[str, str]:
-        """The VLAUNCH_* variables of the fields that are set."""
-        out = {}
-        for name, value in asdict(self).items():
-            if value in ("", None, (), False):
-                continue
-            if isinstance(value, tuple):
-                value = ",".join(map(str, value))
-            out[_env_name(name)] = "1" if value is True else str(value)
-        return out
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> EngineEnv:
-        """The fields from VLAUNCH_* variables; a malformed one raises UsageError naming it."""
-        env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = env.get(_env_name(f.name), "").strip()
-            if raw:
-                values[f.name] = _parse(f.name, raw)
-        return cls(**values)
-
-    @property
-    def plan_or_default(self) -> str:
-        """The plan, or DEFAULT_PLAN when the launcher named none."""
-        return self.plan or DEFAULT_PLAN
-
-
-_INTS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "attempt")
-
-
-def _parse(name: str, raw: str) -> Any:
-    """One variable's value, typed; UsageError naming the variable when malformed."""
-    try:
-        if name in _INTS:
-            value = int(raw)
-            if value < (0 if name == "attempt" else 1):
-                raise ValueError("out of range")
-            return value
-        if name == "ranks":
-            return tuple(int(x) for x in raw.split(",") if x.strip())
-        if name == "engine_devices":
-            return tuple(x.strip() for x in raw.split(",") if x.strip())
-        if name == "preload":
-            return raw not in ("0", "false", "no")
-    except ValueError:
-        raise UsageError(f"{_env_name(name)}={raw!r} is malformed; unset it or give a "
-                         "positive integer (ranks: a comma list)") from None
-    return raw

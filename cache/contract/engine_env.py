@@ -1,0 +1,92 @@
+"""What `vlaunch run` tells its engine: the VLAUNCH_* variables (`EngineEnv`).
+
+Apart from the rank's command line (launch.py, which needs click) so that an engine's
+`vlaunch.cache.load()` reads them without importing click: the handoff's import is part of
+every engine start. Light: no torch, nothing from the rest of `vlaunch.cache`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from vlaunch.cache.contract.errors import UsageError
+
+DEFAULT_PLAN = "llama"
+"""The shard plan used when nobody names one (the launcher, a rank, `load()`)."""
+PREFIX = "VLAUNCH_"
+
+
+def env_name(name: str) -> str:
+    """The VLAUNCH_* variable of a field."""
+    return PREFIX + name.upper()
+
+
+@dataclass(frozen=True)
+class EngineEnv:
+    """What `vlaunch run` tells its engine; an unset field is "" / None / () (not given)."""
+
+    model: str = ""
+    socket_dir: str = ""
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    data_parallel_size: int | None = None
+    ranks: tuple[int, ...] = ()
+    device: str = ""  # cpu or cuda: where the caches hold the weights
+    engine_devices: tuple[str, ...] = ()  # per local rank: cpu, cuda:N or cuda:GPU-<uuid>
+    plan: str = ""
+    kernel_backends: str = ""
+    attempt: int | None = None
+    preload: bool = False
+
+    def to_env(self) -> dict[str, str]:
+        """The VLAUNCH_* variables of the fields that are set."""
+        out = {}
+        for name, value in asdict(self).items():
+            if value in ("", None, (), False):
+                continue
+            if isinstance(value, tuple):
+                value = ",".join(map(str, value))
+            out[env_name(name)] = "1" if value is True else str(value)
+        return out
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> EngineEnv:
+        """The fields from VLAUNCH_* variables; a malformed one raises UsageError naming it."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(env_name(f.name), "").strip()
+            if raw:
+                values[f.name] = _parse(f.name, raw)
+        return cls(**values)
+
+    @property
+    def plan_or_default(self) -> str:
+        """The plan, or DEFAULT_PLAN when the launcher named none."""
+        return self.plan or DEFAULT_PLAN
+
+
+_INTS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "attempt")
+
+
+def _parse(name: str, raw: str) -> Any:
+    """One variable's value, typed; UsageError naming the variable when malformed."""
+    try:
+        if name in _INTS:
+            value = int(raw)
+            if value < (0 if name == "attempt" else 1):
+                raise ValueError("out of range")
+            return value
+        if name == "ranks":
+            return tuple(int(x) for x in raw.split(",") if x.strip())
+        if name == "engine_devices":
+            return tuple(x.strip() for x in raw.split(",") if x.strip())
+        if name == "preload":
+            return raw not in ("0", "false", "no")
+    except ValueError:
+        raise UsageError(f"{env_name(name)}={raw!r} is malformed; unset it or give a "
+                         "positive integer (ranks: a comma list)") from None
+    return raw

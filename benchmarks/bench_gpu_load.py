@@ -315,8 +315,8 @@ def step_layouts(model: Path, device: str, tmp: Path) -> None:
     gpus = gpu_count() if device.startswith("cuda") else 1
     rows, base = [], 0.0
     for name in ARGS.layouts.split(","):
-        base, _, mode = name.partition(":")
-        tp, pp, plan = LAYOUTS[base]
+        kind, _, mode = name.partition(":")
+        tp, pp, plan = LAYOUTS[kind]
         env = {**os.environ, "VLAUNCH_SPLIT_READ": "span" if mode == "span" else "gather",
                "VLAUNCH_READER": "register" if mode == "register" else "staging"}
         world = tp * pp
@@ -332,6 +332,10 @@ def step_layouts(model: Path, device: str, tmp: Path) -> None:
                     "--pipeline-parallel-size", str(pp), "--plan", plan),
                     env))
             ready = [wait_ready(*p) for p in procs]
+        except Exception as exc:  # one failed layout must not hide the others
+            rows.append((name, f"FAILED: {type(exc).__name__}: {str(exc)[-300:]}", "", "", ""))
+            RESULTS.setdefault("layouts", {})[name] = {"failed": f"{exc}"[-2000:]}
+            continue
         finally:
             for p in procs:
                 stop(p[0])

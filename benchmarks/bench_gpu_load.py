@@ -178,6 +178,7 @@ def wait_ready(proc: subprocess.Popen[bytes], ours: socket.socket, log: Path
     m = re.search(r"in ([\d.]+)s \(([\d.]+) GB/s\)", text)
     done = re.findall(r"\(100%\) ([\d.]+) GB/s", text)  # the reader's own rate, from fill()
     frame["reader_gbps"] = float(done[-1]) if done else 0.0
+    frame["register_refused"] = "cannot register" in text
     return frame, float(m.group(2)) if m else 0.0
 
 
@@ -341,6 +342,8 @@ def step_layouts(model: Path, device: str, tmp: Path) -> None:
                 stop(p[0])
         rates = [r[1] for r in ready]
         reader = [r[0]["reader_gbps"] for r in ready]
+        if any(r[0]["register_refused"] for r in ready):
+            name += " (registration REFUSED: staging)"
         RESULTS.setdefault("layouts", {})[name] = {"devices": devices, "gbps": rates,
                                                    "reader_gbps": reader}
         med = statistics.median(rates)
@@ -360,7 +363,7 @@ import torch
 from vlaunch.cache.store.checkpoint import open_checkpoint
 from vlaunch.cache.store.manifest import pack
 from vlaunch.cache.store.plan import LLAMA_PLAN, Layout, plan_rank
-from vlaunch.cache.store import reader
+from vlaunch.cache.store import reader, registered
 from vlaunch.cache.store.reader import fill
 from vlaunch.cache.store.slabs import get_backend
 dev = spec["device"]
@@ -453,7 +456,11 @@ for mode in ("span", "gather"):
         out["split"][f"tp{tp} {mode}"] = rank_fill(Layout(tp, 0), th, ch * MiB)
 os.environ["VLAUNCH_SPLIT_READ"] = "gather"
 os.environ["VLAUNCH_READER"] = "register"  # DMA from the registered page cache
-out["register"] = {f"tp{tp}": rank_fill(Layout(tp, 0), th, None) for tp in (1, 2, 4)}
+out["register"] = {}
+for tp in (1, 2, 4):
+    rate = rank_fill(Layout(tp, 0), th, None)
+    out["register"][f"tp{tp}" + (" REFUSED, staging" if registered.LAST.get("refused")
+                                  else "")] = rate
 os.environ["VLAUNCH_READER"] = "staging"
 out["tp1_again"] = rank_fill(Layout(1, 0), th, ch * MiB)
 for slabs in held.values():

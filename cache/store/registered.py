@@ -31,6 +31,7 @@ log = logging.getLogger("vlaunch.cache.store.registered")
 WINDOW = 32 << 20  # bytes registered at once; a multiple of the page size
 CHUNK = 64 << 20  # the most bytes one copy spans (and the device scratch for split spans)
 _READ_ONLY = 8  # cudaHostRegisterReadOnly
+LAST: dict[str, Any] = {}  # the last fill's outcome: windows registered, refused (benchmarks)
 
 
 def windows(spans: Sequence[tuple[int, int]], size: int, window: int = WINDOW
@@ -70,6 +71,7 @@ def fill_registered(work: Sequence[tuple[str, Piece, torch.Tensor]], fds: dict[s
         by_file.setdefault(file, []).append((piece, dst))
     stream = torch.cuda.Stream(device)
     scratch: torch.Tensor | None = None
+    LAST.clear()
     try:
         with torch.cuda.stream(stream):
             for file, items in by_file.items():
@@ -87,6 +89,7 @@ def fill_registered(work: Sequence[tuple[str, Piece, torch.Tensor]], fds: dict[s
                     if int(getattr(err, "value", err)) != 0:
                         log.warning("cannot register %s with the CUDA driver (%s); reading "
                                     "it through pinned staging buffers instead", file, err)
+                        LAST.update(refused=str(err), windows=len(held))
                         return False
                     held.append((base + start, mapping))
                     for i in ready:
@@ -101,6 +104,7 @@ def fill_registered(work: Sequence[tuple[str, Piece, torch.Tensor]], fds: dict[s
                             split_copy(dst, scratch, piece)  # stream order reuses scratch
                         progress(piece.nbytes)
         stream.synchronize()
+        LAST.update(windows=len(held))
         return True
     finally:
         stream.synchronize()

@@ -59,12 +59,15 @@ from .events import (
     Log,
     Notify,
     PreloadDone,
+    PromoteStandby,
     RunPreload,
     SignalChild,
     SignalReceived,
     SpawnCache,
     Spawned,
     SpawnEngine,
+    SpawnStandby,
+    StandbyParked,
     Started,
     SupervisorConfig,
     Tick,
@@ -74,6 +77,8 @@ EXTEND_EVERY = 10.0
 """Seconds between two `EXTEND_TIMEOUT_USEC` messages until the first `READY=1`."""
 EXTEND_BY = 3 * EXTEND_EVERY
 """Seconds each `EXTEND_TIMEOUT_USEC` grants: three missed ticks before systemd gives up."""
+STANDBY_MAX_FAILS = 3
+"""Standbys in a row that die before parking; then the launcher gives standbys up."""
 
 CACHE_STATUSES: frozenset[int] = frozenset(
     int(row.status) for row in EXIT_TABLE if "cache" in row.who and row.status != ExitStatus.OK)
@@ -153,6 +158,15 @@ class EngineState(enum.Enum):
     EXITED = "exited"
 
 
+class StandbyState(enum.Enum):
+    """The standby engine: none -> starting -> parked -> (promoted: none) | stopping -> none."""
+
+    NONE = "none"
+    STARTING = "starting"
+    PARKED = "parked"
+    STOPPING = "stopping"
+
+
 _ENGINE_ALIVE = (EngineState.STARTING, EngineState.READY, EngineState.STOPPING)
 _RANK_RUNNING = (RankState.LOADING, RankState.READY, RankState.RESPAWNING)
 
@@ -180,6 +194,18 @@ class EngineStatus:
     restarts: int = 0
     last_exit: int | None = None
     healthy: bool = True
+
+
+@dataclass(frozen=True)
+class StandbyStatus:
+    """The standby engine (--standby) as the status surface shows it."""
+
+    state: StandbyState = StandbyState.NONE
+    pid: int | None = None
+    number: int = 0  # standbys started so far
+    promotions: int = 0
+    failures: int = 0  # standbys in a row that died before parking
+    given_up: bool = False
 
 
 @dataclass(frozen=True)
@@ -228,12 +254,15 @@ class Supervisor:
         self._next_watchdog = -math.inf
         self._pending_since: float | None = None  # not serving since then (start_timeout)
         self._settle_due: float | None = None  # readiness "none": when the engine counts ready
+        self._standby = StandbyStatus() if config.standby else None
+        self._park_due: float | None = None  # the standby must park by then
+        self._now = 0.0  # the time of the event being handled
         self._handlers: dict[type, Callable[[Any], list[Action]]] = {
             Started: self._on_started, CacheReady: self._on_cache_ready,
             ChildExited: self._on_child_exited, EngineReady: self._on_engine_ready,
             EngineHealth: self._on_engine_health, SignalReceived: self._on_signal,
             Tick: self._on_tick, Spawned: self._on_spawned, PreloadDone: self._on_preload_done,
-            CacheProgress: self._on_cache_progress,
+            CacheProgress: self._on_cache_progress, StandbyParked: self._on_standby_parked,
         }
         self._preloading = False
 
@@ -246,6 +275,7 @@ class Supervisor:
             return []
         if isinstance(event, Started) == self._started:
             raise SupervisorProtocolError(f"{event!r}: Started must come first, exactly once")
+        self._now = event.now
         actions = handler(event)
         if self.config.start_timeout is not None and self._pending_since is None \
                 and self._exit is None and self._stop is None and self._pending():
@@ -322,6 +352,7 @@ class Supervisor:
             "first_failure": None if self._first_failure is None else {
                 **_jsonable(self._first_failure),
                 "description": describe_exit(self._first_failure.status)},
+            **({} if self._standby is None else {"standby": _jsonable(self._standby)}),
             "stop": None if stop is None else {"cause": int(stop.cause), "reason": stop.reason},
             "exit_status": self.exit_status,
         }
@@ -343,6 +374,8 @@ class Supervisor:
             rank = self._rank(e.rank)
             self._ranks[rank.rank] = replace(rank, pid=e.pid)
             return []
+        if e.role == "standby":
+            return self._standby_spawned(e)
         engine = self._engine = replace(self._require_engine(), pid=e.pid)
         actions: list[Action] = [Log("INFO", f"engine started (pid {e.pid}, attempt "
                                              f"{engine.attempt})")]
@@ -415,11 +448,13 @@ class Supervisor:
         return [*self._watchdog(e.now), *self._extend(e.now), *self._settle_if_due(e.now),
                 *self._respawn_if_due(e.now),
                 *self._reload_timeout(e.now), *self._stop_timeout(e.now),
-                *self._start_timeout(e.now)]
+                *self._start_timeout(e.now), *self._park_timeout(e.now)]
 
     def _on_child_exited(self, e: ChildExited) -> list[Action]:
-        """Dispatch a reaped child to the engine or the rank handler."""
-        if e.role == "engine":
+        """Dispatch a reaped child to the engine, the standby or the rank handler."""
+        if e.role == "standby" and not self._is_promoted(e.pid):
+            return self._on_standby_exited(e)
+        if e.role in ("engine", "standby"):
             return self._on_engine_exited(e)
         return self._on_rank_exited(e)
 
@@ -507,7 +542,9 @@ class Supervisor:
     # ------------------------------------------------------------------------- engine
 
     def _spawn_engine(self) -> list[Action]:
-        """Start the engine's next attempt now."""
+        """Start the engine's next attempt now (promote the standby, if one is parked)."""
+        if self._standby_parked():
+            return self._promote()
         engine = self._require_engine()
         attempt = engine.attempt + 1
         self._engine = replace(engine, state=EngineState.STARTING, pid=None, attempt=attempt,
@@ -524,7 +561,7 @@ class Supervisor:
         self._engine = replace(engine, state=EngineState.READY, healthy=True)
         self._ready_since, self._ready_sent, self._reloading = now, True, False
         return [Log("INFO", f"engine ready (pid {engine.pid}, attempt {engine.attempt})"),
-                Notify({"READY": "1", "STATUS": self._status_line()})]
+                Notify({"READY": "1", "STATUS": self._status_line()}), *self._spawn_standby(now)]
 
     def _on_engine_exited(self, e: ChildExited) -> list[Action]:
         """The engine is gone: finish a stop, respawn after SIGHUP, stop, or restart it."""
@@ -573,6 +610,8 @@ class Supervisor:
         delay, self._next_backoff = self._next_backoff, min(self._next_backoff * c.backoff_factor,
                                                             c.backoff_max)
         self._engine = replace(self._require_engine(), state=EngineState.BACKOFF)
+        if self._standby_parked():  # a promotion counts as a restart, but waits for nothing
+            delay = 0.0
         self._respawn_due = now + delay
         attempt = self._require_engine().attempt + 1
         status = f"restarting engine (attempt {attempt}, in {delay:g} s)"
@@ -639,6 +678,7 @@ class Supervisor:
         engine = self._engine
         if engine is not None and engine.state is EngineState.BACKOFF:
             self._engine = replace(engine, state=EngineState.EXITED)
+        actions += self._stop_standby()
         if engine is not None and engine.state in (EngineState.STARTING, EngineState.READY):
             self._engine = replace(engine, state=EngineState.STOPPING)
             return [*actions, SignalChild("engine", None, signal.SIGTERM)]
@@ -655,7 +695,7 @@ class Supervisor:
 
     def _finish_if_done(self) -> list[Action]:
         """Exit with the stop's cause once no child is left."""
-        if self._stop is None or self._engine_alive() or any(
+        if self._stop is None or self._engine_alive() or self._standby_alive() or any(
                 r.state is not RankState.EXITED for r in self._ranks.values()):
             return []
         return self._halt(self._stop.cause, self._stop.reason)
@@ -747,6 +787,116 @@ class Supervisor:
             return []
         return self._kill_all(f"stop timed out after {self.config.stop_timeout:g} s")
 
+    # ------------------------------------------------------------------------ standby
+
+    def _standby_alive(self) -> bool:
+        """Whether a standby process may still exist (not yet promoted)."""
+        return self._standby is not None and self._standby.state is not StandbyState.NONE
+
+    def _standby_parked(self) -> bool:
+        """Whether a parked standby waits for its promotion."""
+        return self._standby is not None and self._standby.state is StandbyState.PARKED
+
+    def _is_promoted(self, pid: int) -> bool:
+        """Whether `pid` is the engine now: a standby promoted before its exit was reaped."""
+        engine = self._engine
+        return engine is not None and engine.pid is not None and engine.pid == pid
+
+    def _spawn_standby(self, now: float) -> list[Action]:
+        """Start a standby, when standbys are on, the engine is ready and there is none."""
+        sb, engine = self._standby, self._engine
+        if sb is None or sb.given_up or sb.state is not StandbyState.NONE or \
+                self._stop is not None or engine is None or engine.state is not EngineState.READY:
+            return []
+        self._standby = replace(sb, state=StandbyState.STARTING, pid=None, number=sb.number + 1)
+        self._park_due = now + self.config.standby_park_timeout
+        return [Log("INFO", f"starting standby engine {sb.number + 1}"),
+                SpawnStandby(sb.number + 1)]
+
+    def _standby_spawned(self, e: Spawned) -> list[Action]:
+        """Record the standby's pid."""
+        sb = self._standby
+        if sb is None or sb.state is StandbyState.NONE:
+            raise SupervisorProtocolError(f"{e!r}: no standby was asked for")
+        self._standby = replace(sb, pid=e.pid)
+        return [Log("INFO", f"standby engine {sb.number} started (pid {e.pid})")]
+
+    def _on_standby_parked(self, e: StandbyParked) -> list[Action]:
+        """The standby is parked: promote it at once if the engine is already down."""
+        sb = self._standby
+        if sb is None or sb.state is not StandbyState.STARTING:
+            return []
+        self._standby = replace(sb, state=StandbyState.PARKED, failures=0)
+        self._park_due = None
+        actions: list[Action] = [Log("INFO", f"standby engine {sb.number} (pid {sb.pid}) parked")]
+        if self._respawn_due is not None and self._stop is None:  # the engine is in backoff
+            actions += self._spawn_engine()
+        return actions
+
+    def _promote(self) -> list[Action]:
+        """Make the parked standby the engine's next attempt; a new standby follows once it is
+        ready."""
+        sb, engine = self._standby, self._require_engine()
+        assert sb is not None
+        attempt = engine.attempt + 1
+        self._standby = replace(sb, state=StandbyState.NONE, pid=None,
+                                promotions=sb.promotions + 1)
+        self._engine = replace(engine, state=EngineState.STARTING, pid=sb.pid, attempt=attempt,
+                               restarts=engine.restarts + (attempt > 1), healthy=True)
+        self._respawn_due = None
+        actions: list[Action] = [
+            Log("INFO", f"promoting standby engine {sb.number} (pid {sb.pid}) to engine "
+                        f"attempt {attempt}"),
+            Notify({"STATUS": self._status_line()}), PromoteStandby()]
+        if self.config.engine_readiness == "none":
+            self._settle_due = self._now + self.config.engine_settle
+            actions += self._settle_if_due(self._now)
+        return actions
+
+    def _on_standby_exited(self, e: ChildExited) -> list[Action]:
+        """A standby died or stopped: replace it, or give standbys up after repeated failures."""
+        sb = self._standby
+        if sb is None or sb.state is StandbyState.NONE or (sb.pid is not None and sb.pid != e.pid):
+            return []
+        parked = sb.state is StandbyState.PARKED
+        self._standby = sb = replace(sb, state=StandbyState.NONE, pid=None,
+                                     failures=sb.failures + (not parked))
+        self._park_due = None
+        what = f"standby engine {sb.number} (pid {e.pid}) exited: {describe_exit(e.status)}"
+        if self._stop is not None:
+            return [Log("INFO", what), *self._finish_if_done()]
+        if sb.given_up:
+            return [Log("INFO", what)]
+        if sb.failures >= STANDBY_MAX_FAILS:
+            self._standby = replace(sb, given_up=True)
+            return [Log("WARNING", f"{what}; {sb.failures} standbys in a row died before "
+                                   "parking: giving standbys up, engine restarts are ordinary "
+                                   "restarts from now on")]
+        return [Log("WARNING", f"{what}; replacing it"), *self._spawn_standby(e.now)]
+
+    def _park_timeout(self, now: float) -> list[Action]:
+        """Give standbys up when one has not parked within standby_park_timeout."""
+        sb = self._standby
+        if sb is None or self._park_due is None or now < self._park_due or \
+                sb.state is not StandbyState.STARTING:
+            return []
+        self._park_due = None
+        self._standby = replace(sb, state=StandbyState.STOPPING, given_up=True)
+        limit = self.config.standby_park_timeout
+        return [Log("WARNING", f"standby engine {sb.number} (pid {sb.pid}) did not park within "
+                               f"{limit:g} s (--standby-park-timeout): killing it and giving "
+                               "standbys up; engine restarts are ordinary restarts from now on"),
+                SignalChild("standby", None, signal.SIGKILL)]
+
+    def _stop_standby(self) -> list[Action]:
+        """SIGTERM a live standby as part of the stop."""
+        sb = self._standby
+        self._park_due = None
+        if sb is None or sb.state in (StandbyState.NONE, StandbyState.STOPPING):
+            return []
+        self._standby = replace(sb, state=StandbyState.STOPPING)
+        return [SignalChild("standby", None, signal.SIGTERM)]
+
     # ------------------------------------------------------------------------- helpers
 
     def _status_line(self) -> str:
@@ -789,6 +939,7 @@ class Supervisor:
     def _live_children(self) -> list[str]:
         """Names of the children not yet reaped, for log lines."""
         names = ["the engine"] if self._engine_alive() else []
+        names += ["the standby engine"] if self._standby_alive() else []
         return names + [f"cache rank {r.rank}" for r in self._ranks.values()
                         if r.state is not RankState.EXITED]
 
@@ -839,6 +990,6 @@ def _usec(seconds: float) -> str:
     return str(round(seconds * 1_000_000))
 
 
-def _jsonable(record: RankStatus | EngineStatus | Failure) -> dict[str, Any]:
+def _jsonable(record: RankStatus | EngineStatus | StandbyStatus | Failure) -> dict[str, Any]:
     """A status record as a flat JSON-able dict (enums by value)."""
     return {k: v.value if isinstance(v, enum.Enum) else v for k, v in vars(record).items()}

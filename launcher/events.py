@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-Role = Literal["cache", "engine"]
+Role = Literal["cache", "engine", "standby"]
 RankPolicy = Literal["shutdown", "respawn"]
 Readiness = Literal["notify", "http", "none"]
 
@@ -40,6 +40,8 @@ class SupervisorConfig:
     watchdog_interval: float | None = None
     preload: bool = False  # run the preload command once, after the caches, before the engine
     start_timeout: float | None = None  # seconds to be serving, at start and after a restart
+    standby: bool = False  # keep a parked standby engine, promoted when the engine exits
+    standby_park_timeout: float = 300.0  # seconds a standby may take to park, else given up
 
     def __post_init__(self) -> None:
         """Normalise the collections and raise ValueError naming every invalid field."""
@@ -78,6 +80,10 @@ def _config_problems(c: SupervisorConfig) -> Iterator[str]:
         yield f"watchdog_interval must be None or > 0 (got {c.watchdog_interval!r})"
     if c.start_timeout is not None and not (_finite(c.start_timeout) and c.start_timeout > 0):
         yield f"start_timeout must be None or > 0 (got {c.start_timeout!r})"
+    if not _finite(c.standby_park_timeout) or c.standby_park_timeout <= 0:
+        yield f"standby_park_timeout must be a finite number > 0 (got {c.standby_park_timeout!r})"
+    if c.standby and not c.has_engine:
+        yield "standby needs an engine command (there is nothing to keep a standby of)"
 
 
 def _is_count(value: object) -> bool:
@@ -178,8 +184,15 @@ class PreloadDone:
     now: float
 
 
+@dataclass(frozen=True)
+class StandbyParked:
+    """The standby engine sent PARKED=1: it waits on its promote fd (cache/contract/standby.py)."""
+
+    now: float
+
+
 Event = (Started | CacheReady | ChildExited | EngineReady | EngineHealth | SignalReceived
-         | Tick | Spawned | PreloadDone | CacheProgress)
+         | Tick | Spawned | PreloadDone | CacheProgress | StandbyParked)
 
 
 # -------------------------------------------------------------------------------- actions
@@ -202,7 +215,7 @@ class SpawnEngine:
 
 @dataclass(frozen=True)
 class SignalChild:
-    """Send `sig` to a child's process group (`rank` is None for the engine)."""
+    """Send `sig` to a child's process group (`rank` is None for the engine and the standby)."""
 
     role: Role
     rank: int | None
@@ -242,4 +255,19 @@ class RunPreload:
     """Run the preload command to completion (bounded by its timeout); answer PreloadDone."""
 
 
-Action = SpawnCache | SpawnEngine | SignalChild | KillAll | Notify | Log | Exit | RunPreload
+@dataclass(frozen=True)
+class SpawnStandby:
+    """Start the engine command as a standby (`number` counts standbys from 1); answered by
+    Spawned/ChildExited with role "standby", and StandbyParked once it is parked."""
+
+    number: int
+
+
+@dataclass(frozen=True)
+class PromoteStandby:
+    """Promote the parked standby: write PROMOTE on its fd; from now on it is the engine (its
+    exit may still arrive with role "standby")."""
+
+
+Action = (SpawnCache | SpawnEngine | SignalChild | KillAll | Notify | Log | Exit | RunPreload
+          | SpawnStandby | PromoteStandby)

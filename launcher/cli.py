@@ -123,6 +123,13 @@ def _opt(name: str, env: str, **kw: Any) -> Callable[[F], F]:
       type=click.Choice(["shutdown", "respawn"]),
       help="A cache rank exited: shut everything down (69), or respawn it from the escrowed "
            "slabs while the engine keeps serving.")
+@_opt("--standby", "STANDBY", is_flag=True, default=False,
+      help="Keep a standby engine parked (started ahead, weights mapped) and promote it the "
+           "moment the engine exits; see docs/standby.md.")
+@_opt("--standby-park-timeout", "STANDBY_PARK_TIMEOUT", default=300.0,
+      type=click.FloatRange(0.1),
+      help="Seconds a standby engine may take to park; past it standbys are given up (a "
+           "warning) and restarts are ordinary.")
 @_opt("--stop-on-engine-success", "STOP_ON_ENGINE_SUCCESS", is_flag=True, default=False,
       help="An engine that exits 0 ends the launcher with 0 instead of being restarted.")
 @_opt("--kernel-backends", "KERNEL_BACKENDS", default="",

@@ -36,6 +36,7 @@ from .hooks import Child, OsHooks, ProcessHooks
 from .notify import EngineNotifySocket, Notifier
 from .progress import LoadDisplay, recv_ready
 from .spec import RunSpec
+from .standby import StandbyChannel
 
 __all__ = ["Executor", "RunSpec", "run"]
 
@@ -75,6 +76,10 @@ class Executor:
         self.engine_devices: dict[int, str] = {}
         self.health: HealthServer | None = None
         self.engine_notify: EngineNotifySocket | None = None
+        self.standby: _Running | None = None
+        self.standby_channel: StandbyChannel | None = None  # the standby not yet promoted
+        self.engine_channel: StandbyChannel | None = None  # the promoted standby's, now engine's
+        self.directory = spec.socket_dir
         self.display = LoadDisplay()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.handlers: dict[type, Callable[[Any], Awaitable[None]]] = {
@@ -82,6 +87,7 @@ class Executor:
             events.SignalChild: self._signal_child, events.KillAll: self._kill_all,
             events.RunPreload: self._start_preload, events.Notify: self._notify,
             events.Log: self._log, events.Exit: self._exit,
+            events.SpawnStandby: self._spawn_standby, events.PromoteStandby: self._promote_standby,
         }
         self._channel_handlers: dict[str, Callable[[int, dict[str, Any], list[int]], None]] = {
             "ready": self._rank_ready, "layout": self._rank_layout,
@@ -93,7 +99,7 @@ class Executor:
     async def run(self) -> int:
         """Start everything, handle events until Exit, sweep, return the status."""
         self.hooks.prepare(self.post)
-        directory = ensure_socket_dir(self.spec.socket_dir)
+        directory = self.directory = ensure_socket_dir(self.spec.socket_dir)
         self._start_surfaces(directory, asyncio.get_running_loop())
         self.post(events.Started(0.0))
         self._spawn_task(self._ticker())
@@ -145,7 +151,8 @@ class Executor:
 
     async def _signal_child(self, action: events.SignalChild) -> None:
         """Signal the engine's or a rank's process group."""
-        running = self.engine if action.role == "engine" else self.ranks.get(action.rank or 0)
+        running = {"engine": self.engine, "standby": self.standby}.get(
+            action.role, self.ranks.get(action.rank or 0))
         if running is not None:
             self.hooks.signal(running.child.pid, action.sig)
 
@@ -168,7 +175,8 @@ class Executor:
 
     def _children(self) -> list[_Running]:
         return [*self.ranks.values(), *([self.engine] if self.engine else []),
-                *([self.preload] if self.preload else [])]
+                *([self.preload] if self.preload else []),
+                *([self.standby] if self.standby else [])]
 
     async def _spawn(self, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...],
                      role: events.Role, rank: int | None) -> _Running | None:
@@ -298,6 +306,50 @@ class Executor:
         if self.engine and self.core.config.engine_readiness == "http":
             self._spawn_task(self._probe_engine(self.engine))
 
+    async def _spawn_standby(self, action: events.SpawnStandby) -> None:
+        """Start the engine command as a standby, with its promote fd and notify socket."""
+        self._drop_channel("standby_channel")
+        channel = self.standby_channel = StandbyChannel(self.directory, action.number)
+        asyncio.get_running_loop().add_reader(channel.notify.sock.fileno(),
+                                              self._standby_notified, channel)
+        engine = self.core.engine
+        attempt = (engine.attempt if engine else 0) + 1
+        env = child_env(self.env, {**self._engine_env(attempt), **channel.env()},
+                        str(channel.notify.path))
+        try:
+            self.standby = await self._spawn(list(self.spec.engine), env, (channel.read_fd,),
+                                             "standby", None)
+        finally:
+            channel.spawned()
+
+    async def _promote_standby(self, action: events.PromoteStandby) -> None:
+        """The parked standby becomes the engine: write PROMOTE on its pipe."""
+        channel, self.standby_channel = self.standby_channel, None
+        self._drop_channel("engine_channel")
+        self.engine_channel = channel
+        self.engine, self.standby = self.standby, None
+        if channel is not None:
+            channel.promote()
+        if self.engine and self.core.config.engine_readiness == "http":
+            self._spawn_task(self._probe_engine(self.engine))
+
+    def _standby_notified(self, channel: StandbyChannel) -> None:
+        """PARKED=1 from the standby; READY=1 from a promoted standby (readiness notify)."""
+        parked, ready = channel.read()
+        if parked and channel is self.standby_channel:
+            self.post(events.StandbyParked(0.0))
+        if ready and channel is self.engine_channel and \
+                self.core.config.engine_readiness == "notify":
+            self.post(events.EngineReady(0.0))
+
+    def _drop_channel(self, name: str) -> None:
+        """Close a standby channel no longer needed (the standby exited or was replaced)."""
+        channel = getattr(self, name)
+        if channel is not None:
+            asyncio.get_running_loop().remove_reader(channel.notify.sock.fileno())
+            channel.close()
+            setattr(self, name, None)
+
     def _engine_env(self, attempt: int, preload: bool = False) -> dict[str, str]:
         return self.spec.engine_env(attempt, self.engine_devices, preload).to_env()
 
@@ -381,6 +433,8 @@ class Executor:
         for rank in self.spec.ranks:
             _clear_stale(self.spec.socket_dir, rank)
         self.escrow.close()
+        self._drop_channel("standby_channel")
+        self._drop_channel("engine_channel")
         self.notifier.close()
         if self.engine_notify:
             self.engine_notify.close()

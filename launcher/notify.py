@@ -45,8 +45,8 @@ def watchdog_interval(env: Mapping[str, str]) -> float | None:
 class EngineNotifySocket:
     """A datagram socket the engine gets as NOTIFY_SOCKET; its READY=1 means engine ready."""
 
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / "engine-notify.sock"
+    def __init__(self, directory: Path, name: str = "engine-notify.sock") -> None:
+        self.path = directory / name
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)

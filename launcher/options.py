@@ -86,6 +86,8 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
             on_rank_exit=o["on_rank_exit"], engine_readiness=readiness,
             engine_settle=ENGINE_SETTLE if readiness == "none" else 0.0,
             stop_on_engine_success=o["stop_on_engine_success"],
+            standby=bool(o["standby"]) and bool(engine),
+            standby_park_timeout=o["standby_park_timeout"],
             watchdog_interval=watchdog_interval(os.environ),
             preload=bool(o["preload_autotune"]),
             start_timeout=o.get("start_timeout") or None)

@@ -42,6 +42,7 @@ from vlaunch.cache.contract.errors import VlaunchError
 from vlaunch.cache.contract.exitcodes import CONFIG_ERROR_STATUSES
 from vlaunch.cache.contract.logs import setup_logging
 from vlaunch.cache.contract.notify import SdNotify, parse_fields
+from vlaunch.cache.contract.standby import StandbyError, is_standby, promote_fd, wait_for_promotion
 from vlaunch.cache.reference.http import EngineStopping, parse_generate, start_http
 from vlaunch.cache.reference.options import EX_CONFIG, ConfigError, EngineOptions, parse_args
 from vlaunch.cache.reference.workers import (
@@ -147,17 +148,26 @@ class Engine:
         """Load, serve until SIGTERM/SIGINT, stop; returns the exit status."""
         signal.signal(signal.SIGTERM, self.handle_signal)
         signal.signal(signal.SIGINT, self.handle_signal)
+        standby = is_standby()
         try:
-            self.http = start_http(self)
+            fd = promote_fd() if standby else -1
+            self.http = None if standby else start_http(self)
             listener = self.start_workers() if self.opts.tp_size > 1 else None
             store = open_store(self.opts, listener) if listener is not None else None
             state = start_rank(self.opts, 0, self.cfg, store)
             self.stats["layout"] = state.layout
-            self.became_ready(*gather_stats(state))
+            stats = gather_stats(state)
+            if standby:  # every rank has its weights mapped: park until promoted
+                self.park(fd)
+                self.http = start_http(self)
+            self.became_ready(*stats)
             self.serve(state)
             return self.shutdown(state)
         except _StopRequested:
-            log.info("stopped before the weights were ready")
+            log.info("stopped before serving (loading, or parked as a standby)")
+            return 0
+        except StandbyError as exc:
+            log.info("%s", exc)
             return 0
         finally:
             self.stopping = True
@@ -209,6 +219,15 @@ class Engine:
             self.reap_workers(kill=True)
             logging.shutdown()
             os._exit(status)
+
+    def park(self, fd: int) -> None:
+        """Standby: report PARKED=1, then block until the launcher promotes this engine (every
+        worker waits in its broadcast meanwhile, so the group is promoted together)."""
+        log.info("parked as a standby (pid %d): waiting for the launcher's promotion", os.getpid())
+        notify("PARKED=1\nSTATUS=parked (standby)")
+        wait_for_promotion(fd)
+        self.stats["promoted_at"] = time.time()
+        log.info("promoted: taking over")
 
     def became_ready(self, ms: float, source: str, nbytes: int) -> None:
         """Record the stats, accept requests, log and notify readiness."""

@@ -1,0 +1,81 @@
+"""--standby with the real launcher and the reference engine at TP 2: kill, promote, serve."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from vlaunch.cache.contract.standby import PROMOTE, StandbyError, wait_for_promotion
+from vlaunch.cache.reference.refmodel import make_checkpoint
+
+from .conftest import eventually
+from .test_launcher import launch, serving  # noqa: F401  (launch is a fixture)
+
+PROMPT = [1, 5, 9, 2]
+
+
+def generate(port_file: Path) -> list[int]:
+    """POST /generate to the engine whose port the port file names."""
+    url = f"http://127.0.0.1:{port_file.read_text().strip()}/generate"
+    body = json.dumps({"tokens": PROMPT, "max_new_tokens": 6}).encode()
+    req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())["tokens"]
+
+
+def standby_of(snap: dict[str, Any]) -> dict[str, Any]:
+    """The standby's status record."""
+    return snap["standby"]
+
+
+def test_wait_for_promotion_reads_promote_and_refuses_eof() -> None:
+    r, w = os.pipe()
+    os.write(w, PROMOTE)
+    os.close(w)
+    wait_for_promotion(r)
+    r, w = os.pipe()
+    os.close(w)
+    with pytest.raises(StandbyError, match="without promoting"):
+        wait_for_promotion(r)
+
+
+def test_kill_the_engine_promotes_the_standby_at_tp2(launch, tmp_path: Path) -> None:  # noqa: F811
+    model = make_checkpoint(tmp_path / "tiny", hidden=64, layers=2, heads=4, kv_heads=2,
+                            intermediate=128, vocab=256)
+    port_file = tmp_path / "port"
+    engine = [sys.executable, "-m", "vlaunch.cache.reference.engine", "--port-file",
+              str(port_file)]
+    la = launch(model, "--standby", "--engine-ready", "notify", "--backoff-initial", "5",
+                engine=engine, tp=2)
+    la.wait_for(serving)
+    before = generate(port_file)
+    snap = la.wait_for(lambda s: standby_of(s)["state"] == "parked")
+    first, standby_pid = snap["engine"]["pid"], standby_of(snap)["pid"]
+    assert not la.text().count("Traceback")
+    # a parked standby holds no port: the port file is still the serving engine's
+    port_file.unlink()
+    os.killpg(first, signal.SIGKILL)
+    snap = la.wait_for(lambda s: serving(s) and s["engine"]["pid"] == standby_pid, timeout=60)
+    assert snap["engine"]["attempt"] == 2 and snap["engine"]["restarts"] == 1
+    assert standby_of(snap)["promotions"] == 1
+    eventually(lambda: port_file.exists() or None, 30, what=lambda: la.text())
+    assert generate(port_file) == before
+    assert "promoting standby engine 1" in la.text()
+    # backoff-initial is 5 s: an ordinary restart would not be ready yet; no engine was spawned
+    assert "starting the engine (attempt 2)" not in la.text()
+    # and a new standby is started and parks
+    snap = la.wait_for(lambda s: standby_of(s)["number"] == 2
+                       and standby_of(s)["state"] == "parked")
+    second = standby_of(snap)["pid"]
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.wait_exit() == 0
+    for pid in (standby_pid, second):
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", pid

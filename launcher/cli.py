@@ -86,6 +86,11 @@ def _opt(name: str, env: str, **kw: Any) -> Callable[[F], F]:
            "/tmp/vlaunch-UID].")
 @_opt("--plan", "PLAN", default="llama",
       help="Shard plan: llama, replicate, a plan file, or module:callable.")
+@_opt("--draft-model", "DRAFT_MODEL", default="",
+      help="A speculative-decoding draft model's checkpoint: its own cache group beside the "
+           "target's; the engine loads it with load(role='draft').")
+@_opt("--draft-plan", "DRAFT_PLAN", default="replicate",
+      help="The draft group's shard plan (as --plan).")
 @_opt("--threads", "THREADS", default=8, type=click.IntRange(1), help="Reader threads per rank.")
 @_opt("--verify", "VERIFY", is_flag=True, default=False,
       help="After each rank's first load, hash every tensor against the checkpoint files "

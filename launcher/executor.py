@@ -26,7 +26,7 @@ from typing import Any
 from vlaunch.cache.contract import protocol
 from vlaunch.cache.contract.errors import VlaunchError
 from vlaunch.cache.contract.exitcodes import ExitStatus
-from vlaunch.cache.contract.sockdir import RankLock, ensure_socket_dir, socket_path
+from vlaunch.cache.contract.sockdir import RankLock, ensure_socket_dir
 
 from . import core, events, statusview
 from .children import child_env
@@ -198,7 +198,7 @@ class Executor:
         running.exited = True
         self.hooks.signal(running.child.pid, signal.SIGKILL)  # no orphaned workers
         if running.role == "cache" and running.rank is not None:
-            _clear_stale(self.spec.socket_dir, running.rank)
+            _clear_stale(self.spec, running.rank)
         self.post(events.ChildExited(running.role, running.rank, running.child.pid, status,
                                      0.0))
 
@@ -404,7 +404,7 @@ class Executor:
             self.hooks.reap_orphans(r.child.pid for r in self._children())
             for rank in list(self.ranks):
                 if self.core.ranks[rank].state is core.RankState.READY:
-                    path = socket_path(self.spec.socket_dir, rank)
+                    path = self.spec.slot_socket(rank)
                     with contextlib.suppress(OSError, EOFError, VlaunchError):
                         self.rank_detail[rank] = await self.hooks.rank_status(path)
             await asyncio.sleep(STATUS_EVERY)
@@ -417,8 +417,8 @@ class Executor:
         if self.health is None:
             return
         self.health.publish(statusview.merge(
-            snapshot, socket_dir=self.spec.socket_dir, devices=self.spec.devices,
-            details=self.rank_detail,
+            snapshot, socket_dir=self.spec.socket_dir, devices=self.spec.slot_devices,
+            details=self.rank_detail, world=self.spec.world if self.spec.draft_group else 0,
             launcher={"pid": os.getpid(), "model": self.spec.model,
                       "engine_command": list(self.spec.engine)}))
 
@@ -430,8 +430,8 @@ class Executor:
         killed = self.hooks.sweep(r.child.pid for r in self._children())
         if killed:
             log.warning("swept %d leftover process(es): %s", len(killed), killed)
-        for rank in self.spec.ranks:
-            _clear_stale(self.spec.socket_dir, rank)
+        for rank in self.spec.slots:
+            _clear_stale(self.spec, rank)
         self.escrow.close()
         self._drop_channel("standby_channel")
         self._drop_channel("engine_channel")
@@ -444,9 +444,10 @@ class Executor:
             (directory / "launcher.json").unlink()
 
 
-def _clear_stale(directory: Path, rank: int) -> None:
+def _clear_stale(spec: RunSpec, slot: int) -> None:
     """Remove the socket and lock a killed rank left behind (only if nobody holds the lock)."""
-    lock = RankLock(directory, rank)
+    role, rank = spec.slot_role(slot)
+    lock = RankLock(spec.socket_dir, rank, role)
     with contextlib.suppress(VlaunchError, OSError):
         lock.acquire()
         lock.release()

@@ -10,7 +10,8 @@ from typing import Any
 import tomllib
 
 from vlaunch.cache.contract.errors import UsageError
-from vlaunch.cache.contract.sockdir import default_socket_dir
+from vlaunch.cache.contract.roles import DRAFT, seat
+from vlaunch.cache.contract.sockdir import default_socket_dir, socket_path
 
 from .events import SupervisorConfig
 from .executor import RunSpec
@@ -76,9 +77,10 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
     check_command(engine, "engine command", "the command after --")
     preload = _preload(o["preload_autotune"])
     check_command(preload, "preload command", "--preload-autotune")
+    draft = _draft(o, model, ranks)
     try:
         config = SupervisorConfig(
-            ranks=ranks, has_engine=bool(engine), restart_max=o["restart_max"],
+            ranks=ranks + draft, has_engine=bool(engine), restart_max=o["restart_max"],
             restart_window=o["restart_window"], stable_after=o["stable_after"],
             backoff_initial=o["backoff_initial"], backoff_max=o["backoff_max"],
             stop_timeout=o["stop_timeout"],
@@ -107,7 +109,22 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
                    seed_fallback=o["seed_fallback"], seed_listen_host=o["seed_listen_host"],
                    seed_listen_port=o["seed_listen_port"],
                    preload=preload,
-                   preload_timeout=o["preload_timeout"], verify=o["verify"])
+                   preload_timeout=o["preload_timeout"], verify=o["verify"],
+                   draft_model=o.get("draft_model") or "",
+                   draft_plan=o.get("draft_plan") or "replicate")
+
+
+def _draft(o: dict[str, Any], model: str, ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """The draft group's supervisor slots (roles.seat): none without --draft-model, or when
+    the draft is the target's own checkpoint (served by the target's group, held once)."""
+    draft = o.get("draft_model") or ""
+    if not draft or os.path.realpath(draft) == os.path.realpath(model):
+        return ()
+    world = o["tensor_parallel_size"] * o["pipeline_parallel_size"] * o["data_parallel_size"]
+    directory = o["socket_dir"] or default_socket_dir()
+    for rank in ranks:
+        socket_path(directory, rank, DRAFT)  # too long for a Unix socket: 73 now
+    return tuple(seat(DRAFT, r, world) for r in ranks)
 
 
 def _preload(command: str) -> tuple[str, ...]:

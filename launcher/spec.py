@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from vlaunch.cache.contract.launch import DEFAULT_PLAN, EngineEnv, RankArgs
+from vlaunch.cache.contract.roles import DRAFT, TARGET, seat, unseat
+from vlaunch.cache.contract.sockdir import socket_path
 
 from . import events
 
@@ -39,12 +42,51 @@ class RunSpec:
     preload: tuple[str, ...] = ()
     preload_timeout: float = 600.0
     verify: bool = False  # each rank checks every byte against the files after its first load
+    draft_model: str = ""  # a speculative-decoding draft model: its own group beside the target
+    draft_plan: str = "replicate"
 
-    def rank_args(self, rank: int, ready_fd: int, adopt_fd: int = -1) -> RankArgs:
-        """The arguments of cache rank `rank`, reporting on `ready_fd`."""
-        return RankArgs(model=self.model, rank=rank, **self._sizes(),
+    @property
+    def world(self) -> int:
+        """Ranks in the whole job (every node): the size of one cache group."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * \
+            self.data_parallel_size
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        """The supervisor's cache slots: this node's target ranks, then its draft ranks (each
+        rank + world: roles.seat), so that both groups are supervised alike."""
+        drafts = tuple(seat(DRAFT, r, self.world) for r in self.ranks) if self.draft_group \
+            else ()
+        return self.ranks + drafts
+
+    @property
+    def draft_group(self) -> bool:
+        """Whether a draft group runs: a draft model that is not the target's own checkpoint
+        (MTP layers and shared tensors there are served by the target's group, held once)."""
+        return bool(self.draft_model) and \
+            os.path.realpath(self.draft_model) != os.path.realpath(self.model)
+
+    def slot_role(self, slot: int) -> tuple[str, int]:
+        """(role, rank) of a supervisor slot."""
+        return unseat(slot, self.world)
+
+    def slot_socket(self, slot: int) -> Path:
+        """The socket of a supervisor slot."""
+        return socket_path(self.socket_dir, *reversed(self.slot_role(slot)))
+
+    @property
+    def slot_devices(self) -> dict[int, str]:
+        """Each slot's device: a draft rank sits on its target rank's device."""
+        return {s: self.devices[self.slot_role(s)[1]] for s in self.slots}
+
+    def rank_args(self, slot: int, ready_fd: int, adopt_fd: int = -1) -> RankArgs:
+        """The arguments of the cache rank in supervisor slot `slot`, reporting on `ready_fd`."""
+        role, rank = self.slot_role(slot)
+        draft = role == DRAFT
+        return RankArgs(model=self.draft_model if draft else self.model, rank=rank,
+                        role=role if draft else TARGET, **self._sizes(),
                         device=self.devices[rank], socket_dir=str(self.socket_dir),
-                        plan=self.plan, threads=self.threads,
+                        plan=self.draft_plan if draft else self.plan, threads=self.threads,
                         kernel_backends=self.kernel_backends, ready_fd=ready_fd,
                         adopt_fd=adopt_fd, artifact_dir=self.artifact_dir, seed=self.seed,
                         seed_token=self.seed_token, seed_fallback=self.seed_fallback,
@@ -60,7 +102,8 @@ class RunSpec:
                          engine_devices=tuple(devices.get(r, self.devices[r])
                                               for r in self.ranks),
                          plan=self.plan, kernel_backends=self.kernel_backends,
-                         attempt=attempt, preload=preload)
+                         attempt=attempt, preload=preload, draft_model=self.draft_model,
+                         draft_plan=self.draft_plan if self.draft_model else "")
 
     def _sizes(self) -> dict[str, int]:
         """The parallel sizes, spelled as everywhere else."""

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from vlaunch.cache.contract import wire
+from vlaunch.cache.contract.roles import unseat
 from vlaunch.cache.contract.sockdir import check_peer, socket_path
 
 QUERY_TIMEOUT = 2.0
@@ -37,15 +38,19 @@ def rank_bytes(detail: Mapping[str, Any]) -> int:
 
 
 def merge(snapshot: dict[str, Any], *, socket_dir: Path, devices: Mapping[int, str],
-          details: Mapping[int, Mapping[str, Any]], launcher: dict[str, Any]) -> dict[str, Any]:
-    """The supervisor's snapshot with each rank's device, bytes, leases and socket."""
+          details: Mapping[int, Mapping[str, Any]], launcher: dict[str, Any],
+          world: int = 0) -> dict[str, Any]:
+    """The supervisor's snapshot with each rank's device, bytes, leases and socket; `world`:
+    the group size when a draft group runs (its slots follow the target's: roles.seat)."""
     ranks = {}
     for r in snapshot["ranks"]:
         rank = r["rank"]
         detail = details.get(rank, {})
+        role, group_rank = unseat(rank, world) if world else ("target", rank)
         held = rank_bytes(detail) if detail else r.get("loaded_bytes", 0)  # loading: so far
         ranks[rank] = {**r, "device": devices.get(rank), "bytes": held,
                        "leases": detail.get("leases", []),
                        "checkpoint": detail.get("checkpoint"),
-                       "socket": str(socket_path(socket_dir, rank))}
+                       "role": role, "group_rank": group_rank,
+                       "socket": str(socket_path(socket_dir, group_rank, role))}
     return {**snapshot, "ranks": ranks, "launcher": launcher}

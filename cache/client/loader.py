@@ -16,6 +16,7 @@ from vlaunch.cache.client.weights import (
     default_device,
     engine_args,
     expected_fingerprint,
+    group_role,
 )
 from vlaunch.cache.contract.engine_env import DEFAULT_PLAN
 from vlaunch.cache.contract.errors import (
@@ -47,7 +48,7 @@ def load(model: str | None = None, *, rank: int = 0, tensor_parallel_size: int |
          timeout: float = 60.0, device: str | None = None, plan: str | None = None,
          kernel_backends: str | None = None, loader: str = "vlaunch",
          layout: Mapping[str, Any] | None = None, quantization: str | None = None,
-         rewrites: str | None = None) -> Weights:
+         rewrites: str | None = None, role: str = "target") -> Weights:
     """The rank's shard as named tensors: from the cache, else (fallback) from disk.
 
     Model, sizes, socket directory, device, plan and kernel backends left out come from the
@@ -56,6 +57,8 @@ def load(model: str | None = None, *, rank: int = 0, tensor_parallel_size: int |
     `quantization`: the engine's quantization method (fingerprint field; default:
     $VLAUNCH_QUANTIZATION, else config.json's quant_method). `rewrites`: what will rewrite
     the weights in place (e.g. "EPLB"); share mode then refuses (client/rewrites.py).
+    `role`: "draft" maps a speculative-decoding draft model from its own cache group
+    (docs/speculative-decoding.md).
 
     `layout`: the fields of the engine layout to map first (docs/engine-layout.md); when the
     cache holds none that matches, the raw tensors come back with `layout_miss` set.
@@ -65,11 +68,12 @@ def load(model: str | None = None, *, rank: int = 0, tensor_parallel_size: int |
     check_rewrites(mode, rewrites)
     model, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, plan, \
         kernel_backends = engine_args(model, tensor_parallel_size, pipeline_parallel_size,
-                                      data_parallel_size, plan, kernel_backends)
+                                      data_parallel_size, plan, kernel_backends, role)
+    role = group_role(model, role)
     fields, layout = layout, Layout.from_global(rank, tensor_parallel_size,
                                                 pipeline_parallel_size, data_parallel_size)
     device = device or default_device()
-    path = socket_path(socket_dir or default_socket_dir(), rank)
+    path = socket_path(socket_dir or default_socket_dir(), rank, role)
     if not fallback and timeout > 0 and not os.path.exists(path):
         log.warning("rank %d: no cache at %s yet; waiting up to %g s for it (fallback=False)",
                     rank, path, timeout)
@@ -88,7 +92,7 @@ def load(model: str | None = None, *, rank: int = 0, tensor_parallel_size: int |
             log.info("rank %d: no engine layout to map (%s); taking the raw layout", rank, exc)
     try:
         weights = _from_cache(path, model, layout, device, mode, plan, kernel_backends, loader,
-                              0.0 if fallback else timeout, quantization)
+                              0.0 if fallback else timeout, quantization, role)
         weights.layout_miss = miss
         return weights
     except (CacheUnavailableError, FingerprintMismatchError, CacheBrokenError) as exc:
@@ -112,7 +116,8 @@ def cached_nbytes(model: str | None = None, *, rank: int = 0,
                   pipeline_parallel_size: int | None = None,
                   data_parallel_size: int | None = None, socket_dir: str | None = None,
                   device: str | None = None, plan: str | None = None,
-                  kernel_backends: str | None = None, loader: str = "vlaunch") -> int:
+                  kernel_backends: str | None = None, loader: str = "vlaunch",
+                  role: str = "target") -> int:
     """Bytes a share-mode `load` would map from the rank's cache; 0 when it would not.
 
     For an engine that sizes its memory budget before it loads (vLLM asks its loader first):
@@ -120,18 +125,19 @@ def cached_nbytes(model: str | None = None, *, rank: int = 0,
     """
     model, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, plan, \
         kernel_backends = engine_args(model, tensor_parallel_size, pipeline_parallel_size,
-                                      data_parallel_size, plan, kernel_backends)
+                                      data_parallel_size, plan, kernel_backends, role)
+    role = group_role(model, role)
     layout = Layout.from_global(rank, tensor_parallel_size, pipeline_parallel_size,
                                 data_parallel_size)
     device = device or default_device()
-    path = socket_path(socket_dir or default_socket_dir(), rank)
+    path = socket_path(socket_dir or default_socket_dir(), rank, role)
     try:
         client = CacheClient(path)
     except CacheUnavailableError:
         return 0
     try:
         client.hello(expected_fingerprint(model, layout, device, plan, kernel_backends, loader,
-                                          path))
+                                          path, role=role))
         return client.manifest().nbytes
     except (CacheUnavailableError, FingerprintMismatchError, CacheBrokenError):
         return 0
@@ -141,14 +147,14 @@ def cached_nbytes(model: str | None = None, *, rank: int = 0,
 
 def _from_cache(path: os.PathLike[str], model: str, layout: Layout, device: str, mode: str,
                 plan: str, kernel_backends: str, loader: str, timeout: float,
-                quantization: str | None = None) -> Weights:
+                quantization: str | None = None, role: str = "target") -> Weights:
     client = CacheClient(path, timeout=timeout)  # may wait for the cache: GC stays on
     collecting = gc.isenabled()
     gc.disable()  # a collection pass would cost more than the rest of the handoff
     try:
         tensors = client.handoff(lambda: expected_fingerprint(
             model, layout, device, plan, kernel_backends, loader, path,
-            quantization=quantization), mode=mode,
+            quantization=quantization, role=role), mode=mode,
             device=device)
     except BaseException:
         client.close()

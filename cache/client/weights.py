@@ -44,10 +44,13 @@ def default_device() -> str:
 
 def engine_args(model: str | None, tensor_parallel_size: int | None,
                 pipeline_parallel_size: int | None, data_parallel_size: int | None,
-                plan: str | None, kernel_backends: str | None
+                plan: str | None, kernel_backends: str | None, role: str = "target"
                 ) -> tuple[str, int, int, int, str, str]:
-    """What the caller left out (None) from what `vlaunch run` told the engine (EngineEnv)."""
+    """What the caller left out (None) from what `vlaunch run` told the engine (EngineEnv);
+    for role "draft", the draft model and plan (a caller's model needs no draft env)."""
     env = EngineEnv.from_env()
+    if role != "target":
+        env = env.for_role(role) if not model or env.draft_model else env
     if not (model or env.model):
         raise UsageError("load() has no model: pass it, or start the engine under vlaunch run "
                          "(which sets VLAUNCH_MODEL)")
@@ -57,11 +60,22 @@ def engine_args(model: str | None, tensor_parallel_size: int | None,
             env.kernel_backends if kernel_backends is None else kernel_backends)
 
 
+def group_role(model: str, role: str) -> str:
+    """The group that serves `role`: a draft that is the target's own checkpoint (MTP layers,
+    shared embeddings) is served by the target's group, not held twice."""
+    if role == "draft":
+        target = EngineEnv.from_env().model
+        if target and os.path.realpath(target) == os.path.realpath(model):
+            return "target"
+    return role
+
+
 def expected_fingerprint(model: str, layout: Layout, device: str, plan: str = DEFAULT_PLAN,
                          kernel_backends: str = "", loader: str = "vlaunch",
                          socket: os.PathLike[str] | None = None,
                          identities: tuple[str, str] | None = None,
-                         quantization: str | None = None) -> fp.Fingerprint:
+                         quantization: str | None = None,
+                         role: str = "target") -> fp.Fingerprint:
     """The fingerprint a cache must have for this engine rank (`socket`: the rank's, whose
     identity memo spares reading samples of files that did not change; `identities`: the
     checkpoint's (header, data) identities when they are known already; `quantization`: the
@@ -79,4 +93,5 @@ def expected_fingerprint(model: str, layout: Layout, device: str, plan: str = DE
                     layout=layout.as_dict(), dtype="checkpoint", backend=backend.name,
                     device=info, kernel_backends=kernel_backends, loader=loader,
                     quantization=quant.fingerprint_fields(
-                        model, quantization or os.environ.get("VLAUNCH_QUANTIZATION")))
+                        model, quantization or os.environ.get("VLAUNCH_QUANTIZATION")),
+                    role=role)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from vlaunch.cache.contract.errors import UsageError
+from vlaunch.cache.contract.roles import check_role
 
 DEFAULT_PLAN = "llama"
 """The shard plan used when nobody names one (the launcher, a rank, `load()`)."""
@@ -40,6 +41,8 @@ class EngineEnv:
     kernel_backends: str = ""
     attempt: int | None = None
     preload: bool = False
+    draft_model: str = ""  # a speculative-decoding draft model's checkpoint (its own group)
+    draft_plan: str = ""
 
     def to_env(self) -> dict[str, str]:
         """The VLAUNCH_* variables of the fields that are set."""
@@ -62,6 +65,18 @@ class EngineEnv:
             if raw:
                 values[f.name] = _parse(f.name, raw)
         return cls(**values)
+
+    def for_role(self, role: str) -> EngineEnv:
+        """The view of one cache group: the draft's model and plan stand in for the target's."""
+        if role == "target":
+            return self
+        check_role(role)
+        if not self.draft_model:
+            raise UsageError("role='draft' needs a draft model: run under vlaunch run "
+                             "--draft-model PATH, or pass model= to load()")
+        if self.model and os.path.realpath(self.draft_model) == os.path.realpath(self.model):
+            return self  # the target's own checkpoint (MTP): its group serves the draft
+        return replace(self, model=self.draft_model, plan=self.draft_plan or "replicate")
 
     @property
     def plan_or_default(self) -> str:

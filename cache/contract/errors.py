@@ -77,8 +77,13 @@ class FingerprintMismatchError(VlaunchError):
 
     def __init__(self, mismatches: list[tuple[str, object, object]]) -> None:
         fields = "; ".join(f"{f}: cache={c!r} engine={e!r}" for f, c, e in mismatches)
-        super().__init__(f"fingerprint mismatch: {fields}; restart the cache with the engine's "
-                         "model and layout, or start the engine with the cache's")
+        roles = [(c, e) for f, c, e in mismatches if f == "role"]
+        head = (f"cache role mismatch: this socket serves the {roles[0][0]} model's cache "
+                f"group, the engine asked for the {roles[0][1]} model's; load the draft "
+                "model with role='draft' and the target with role='target'; "
+                if roles else "")
+        super().__init__(f"{head}fingerprint mismatch: {fields}; restart the cache with the "
+                         "engine's model and layout, or start the engine with the cache's")
         self.mismatches = mismatches
 
 

@@ -13,7 +13,7 @@ FIELDS = (
     "protocol", "vlaunch", "checkpoint", "checkpoint_data", "plan", "tp_size", "tp_rank",
     "pp_size", "pp_rank", "dp_size", "dp_rank", "dtype", "backend", "device_uuid",
     "compute_capability", "driver", "torch", "cuda", "kernel_backends", "loader",
-    "quantization_config", "quantization",
+    "quantization_config", "quantization", "role",
 )
 """Field order as reported; a mismatch lists every differing field."""
 
@@ -23,7 +23,7 @@ Fingerprint = dict[str, str]
 def build(*, checkpoint: str, checkpoint_data: str, plan: str, layout: Mapping[str, int],
           dtype: str, backend: str, device: Mapping[str, str], kernel_backends: str = "",
           loader: str = "vlaunch", torch_version: str | None = None,
-          quantization: Mapping[str, str] | None = None) -> Fingerprint:
+          quantization: Mapping[str, str] | None = None, role: str = "target") -> Fingerprint:
     """Assemble a fingerprint from its parts (all values as strings)."""
     if torch_version is None:
         import torch
@@ -42,6 +42,7 @@ def build(*, checkpoint: str, checkpoint_data: str, plan: str, layout: Mapping[s
         # the hash of config.json's quantization_config and the engine's method (store/quant.py)
         "quantization_config": (quantization or {}).get("quantization_config", "none"),
         "quantization": (quantization or {}).get("quantization", "none"),
+        "role": role,  # target, or draft: a speculative-decoding draft group (roles.py)
     }
     return {k: str(fields[k]) for k in FIELDS}
 

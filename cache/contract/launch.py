@@ -80,6 +80,9 @@ class RankArgs:
     seed_timeout: float = field(default=30.0, metadata=_opt(
         "--seed-timeout", "Seconds any one seeding read or write may wait.",
         type=click.FloatRange(0.1)))
+    role: str = field(default="target", metadata=_opt(
+        "--role", "Cache group: target, or draft (a speculative-decoding draft model).",
+        type=click.Choice(["target", "draft"])))
     verify: bool = field(default=False, metadata=_opt(
         "--verify/--no-verify", "After loading, hash every tensor against the checkpoint "
         "files before serving; exit 79 on a mismatch."))

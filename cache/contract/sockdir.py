@@ -11,6 +11,7 @@ import struct
 from pathlib import Path
 
 from vlaunch.cache.contract.errors import CacheBusyError, ProtocolError, SocketDirError
+from vlaunch.cache.contract.roles import TARGET, stem
 
 MAX_SUN_PATH = 107
 
@@ -52,9 +53,9 @@ def ensure_socket_dir(path: Path | str, *, create: bool = True) -> Path:
     return path
 
 
-def socket_path(directory: Path | str, rank: int) -> Path:
-    """The socket of global rank `rank`."""
-    path = Path(directory) / f"rank-{rank}.sock"
+def socket_path(directory: Path | str, rank: int, role: str = TARGET) -> Path:
+    """The socket of global rank `rank` of the `role` group (rank-N.sock, draft-rank-N.sock)."""
+    path = Path(directory) / f"{stem(role, rank)}.sock"
     if len(os.fsencode(path)) > MAX_SUN_PATH:
         raise SocketDirError(f"socket path {path} is longer than {MAX_SUN_PATH} bytes; use a "
                              "shorter --socket-dir")
@@ -64,9 +65,9 @@ def socket_path(directory: Path | str, rank: int) -> Path:
 class RankLock:
     """An exclusive flock per rank: one cache per rank; the holder removes stale sockets."""
 
-    def __init__(self, directory: Path, rank: int) -> None:
-        self.path = directory / f"rank-{rank}.lock"
-        self.socket = socket_path(directory, rank)
+    def __init__(self, directory: Path, rank: int, role: str = TARGET) -> None:
+        self.path = directory / f"{stem(role, rank)}.lock"
+        self.socket = socket_path(directory, rank, role)
         self._fd = -1
 
     def acquire(self) -> None:

@@ -19,6 +19,7 @@ from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.launch import RankArgs
 from vlaunch.cache.contract.logs import setup_logging
 from vlaunch.cache.contract.notify import SdNotify
+from vlaunch.cache.contract.roles import seat, stem
 from vlaunch.cache.contract.sockdir import RankLock, ensure_socket_dir
 from vlaunch.cache.rank.connections import raise_nofile_limit
 from vlaunch.cache.store.manifest import Manifest
@@ -60,7 +61,7 @@ def _run(opts: RankArgs, rank: int) -> int:
         raise UsageError("--seed-listen-port needs a seed token: set VLAUNCH_SEED_TOKEN (or "
                          "--seed-token) to a long secret, or drop --seed-listen-port")
     directory = ensure_socket_dir(opts.socket_dir or default_socket_dir())
-    lock = RankLock(directory, rank)
+    lock = RankLock(directory, rank, opts.role)
     lock.acquire()
     try:
         _check_socket_path(lock.socket)
@@ -69,7 +70,7 @@ def _run(opts: RankArgs, rank: int) -> int:
         backend = get_backend(opts.device)
         from vlaunch.cache.store.artifacts import ArtifactStore
 
-        store = ArtifactStore(_artifact_dir(opts.artifact_dir, rank))
+        store = ArtifactStore(_artifact_dir(opts.artifact_dir, stem(opts.role, rank)))
         adopted: list[Any] = []
         raw_released = False
         if opts.adopt_fd >= 0:
@@ -149,7 +150,7 @@ def _fingerprint(opts: RankArgs, backend: Any, shard: Any) -> fp.Fingerprint:
                     layout=_layout(opts).as_dict(), dtype="checkpoint", backend=backend.name,
                     device=backend.device_info(), kernel_backends=opts.kernel_backends,
                     loader=opts.loader, quantization=quant.fingerprint_fields(
-                        opts.model, os.environ.get("VLAUNCH_QUANTIZATION")))
+                        opts.model, os.environ.get("VLAUNCH_QUANTIZATION")), role=opts.role)
 
 
 def _layout(opts: RankArgs) -> Layout:
@@ -158,9 +159,10 @@ def _layout(opts: RankArgs) -> Layout:
                               opts.pipeline_parallel_size, opts.data_parallel_size)
 
 
-def _artifact_dir(root: str, rank: int) -> str:
-    """Each rank keeps its artifacts in its own subdirectory of --artifact-dir."""
-    return os.path.join(root, f"rank-{rank}") if root else ""
+def _artifact_dir(root: str, name: str) -> str:
+    """Each rank keeps its artifacts in its own subdirectory of --artifact-dir (its socket's
+    stem: rank-N, draft-rank-N)."""
+    return os.path.join(root, name) if root else ""
 
 
 def _seed_or_load(opts: RankArgs, backend: Any, rank: int, store: Any
@@ -176,7 +178,8 @@ def _seed_or_load(opts: RankArgs, backend: Any, rank: int, store: Any
         try:
             seeded = seed_into(opts.seed, opts.seed_token, rank,
                                _fingerprint(opts, backend, shard), shard.manifest,
-                               shard.tensors, backend.device, timeout=opts.seed_timeout)
+                               shard.tensors, backend.device, timeout=opts.seed_timeout,
+                               role=opts.role, world=_layout(opts).world_size)
         except BaseException:
             shard.tensors.clear()
             for slab in shard.slabs:
@@ -267,7 +270,8 @@ async def _serve(server: Any, lock: RankLock, opts: RankArgs) -> None:
         from vlaunch.cache.rank.seed import SeedSource, source_port
 
         seeding = await SeedSource(server, opts.seed_token, timeout=opts.seed_timeout).start(
-            opts.seed_listen_host, source_port(opts.seed_listen_port, server.rank))
+            opts.seed_listen_host, source_port(opts.seed_listen_port, seat(
+                opts.role, server.rank, _layout(opts).world_size)))
     task = asyncio.ensure_future(server.serve(lock.socket, stop))
     bound = asyncio.ensure_future(server.bound.wait())
     await asyncio.wait({task, bound}, return_when=asyncio.FIRST_COMPLETED)

@@ -99,7 +99,8 @@ def check_layout(source: Manifest, ours: Manifest) -> None:
 
 
 def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifest,
-              slabs: list[torch.Tensor], device: str, *, timeout: float = TIMEOUT) -> Seeded:
+              slabs: list[torch.Tensor], device: str, *, timeout: float = TIMEOUT,
+              role: str = "target") -> Seeded:
     """Copy the source rank's slabs (mapped from its fds) into `slabs`."""
     from vlaunch.cache.client.connection import CacheClient, import_slabs
     from vlaunch.cache.contract.sockdir import socket_path
@@ -107,7 +108,8 @@ def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifes
     start = time.perf_counter()
     laps = _Laps()
     try:
-        client = CacheClient(socket_path(directory, rank), timeout=timeout, client="seed")
+        client = CacheClient(socket_path(directory, rank, role), timeout=timeout,
+                             client="seed")
     except VlaunchError as exc:
         raise SeedError(f"seed source unreachable: {exc}") from None
     try:
@@ -392,13 +394,18 @@ def source_port(base: int, rank: int) -> int:
 
 
 def seed_into(spec: str, token: str, rank: int, ours: fp.Fingerprint, manifest: Manifest,
-              slabs: list[torch.Tensor], device: str, *, timeout: float = TIMEOUT) -> Seeded:
-    """Seed `slabs` from the source named by --seed."""
+              slabs: list[torch.Tensor], device: str, *, timeout: float = TIMEOUT,
+              role: str = "target", world: int = 0) -> Seeded:
+    """Seed `slabs` from the source named by --seed (a draft rank from the source's draft
+    group: its socket, or its port after the target's block of `world`)."""
+    from vlaunch.cache.contract.roles import seat
+
     scheme, where, base = parse_source(spec)
     if scheme == "unix":
-        return seed_unix(where, rank, ours, manifest, slabs, device, timeout=timeout)
+        return seed_unix(where, rank, ours, manifest, slabs, device, timeout=timeout,
+                         role=role)
     if not token:
         raise SeedError("seeding over TCP needs the source's token: set --seed-token or "
                         "VLAUNCH_SEED_TOKEN")
-    return seed_tcp(where, source_port(base, rank), token, ours, manifest, slabs,
-                    timeout=timeout)
+    return seed_tcp(where, source_port(base, seat(role, rank, world)), token, ours, manifest,
+                    slabs, timeout=timeout)

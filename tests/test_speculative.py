@@ -1,0 +1,126 @@
+"""Speculative decoding: a draft model's cache group beside the target's under `vlaunch run`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from safetensors.torch import save_file
+
+from vlaunch.cache.client.connection import CacheClient
+from vlaunch.cache.client.weights import expected_fingerprint
+from vlaunch.cache.contract.errors import FingerprintMismatchError
+from vlaunch.cache.contract.exitcodes import ExitStatus
+from vlaunch.cache.contract.sockdir import socket_path
+from vlaunch.cache.store.plan import Layout
+
+from .conftest import eventually, llama_tensors
+from .test_launcher import Launcher
+from .test_launcher import launch as launch  # the fixture, re-exported by name
+
+ENGINE = r"""
+import json, os, signal, socket, sys, time
+from vlaunch.cache import load
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+out = {}
+for rank in range(2):
+    target = load(rank=rank, fallback=False, timeout=30)
+    draft = load(rank=rank, role="draft", fallback=False, timeout=30)
+    out[rank] = {"target": [target.source, sorted(target)], "draft": [draft.source, sorted(draft)]}
+attempt = os.environ["VLAUNCH_ATTEMPT"]
+with open(os.path.join(sys.argv[1], f"attempt-{attempt}.json"), "w") as f:
+    json.dump(out, f)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.connect(os.environ["NOTIFY_SOCKET"])
+s.send(b"READY=1\nSTATUS=engine up")
+while True:
+    time.sleep(0.5)
+"""
+"""Maps both groups' shards of ranks 0 and 1, records where they came from, then serves."""
+
+
+@pytest.fixture(scope="module")
+def draft_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer Llama-named draft checkpoint (its bytes differ from the target's)."""
+    root = tmp_path_factory.mktemp("draft")
+    tensors = {k: v * 2 for k, v in llama_tensors(layers=1).items()}
+    save_file(tensors, str(root / "model.safetensors"))
+    return root
+
+
+def _engine(tmp: Path) -> list[str]:
+    (tmp / "out").mkdir(exist_ok=True)
+    return [sys.executable, "-c", ENGINE, str(tmp / "out")]
+
+
+def _ready(snap: dict, n: int) -> bool:
+    return snap["phase"] == "serving" and len(snap["ranks"]) == n
+
+
+def test_target_and_draft_at_tp2_survive_an_engine_restart(
+        launch: Callable[..., Launcher], llama_ckpt: Path, draft_ckpt: Path,
+        tmp_path: Path) -> None:
+    la = launch(llama_ckpt, "--draft-model", str(draft_ckpt), "--engine-ready", "notify",
+                engine=_engine(tmp_path))
+    snap = la.wait_for(lambda s: _ready(s, 4))
+    roles = sorted((r["role"], r["group_rank"], Path(r["socket"]).name)
+                   for r in snap["ranks"].values())
+    assert roles == [("draft", 0, "draft-rank-0.sock"), ("draft", 1, "draft-rank-1.sock"),
+                     ("target", 0, "rank-0.sock"), ("target", 1, "rank-1.sock")]
+    first = json.loads((tmp_path / "out" / "attempt-1.json").read_text())
+    for rank in ("0", "1"):
+        assert first[rank]["target"][0] == first[rank]["draft"][0] == "cache"
+        assert len(first[rank]["draft"][1]) < len(first[rank]["target"][1])  # one layer
+    pids = {k: r["pid"] for k, r in snap["ranks"].items()}
+    la.proc.send_signal(signal.SIGHUP)  # restart the engine against the same caches
+    eventually(lambda: (tmp_path / "out" / "attempt-2.json").exists() or None, 60)
+    assert json.loads((tmp_path / "out" / "attempt-2.json").read_text()) == first
+    snap = la.wait_for(lambda s: _ready(s, 4))
+    assert {k: r["pid"] for k, r in snap["ranks"].items()} == pids  # no rank reloaded
+    _role_mismatch_both_ways(la.sockdir, llama_ckpt, draft_ckpt)
+    la.proc.terminate()
+    assert la.wait_exit() == 0
+
+
+def _role_mismatch_both_ways(sockdir: Path, target: Path, draft: Path) -> None:
+    layout = Layout.from_global(0, 2, 1, 1)
+    asks = [("draft", target, "llama", "target"), ("target", draft, "replicate", "draft")]
+    for group, model, plan, role in asks:
+        client = CacheClient(socket_path(sockdir, 0, group))
+        try:
+            with pytest.raises(FingerprintMismatchError, match=(
+                    f"cache role mismatch: this socket serves the {group} model's cache group, "
+                    f"the engine asked for the {role} model's")):
+                client.hello(expected_fingerprint(str(model), layout, "cpu", plan, role=role))
+        finally:
+            client.close()
+
+
+def test_a_draft_rank_that_exits_is_a_rank_exit(
+        launch: Callable[..., Launcher], llama_ckpt: Path, draft_ckpt: Path,
+        tmp_path: Path) -> None:
+    la = launch(llama_ckpt, "--draft-model", str(draft_ckpt), "--engine-ready", "notify",
+                engine=_engine(tmp_path))
+    snap = la.wait_for(lambda s: _ready(s, 4))
+    (draft,) = [r for r in snap["ranks"].values() if r["role"] == "draft" and r["group_rank"]]
+    os.kill(draft["pid"], signal.SIGKILL)
+    assert la.wait_exit() == ExitStatus.RANK_EXITED
+    assert not socket_path(la.sockdir, 1, "draft").exists()
+
+
+def test_a_draft_that_is_the_targets_checkpoint_is_held_once(
+        launch: Callable[..., Launcher], llama_ckpt: Path, tmp_path: Path) -> None:
+    la = launch(llama_ckpt, "--draft-model", str(llama_ckpt), "--engine-ready", "notify",
+                engine=_engine(tmp_path))
+    snap = la.wait_for(lambda s: _ready(s, 2))
+    assert {r["role"] for r in snap["ranks"].values()} == {"target"}
+    loaded = json.loads((tmp_path / "out" / "attempt-1.json").read_text())
+    assert loaded["0"]["draft"] == loaded["0"]["target"]  # mapped from the target's slabs
+    assert loaded["0"]["draft"][0] == "cache"
+    la.proc.terminate()
+    assert la.wait_exit() == 0

@@ -10,13 +10,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from vlaunch.cache.client.connection import CacheClient
 from vlaunch.cache.client.weights import expected_fingerprint
 from vlaunch.cache.contract.errors import FingerprintMismatchError
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.sockdir import socket_path
+from vlaunch.cache.reference.config import ModelConfig
+from vlaunch.cache.reference.refmodel import TPLlama, greedy, make_checkpoint
+from vlaunch.cache.reference.speculative import DraftMismatchError, speculative_greedy
 from vlaunch.cache.store.plan import Layout
 
 from .conftest import eventually, llama_tensors
@@ -124,3 +127,39 @@ def test_a_draft_that_is_the_targets_checkpoint_is_held_once(
     assert loaded["0"]["draft"][0] == "cache"
     la.proc.terminate()
     assert la.wait_exit() == 0
+
+
+# ------------------------------------------------------------ reference engine decoding
+
+TINY = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128,
+        "vocab": 256}
+SMALL_DRAFT = {"hidden": 32, "layers": 1, "heads": 2, "kv_heads": 1, "intermediate": 64,
+               "vocab": 256, "seed": 7}
+
+
+def _model(root: Path) -> TPLlama:
+    """A reference model from a checkpoint directory, on one rank."""
+    tensors: dict = {}
+    for file in sorted(root.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return TPLlama(tensors, ModelConfig.from_dir(root))
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_speculative_decoding_gives_the_targets_greedy_tokens(tmp_path: Path, k: int) -> None:
+    target = _model(make_checkpoint(tmp_path / "target", **TINY))
+    draft = _model(make_checkpoint(tmp_path / "draft", **SMALL_DRAFT))
+    for prompt in ([1, 2, 3], [200, 7, 7, 7, 42, 0, 255], list(range(30))):
+        plain = greedy(target, prompt, 12)
+        assert speculative_greedy(target, draft, prompt, 12, k)[0] == plain
+        # the target as its own draft: every proposal is accepted, so each round of k + 1
+        # tokens has one token of the target's own
+        rounds = -(-12 // (k + 1))
+        assert speculative_greedy(target, target, prompt, 12, k) == (plain, 12 - rounds)
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tmp_path: Path) -> None:
+    target = _model(make_checkpoint(tmp_path / "target", **TINY))
+    draft = _model(make_checkpoint(tmp_path / "draft", **{**SMALL_DRAFT, "vocab": 128}))
+    with pytest.raises(DraftMismatchError, match="use a draft model trained with the target"):
+        speculative_greedy(target, draft, [1, 2], 4)

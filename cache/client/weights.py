@@ -8,6 +8,7 @@ it imports neither of them.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from vlaunch.cache.client.connection import CacheClient, backend_for
 from vlaunch.cache.contract import fingerprint as fp
@@ -50,7 +51,9 @@ def engine_args(model: str | None, tensor_parallel_size: int | None,
     for role "draft", the draft model and plan (a caller's model needs no draft env)."""
     env = EngineEnv.from_env()
     if role != "target":
-        env = env.for_role(role) if not model or env.draft_model else env
+        # a draft named by the caller alone (no vlaunch run): the draft plan's default
+        env = env.for_role(role) if not model or env.draft_model else \
+            replace(env, plan=env.draft_plan or "replicate")
     if not (model or env.model):
         raise UsageError("load() has no model: pass it, or start the engine under vlaunch run "
                          "(which sets VLAUNCH_MODEL)")

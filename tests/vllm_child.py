@@ -3,6 +3,12 @@
     python tests/vllm_child.py make DIR [--hidden 64 --layers 2 --target-gb 0]
     python tests/vllm_child.py generate DIR --load-format vlaunch [--tp 1] [--extra JSON]
     python tests/vllm_child.py serve DIR --load-format vlaunch --port P   (an engine to supervise)
+    python tests/vllm_child.py tp DIR --tp 2 --rank R --port P --extra JSON   (one TP rank)
+
+`tp` runs one tensor-parallel rank of vLLM's model loading without the engine core (the CPU
+build runs vLLM in one process only): a real gloo group of --tp processes, then the default
+loader, the vlaunch load format (hands back its engine layout), the vlaunch load format again
+(maps it); one JSON line of each parameter's sha256 per load.
 
 `generate` prints one JSON line: the greedy token ids of each prompt, the seconds from process
 start to `LLM` ready and to the first token, and vLLM's weight-loading seconds.
@@ -91,9 +97,56 @@ def serve(path: str, load_format: str, port: int) -> None:
     http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 
+def tp_rank(path: str, tp: int, rank: int, port: int, extra: str) -> None:
+    """Rank `rank` of a TP `tp` group: parameter digests after each of three loads."""
+    import hashlib
+
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+    from vlaunch.cache.integrations.vllm_loader import register
+
+    register()
+    _set_torch_accelerator_to_noop()  # as vLLM's CPU model runner does before it loads
+
+    def config(load_format: str) -> object:
+        more = {"model_loader_extra_config": json.loads(extra)} if load_format == "vlaunch" \
+            else {}
+        return EngineArgs(model=path, load_format=load_format, tensor_parallel_size=tp,
+                          dtype="auto", max_model_len=128, max_num_seqs=4, enforce_eager=True,
+                          seed=0, **more).create_engine_config()
+
+    def digests(cfg: object) -> dict[str, list]:
+        with set_current_vllm_config(cfg):
+            model = get_model_loader(cfg.load_config).load_model(
+                vllm_config=cfg, model_config=cfg.model_config)
+        out = {}
+        for name, p in model.named_parameters():
+            t = p.data.contiguous()
+            raw = t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+            out[name] = [list(t.shape), str(t.dtype),
+                         hashlib.sha256(raw.numpy().tobytes()).hexdigest()]
+        return out
+
+    default = config("safetensors")
+    with set_current_vllm_config(default):
+        init_distributed_environment(world_size=tp, rank=rank, local_rank=rank,
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                     backend="gloo")
+        initialize_model_parallel(tensor_model_parallel_size=tp)
+    loads = {"default": digests(default), "hand_back": digests(config("vlaunch")),
+             "mapped": digests(config("vlaunch"))}
+    print(json.dumps(loads), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("cmd", choices=["make", "generate", "serve"])
+    ap.add_argument("cmd", choices=["make", "generate", "serve", "tp"])
+    ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("path")
     ap.add_argument("--hidden", type=int, default=128)
@@ -107,6 +160,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.cmd == "make":
         make(a.path, a.hidden, a.layers, a.vocab, a.intermediate or 2 * a.hidden)
+    elif a.cmd == "tp":
+        tp_rank(a.path, a.tp, a.rank, a.port, a.extra)
     elif a.cmd == "serve":
         serve(a.path, a.load_format, a.port)
     else:

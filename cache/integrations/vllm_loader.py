@@ -26,6 +26,10 @@ tensor-parallel size > 1 the raw layout must hold whole tensors for `load_weight
 replicate`); with a sliced plan a rank without its engine layout reads the checkpoint with
 vLLM's own loader instead, hands back, and from then on its cache holds 1/N of the model.
 
+The engine layout's fields include the attention backend vLLM's selector picks. With EPLB
+(`--enable-eplb`, experts rewritten in place) share mode is refused before anything is mapped;
+on a GPU, mapped weights beyond `--gpu-memory-utilization` of the device refuse the start.
+
 Options come from `--model-loader-extra-config` (JSON): mode, fallback, timeout, socket_dir,
 plan, kernel_backends, loader; the rest from the environment `vlaunch run` sets.
 """
@@ -122,12 +126,13 @@ def _loader_class() -> type:
 
             model = vllm_config.model_config.model
             where = _where(vllm_config, self.options)
+            held = 0
             if self.options.engine_layout:  # the engine layout, when the rank holds it
                 held = _layout_nbytes(model, where, layout_fields(vllm_config,
                                                                   vllm_config.model_config))
-                if held:
-                    return held
-            return cached_nbytes(model, **where)
+            held = held or cached_nbytes(model, **where)
+            _check_budget(held, vllm_config, where["device"])
+            return held
 
         def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
             """Fill an already built model from the cache (vLLM's reload path): copies."""
@@ -192,9 +197,11 @@ def _loader_class() -> type:
             from vlaunch.cache.client.loader import load
 
             config = vllm_config or get_vllm_config()
+            eplb = getattr(config.parallel_config, "enable_eplb", False)
             return load(model_config.model, mode=self.options.mode,
                         fallback=self.options.fallback, timeout=self.options.timeout,
-                        layout=layout, **_where(config, self.options))
+                        layout=layout, rewrites="EPLB" if eplb else None,
+                        **_where(config, self.options))
 
     return VlaunchModelLoader
 
@@ -218,7 +225,34 @@ def layout_fields(vllm_config: Any, model_config: Any) -> dict[str, str]:
             "vllm_dtype": str(model_config.dtype).removeprefix("torch."),
             "vllm_quantization": str(getattr(model_config, "quantization", None) or "none"),
             "vllm_device": str(vllm_config.device_config.device_type),
+            "vllm_attention_backend": attention_backend(vllm_config, model_config),
             "stage": "after-load-weights"}
+
+
+def attention_backend(vllm_config: Any, model_config: Any) -> str:
+    """The attention backend vLLM picks for this model and config (its selector's answer,
+    which the kernel selection environment variables alone do not tell)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.selector import get_attn_backend
+
+    with set_current_vllm_config(vllm_config):
+        backend = get_attn_backend(model_config.get_head_size(), model_config.dtype,
+                                   vllm_config.cache_config.cache_dtype,
+                                   use_mla=bool(getattr(model_config, "use_mla", False)))
+    return str(backend.get_name())
+
+
+def _check_budget(nbytes: int, vllm_config: Any, device: str) -> None:
+    """Refuse to start when the mapped weights alone exceed the GPU memory budget."""
+    if not nbytes or not device.startswith("cuda"):
+        return  # vLLM's CPU budget is VLLM_CPU_KVCACHE_SPACE, not a share of device memory
+    import torch
+
+    from vlaunch.cache.client.budget import check_external_weights
+
+    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    check_external_weights(nbytes, total, vllm_config.cache_config.gpu_memory_utilization,
+                           device)
 
 
 def _layout_nbytes(model: str, where: dict[str, Any], fields: dict[str, str]) -> int:
@@ -296,9 +330,13 @@ def _rewritten(model: torch.nn.Module, name: str) -> bool:
 def _disk_weights(load_config: Any, model_config: Any, model: Any) -> dict[str, Any]:
     """The checkpoint's whole tensors through vLLM's default loader (a sliced raw layout
     cannot feed vLLM's weight loaders)."""
+    import copy
+
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    source = DefaultModelLoader(load_config)
+    plain = copy.copy(load_config)  # vLLM's loader refuses vlaunch's format and extra keys
+    plain.load_format, plain.model_loader_extra_config = "safetensors", {}
+    source = DefaultModelLoader(plain)
     return dict(source.get_all_weights(model_config, model))
 
 

@@ -515,6 +515,7 @@ INTERNAL = {
     "not a supervisor event": "launcher.core: an executor bug",
     "Started must come first, exactly once": "launcher.core: an executor bug",
     "engine event, but this launcher runs no engine": "launcher.core: an executor bug",
+    "no standby was asked for": "launcher.core: an executor bug",
     "a replicated slice has exactly one part": "cache.plan: an invariant of SliceSpec",
     "cannot split shape": "cache.plan: an invariant of SliceSpec, after plan validation",
     "max_bytes must be >= 1, got": "cache.plan: an internal argument",

@@ -52,7 +52,7 @@ def promote_fd(env: Mapping[str, str] | None = None) -> int:
     raw = (os.environ if env is None else env).get(PROMOTE_FD_ENV, "")
     if not raw.isdigit():
         raise StandbyError(f"{STANDBY_ENV}=1 but {PROMOTE_FD_ENV}={raw!r} is not an fd number; "
-                           "start standbys with `vlaunch run --standby`, or unset "
+                           "start standbys with vlaunch run --standby, or unset "
                            f"{STANDBY_ENV}")
     return int(raw)
 

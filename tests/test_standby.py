@@ -17,7 +17,7 @@ from vlaunch.cache.contract.standby import PROMOTE, StandbyError, wait_for_promo
 from vlaunch.cache.reference.refmodel import make_checkpoint
 
 from .conftest import eventually
-from .test_launcher import launch, serving  # noqa: F401  (launch is a fixture)
+from .test_launcher import engine, launch, serving  # noqa: F401  (launch is a fixture)
 
 PROMPT = [1, 5, 9, 2]
 
@@ -79,3 +79,28 @@ def test_kill_the_engine_promotes_the_standby_at_tp2(launch, tmp_path: Path) -> 
     assert la.wait_exit() == 0
     for pid in (standby_pid, second):
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", pid
+
+
+def test_an_engine_that_never_parks_is_given_up_and_restarts_are_ordinary(
+        launch, llama_ckpt: Path) -> None:  # noqa: F811
+    # the tiny engine knows nothing of the protocol: it says READY=1, never PARKED=1
+    la = launch(llama_ckpt, "--standby", "--standby-park-timeout", "1", "--engine-ready",
+                "notify", "--backoff-initial", "0", engine=engine(), tp=1)
+    snap = la.wait_for(lambda s: serving(s) and standby_of(s)["given_up"]
+                       and standby_of(s)["state"] == "none")
+    assert "did not park within 1 s" in la.text()
+    os.killpg(snap["engine"]["pid"], signal.SIGKILL)
+    snap = la.wait_for(lambda s: serving(s) and s["engine"]["attempt"] == 2)
+    assert standby_of(snap)["number"] == 1 and standby_of(snap)["promotions"] == 0
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.wait_exit() == 0
+
+
+def test_a_standby_that_dies_is_replaced(launch, llama_ckpt: Path) -> None:  # noqa: F811
+    la = launch(llama_ckpt, "--standby", "--engine-ready", "notify", engine=engine(), tp=1)
+    snap = la.wait_for(lambda s: serving(s) and standby_of(s)["pid"])
+    os.killpg(standby_of(snap)["pid"], signal.SIGKILL)
+    snap = la.wait_for(lambda s: standby_of(s)["number"] == 2 and standby_of(s)["pid"])
+    assert "replacing it" in la.text() and snap["engine"]["attempt"] == 1
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.wait_exit() == 0

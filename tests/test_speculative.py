@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -163,3 +164,27 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path: Path) -> None:
     draft = _model(make_checkpoint(tmp_path / "draft", **{**SMALL_DRAFT, "vocab": 128}))
     with pytest.raises(DraftMismatchError, match="use a draft model trained with the target"):
         speculative_greedy(target, draft, [1, 2], 4)
+
+
+def test_reference_engine_decodes_with_its_draft_from_the_draft_group(
+        launch: Callable[..., Launcher], tmp_path: Path) -> None:
+    target = make_checkpoint(tmp_path / "target", **TINY)
+    draft = make_checkpoint(tmp_path / "draft", **SMALL_DRAFT)
+    port_file = tmp_path / "port"
+    la = launch(target, "--draft-model", str(draft), "--engine-ready", "notify",
+                engine=[sys.executable, "-m", "vlaunch.cache.reference.engine", "--port-file",
+                        str(port_file), "--no-fallback", "--speculative-tokens", "3"])
+    prompt = [200, 7, 7, 7, 42, 0, 255]
+    expected = greedy(_model(target), prompt, 10)
+    for attempt in (1, 2):
+        la.wait_for(lambda s, a=attempt: _ready(s, 4) and s["engine"]["attempt"] == a)
+        body = json.dumps({"tokens": prompt, "max_new_tokens": 10}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port_file.read_text().strip()}/generate",
+                                     data=body, method="POST")
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert json.loads(resp.read())["tokens"] == expected
+        port_file.unlink()
+        la.proc.send_signal(signal.SIGHUP)  # restart the engine: both groups stay
+    assert la.text().count("draft model from cache") == 4  # 2 ranks x 2 engine starts
+    la.proc.terminate()
+    assert la.wait_exit() == 0

@@ -39,6 +39,8 @@ class EngineOptions:
     worker_rank: int | None = None
     store_port: int = 0
     parent_pid: int = 0
+    draft_model: str = ""  # speculative decoding: the draft's checkpoint (its own cache group)
+    speculative_tokens: int = 4
 
     def worker_argv(self, rank: int, store_port: int) -> list[str]:
         """The command line that starts worker `rank`."""
@@ -53,6 +55,9 @@ class EngineOptions:
             argv.append("--no-engine-layout")
         if self.socket_dir:
             argv += ["--socket-dir", self.socket_dir]
+        if self.draft_model:
+            argv += ["--draft-model", self.draft_model, "--speculative-tokens",
+                     str(self.speculative_tokens)]
         return argv
 
 
@@ -95,6 +100,11 @@ def parse_args(argv: Sequence[str] | None) -> EngineOptions:
     p.add_argument("--no-engine-layout", action="store_false", dest="engine_layout",
                    help="take the raw (checkpoint-shaped) tensors and fuse them on every start, "
                    "instead of handing the fused layout back to the cache (share mode)")
+    p.add_argument("--draft-model", default=env.draft_model, help="decode speculatively with "
+                   "this draft checkpoint (greedy; the same tokens) [default: "
+                   "$VLAUNCH_DRAFT_MODEL]")
+    p.add_argument("--speculative-tokens", type=int, default=4,
+                   help="tokens the draft proposes per target forward pass")
     p.add_argument("--worker-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--store-port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
@@ -103,6 +113,8 @@ def parse_args(argv: Sequence[str] | None) -> EngineOptions:
         raise ConfigError(f"--tensor-parallel-size must be >= 1, got {opts.tp_size}")
     if not 0 <= opts.port < 65536:
         raise ConfigError(f"--port must be in 0..65535, got {opts.port}")
+    if opts.speculative_tokens < 1:
+        raise ConfigError(f"--speculative-tokens must be >= 1, got {opts.speculative_tokens}")
     if not opts.timeout >= 0:
         raise ConfigError(f"--timeout must be >= 0, got {opts.timeout}")
     return opts

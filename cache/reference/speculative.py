@@ -8,15 +8,41 @@ tokens, whatever the draft proposes (a bad draft only costs speed).
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from vlaunch.cache.reference.refmodel import TPLlama, greedy
+from vlaunch.cache.reference.config import ModelConfigError
+from vlaunch.cache.reference.refmodel import Collectives, SingleRank, TPLlama, greedy
+
+if TYPE_CHECKING:
+    from vlaunch.cache.reference.options import EngineOptions
+
+log = logging.getLogger("vlaunch.engine")
 
 
-class DraftMismatchError(ValueError):
-    """The draft cannot propose tokens for this target (another vocabulary)."""
+class DraftMismatchError(ModelConfigError):
+    """The draft cannot propose tokens for this target (another vocabulary): exit 78."""
+
+
+def load_draft(opts: EngineOptions, rank: int, device: str, comm: Collectives) -> TPLlama:
+    """The draft model of this rank from the draft cache group (else the disk): replicated,
+    so each rank runs all of it alone; a draft that is the target's checkpoint (served by the
+    target's group, split like it) runs over the target's `comm`."""
+    from vlaunch.cache.client.loader import load
+    from vlaunch.cache.reference.config import ModelConfig
+
+    weights = load(opts.draft_model, role="draft", rank=rank, tensor_parallel_size=opts.tp_size,
+                   device=device, socket_dir=opts.socket_dir or None, mode=opts.mode,
+                   fallback=opts.fallback, timeout=opts.timeout)
+    log.info("rank %d: draft model from %s (%.2f GB)", rank, weights.source,
+             sum(t.nbytes for t in weights.values()) / 1e9)
+    shared = os.path.realpath(opts.draft_model) == os.path.realpath(opts.model)
+    return TPLlama(weights, ModelConfig.from_dir(opts.draft_model),
+                   comm if shared else SingleRank())
 
 
 def check_pair(target: TPLlama, draft: TPLlama) -> None:

@@ -70,6 +70,8 @@ class RankState:
     source: str
     nbytes: int
     layout: str = "own"
+    draft: TPLlama | None = None  # speculative decoding's draft model (replicated: no comm)
+    speculative_tokens: int = 4
 
 
 def device_for(kind: str, rank: int, tp_size: int) -> str:
@@ -129,9 +131,15 @@ def start_rank(opts: EngineOptions, rank: int, cfg: ModelConfig, store: Any) -> 
     log.info("rank %d: engine layout %s", rank, LAYOUT_WORDS[loaded.layout])
     comm = TorchDistributed() if opts.tp_size > 1 else SingleRank()
     model = TPLlama(loaded.tensors, cfg, comm)
+    draft = None
+    if opts.draft_model:
+        from vlaunch.cache.reference.speculative import load_draft
+
+        draft = load_draft(opts, rank, device, comm)
     return RankState(rank=rank, tp_size=opts.tp_size, device=device,
                      comm_device=device if device.startswith("cuda") else "cpu", model=model,
-                     weights_ms=ms, source=loaded.source, nbytes=nbytes, layout=loaded.layout)
+                     weights_ms=ms, source=loaded.source, nbytes=nbytes, layout=loaded.layout,
+                     draft=draft, speculative_tokens=opts.speculative_tokens)
 
 
 def gather_stats(state: RankState) -> tuple[float, str, int]:
@@ -155,13 +163,24 @@ def run_generate(state: RankState, tokens: list[int], max_new: int) -> list[int]
     import torch
     import torch.distributed as dist
 
-    from vlaunch.cache.reference.refmodel import greedy
-
     if state.tp_size > 1:
         dist.broadcast(torch.tensor([OP_GENERATE, len(tokens), max_new], dtype=torch.int64,
                                     device=state.comm_device), src=0)
         dist.broadcast(torch.tensor(tokens, dtype=torch.int64, device=state.comm_device), src=0)
-    return greedy(state.model, tokens, max_new)
+    return decode(state, tokens, max_new)
+
+
+def decode(state: RankState, tokens: list[int], max_new: int) -> list[int]:
+    """This rank's part of greedy decoding: speculative when a draft model is loaded (the
+    same tokens; every rank runs the same target passes)."""
+    from vlaunch.cache.reference.refmodel import greedy
+
+    if state.draft is None:
+        return greedy(state.model, tokens, max_new)
+    from vlaunch.cache.reference.speculative import speculative_greedy
+
+    return speculative_greedy(state.model, state.draft, tokens, max_new,
+                              state.speculative_tokens)[0]
 
 
 def broadcast_stop(state: RankState) -> None:
@@ -179,7 +198,6 @@ def run_worker(opts: EngineOptions) -> int:
     import torch.distributed as dist
 
     from vlaunch.cache.reference.config import ModelConfig
-    from vlaunch.cache.reference.refmodel import greedy
 
     _die_with_parent(opts.parent_pid)
     # the launcher signals the whole process group; rank 0 alone decides when workers stop
@@ -197,7 +215,7 @@ def run_worker(opts: EngineOptions) -> int:
             break
         tokens = torch.empty(n_tokens, dtype=torch.int64, device=state.comm_device)
         dist.broadcast(tokens, src=0)
-        greedy(state.model, tokens.tolist(), max_new)
+        decode(state, tokens.tolist(), max_new)
     dist.destroy_process_group()
     log.info("stopped")
     return 0

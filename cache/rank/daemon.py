@@ -90,14 +90,17 @@ class CacheServer:
             loop, listener, self.leases, lambda conn: self._start_client(loop, conn)))
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({accept, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        # Read the accept loop's failure before cancelling it: a cancel only requests, so
+        # asking a task that is still running for its exception raises InvalidStateError.
+        failure = accept.exception() if accept.done() and not accept.cancelled() else None
         accept.cancel()
         stopped.cancel()
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(stopped, *self._tasks, return_exceptions=True)
+        await asyncio.gather(accept, stopped, *self._tasks, return_exceptions=True)
         listener.close()
-        if not accept.cancelled() and accept.exception() is not None:
-            raise accept.exception()  # type: ignore[misc]  # e.g. RankStarvedError
+        if failure is not None:
+            raise failure  # e.g. RankStarvedError
 
     def _start_client(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
         task = asyncio.ensure_future(self._client(loop, conn))

@@ -131,6 +131,10 @@ def run_mode(args: argparse.Namespace, model: Path, work: Path, standby: bool) -
             out.setdefault("same_output", True)
             again = until(lambda: generate(port_file, 6), 60, what="answer")
             out["same_output"] = out["same_output"] and again == expected
+    except Exception:
+        lines = (work / f"launcher-{standby}.log").read_text(errors="replace").splitlines()
+        print("\n".join(lines[-40:]), file=sys.stderr)
+        raise
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

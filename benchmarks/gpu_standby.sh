@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 17 on a GPU machine: engine SIGKILL -> first token with and without `vlaunch run
+# --standby` (reference engine), and what a parked standby holds on the device; installs
+# nothing from the network.
+#
+#   OUT=/tmp/vlaunch-gpu bash benchmarks/gpu_standby.sh     # from the repository root
+#
+# TP 1 on GPU 0; TP 2 over two GPUs when there are two, else both ranks on GPU 0 (--devices
+# 0,0). JSON per run and the benchmark's output go to $OUT; each stage is bounded by timeout.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/vlaunch-gpu}
+PY=${PY:-python3}
+REPS=${REPS:-3}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+if ! "$PY" -c "import vlaunch.launcher.cli" 2>/dev/null; then  # as gpu_session.sh's setup
+    mkdir -p /tmp/site /tmp/vl/vlaunch
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    fi
+    ln -sfn "$PWD/cache" /tmp/vl/vlaunch/cache
+    ln -sfn "$PWD/launcher" /tmp/vl/vlaunch/launcher
+    export PYTHONPATH=/tmp/site:/tmp/vl${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi -L
+NGPU=$(nvidia-smi -L | wc -l)
+DEVICES=""
+((NGPU < 2)) && DEVICES="--devices 0,0"
+echo "=== TP 1"
+timeout -k 5 240 "$PY" benchmarks/bench_standby.py --device cuda --tp 1 --reps "$REPS" \
+    --out "$OUT/standby_tp1.json" 2>&1 | tee "$OUT/standby_tp1.log"
+echo "=== TP 2 $DEVICES"
+# shellcheck disable=SC2086
+timeout -k 5 300 "$PY" benchmarks/bench_standby.py --device cuda --tp 2 $DEVICES \
+    --reps "$REPS" --out "$OUT/standby_tp2.json" 2>&1 | tee "$OUT/standby_tp2.log"

@@ -7,6 +7,7 @@ uses, so the tensors over our mappings are ordinary CUDA tensors to torch.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import re
@@ -138,8 +139,17 @@ class CudaSlab:
         """Drop this process's handle and mapping; exported fds and importers keep the memory."""
         # The mapping goes as soon as no tensor over it is left: at once, unless a caller
         # still holds a view, which is then unmapped with the view rather than under it.
+        alive = weakref.ref(self._mapping) if self._mapping is not None else None
         self._tensor = None
         self._mapping = None
+        if alive is not None and alive() is not None:
+            # Views caught in a reference cycle (a traceback, a closure) would keep the range
+            # mapped until the cyclic collector runs, which an idle rank may never trigger.
+            gc.collect()
+            if alive() is not None:
+                log.warning("slab mapping at %#x is still referenced after its release: its "
+                            "device memory stays in use until that view is dropped",
+                            alive().ptr)  # type: ignore[union-attr]
         if self._handle is not None:
             handle, self._handle = self._handle, None
             with _current(self._backend.ctx):

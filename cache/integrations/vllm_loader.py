@@ -198,12 +198,26 @@ def _loader_class() -> type:
 
             config = vllm_config or get_vllm_config()
             eplb = getattr(config.parallel_config, "enable_eplb", False)
+            where, role = _where(config, self.options), draft_role(config, model_config)
+            if role == "draft":  # the draft group's plan: VLAUNCH_DRAFT_PLAN
+                where["plan"], layout = None, None
             return load(model_config.model, mode=self.options.mode,
                         fallback=self.options.fallback, timeout=self.options.timeout,
-                        layout=layout, rewrites="EPLB" if eplb else None,
-                        **_where(config, self.options))
+                        layout=layout, rewrites="EPLB" if eplb else None, role=role, **where)
 
     return VlaunchModelLoader
+
+
+def draft_role(vllm_config: Any, model_config: Any) -> str:
+    """The cache group of this load: draft when vLLM loads its speculative draft model
+    (speculative_config's draft model config, another checkpoint than the target's)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None)
+    if draft is None or model_config is vllm_config.model_config:
+        return "target"
+    same = getattr(draft, "model", None) == getattr(model_config, "model", None)
+    return "draft" if same and model_config.model != vllm_config.model_config.model \
+        else "target"
 
 
 def get_vllm_config() -> Any:

@@ -2,8 +2,8 @@
 
 Any engine can implement it (docs/standby.md); three steps, all on channels the engine has:
 
-1. The launcher starts the standby with `VLAUNCH_STANDBY=1` and `VLAUNCH_PROMOTE_FD=N` (the
-   read end of a pipe) in its environment, and its own `NOTIFY_SOCKET`.
+1. The launcher starts the standby with `VLAUNCH_ENGINE_STANDBY=1` and `VLAUNCH_PROMOTE_FD=N`
+   (the read end of a pipe) in its environment, and its own `NOTIFY_SOCKET`.
 2. The standby does everything that can be shared (import, device set-up, distributed group,
    weights mapped in share mode), then sends `PARKED=1` on its NOTIFY_SOCKET and blocks on
    `wait_for_promotion`.
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from .errors import VlaunchError
 from .exitcodes import ExitStatus
 
-STANDBY_ENV = "VLAUNCH_STANDBY"
+STANDBY_ENV = "VLAUNCH_ENGINE_STANDBY"
 """Set to 1 in a standby engine's environment (absent, or 0, for an ordinary engine)."""
 PROMOTE_FD_ENV = "VLAUNCH_PROMOTE_FD"
 """The fd number, inherited by the standby, of the pipe the launcher promotes it on."""

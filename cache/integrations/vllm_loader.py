@@ -244,15 +244,21 @@ def layout_fields(vllm_config: Any, model_config: Any) -> dict[str, str]:
 
 
 def attention_backend(vllm_config: Any, model_config: Any) -> str:
-    """The attention backend vLLM picks for this model and config (its selector's answer,
-    which the kernel selection environment variables alone do not tell)."""
+    """The attention backend vLLM picks for this model's full-attention layers (its selector's
+    answer, which the kernel selection environment variables alone do not tell)."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.selector import get_attn_backend
 
-    with set_current_vllm_config(vllm_config):
-        backend = get_attn_backend(model_config.get_head_size(), model_config.dtype,
-                                   vllm_config.cache_config.cache_dtype,
-                                   use_mla=bool(getattr(model_config, "use_mla", False)))
+    try:
+        with set_current_vllm_config(vllm_config):
+            backend = get_attn_backend(model_config.get_head_size(), model_config.dtype,
+                                       vllm_config.cache_config.cache_dtype,
+                                       use_mla=bool(getattr(model_config, "use_mla", False)))
+    except (ValueError, RuntimeError, ImportError, AttributeError) as exc:
+        # a model the selector cannot answer for before it is built: the field still names
+        # that, the same way on every start
+        log.info("vlaunch load format: no attention backend to record (%s)", exc)
+        return "unresolved"
     return str(backend.get_name())
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import urllib.request
@@ -188,3 +189,56 @@ def test_reference_engine_decodes_with_its_draft_from_the_draft_group(
     assert la.text().count("draft model from cache") == 4  # 2 ranks x 2 engine starts
     la.proc.terminate()
     assert la.wait_exit() == 0
+
+
+def test_a_killed_draft_rank_respawns_from_escrow_without_the_disk(
+        launch: Callable[..., Launcher], llama_ckpt: Path, draft_ckpt: Path,
+        tmp_path: Path) -> None:
+    draft = tmp_path / "draft"
+    shutil.copytree(draft_ckpt, draft)
+    la = launch(llama_ckpt, "--draft-model", str(draft), "--engine-ready", "notify",
+                "--on-rank-exit", "respawn", engine=_engine(tmp_path))
+    snap = la.wait_for(lambda s: _ready(s, 4))
+    slot = next(k for k, r in snap["ranks"].items() if (r["role"], r["group_rank"]) ==
+                ("draft", 0))
+    victim, engine_pid = snap["ranks"][slot]["pid"], snap["engine"]["pid"]
+    ref = {k: v.clone() for k, v in load_file(str(draft / "model.safetensors")).items()}
+    for f in draft.glob("*.safetensors"):  # from now on nobody can read the draft's weights
+        f.write_bytes(f.read_bytes()[:8] + b"\0" * 64)
+    os.kill(victim, signal.SIGKILL)
+    la.wait_for(lambda s: s["ranks"][slot]["pid"] not in (None, victim)
+                and s["ranks"][slot]["state"] == "ready")
+    assert la.status()["engine"]["pid"] == engine_pid
+    client = CacheClient(socket_path(la.sockdir, 0, "draft"))
+    try:
+        assert client.status()["fingerprint"]["role"] == "draft"
+        tensors = client.map(client.manifest())
+        assert tensors["model.norm.weight"].view(-1).equal(ref["model.norm.weight"].view(-1))
+    finally:
+        client.close()
+    la.proc.terminate()
+    assert la.wait_exit() == 0
+
+
+def test_seed_ports_and_slots_of_the_draft_group_follow_the_targets_block() -> None:
+    from vlaunch.cache.contract.roles import seat, unseat
+    from vlaunch.cache.rank.seed import source_port
+
+    assert [seat("target", r, 4) for r in range(4)] == [0, 1, 2, 3]
+    assert [seat("draft", r, 4) for r in range(4)] == [4, 5, 6, 7]
+    assert [unseat(s, 4) for s in (3, 4, 7)] == [("target", 3), ("draft", 0), ("draft", 3)]
+    assert source_port(9000, seat("draft", 1, 4)) == 9005
+
+
+def test_vllm_draft_loads_go_to_the_draft_group() -> None:
+    from types import SimpleNamespace as NS
+
+    from vlaunch.cache.integrations.vllm_loader import draft_role
+
+    target, draft = NS(model="/m/big"), NS(model="/m/small")
+    config = NS(model_config=target, speculative_config=NS(draft_model_config=draft))
+    assert draft_role(config, target) == "target"
+    assert draft_role(config, draft) == "draft"
+    mtp = NS(model_config=target, speculative_config=NS(draft_model_config=NS(model="/m/big")))
+    assert draft_role(mtp, NS(model="/m/big")) == "target"  # the target's own checkpoint
+    assert draft_role(NS(model_config=target, speculative_config=None), draft) == "target"

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 19 on a GPU machine: engine restart with and without a draft model's cache group
+# (reference engine, speculative decoding); installs nothing from the network.
+#
+#   OUT=/tmp/vlaunch-gpu bash benchmarks/gpu_draft.sh     # from the repository root
+#
+# Writes a 16 GiB Llama-8B-shaped target and a one-layer draft of the same vocabulary, then
+# runs bench_draft.py at TP 1 and TP 2 (two GPUs when there are two, else --devices 0,0).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/vlaunch-gpu}
+PY=${PY:-python3}
+REPS=${REPS:-3}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+if ! "$PY" -c "import vlaunch.launcher.cli" 2>/dev/null; then  # as gpu_session.sh's setup
+    mkdir -p /tmp/site /tmp/vl/vlaunch
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    fi
+    ln -sfn "$PWD/cache" /tmp/vl/vlaunch/cache
+    ln -sfn "$PWD/launcher" /tmp/vl/vlaunch/launcher
+    export PYTHONPATH=/tmp/site:/tmp/vl${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi -L
+NGPU=$(nvidia-smi -L | wc -l)
+DEVICES=""
+((NGPU < 2)) && DEVICES="--devices 0,0"
+CK=${CK:-/tmp/vlaunch-ckpt}
+timeout -k 5 240 "$PY" -m vlaunch.cache.reference.refmodel "$CK/target" --llama-8b \
+    --target-gib 16 --shards 4 --device cuda
+timeout -k 5 120 "$PY" -m vlaunch.cache.reference.refmodel "$CK/draft" --llama-8b --layers 1 \
+    --seed 1 --shards 1 --device cuda
+echo "=== TP 1"
+timeout -k 5 240 "$PY" benchmarks/bench_draft.py --model "$CK/target" --draft-model \
+    "$CK/draft" --tp 1 --reps "$REPS" 2>&1 | tee "$OUT/draft_tp1.log"
+echo "=== TP 2 $DEVICES"
+# shellcheck disable=SC2086
+timeout -k 5 300 "$PY" benchmarks/bench_draft.py --model "$CK/target" --draft-model \
+    "$CK/draft" --tp 2 $DEVICES --reps "$REPS" 2>&1 | tee "$OUT/draft_tp2.log"

@@ -243,3 +243,21 @@ def test_vllm_draft_loads_go_to_the_draft_group() -> None:
     mtp = NS(model_config=target, speculative_config=NS(draft_model_config=NS(model="/m/big")))
     assert draft_role(mtp, NS(model="/m/big")) == "target"  # the target's own checkpoint
     assert draft_role(NS(model_config=target, speculative_config=None), draft) == "target"
+
+
+def test_a_new_replica_seeds_both_groups_from_a_running_one(
+        launch: Callable[..., Launcher], llama_ckpt: Path, draft_ckpt: Path) -> None:
+    source = launch(llama_ckpt, "--draft-model", str(draft_ckpt))  # caches only
+    source.wait_for(lambda s: _ready(s, 4))
+    seeded = launch(llama_ckpt, "--draft-model", str(draft_ckpt), "--seed",
+                    f"unix:{source.sockdir}")
+    seeded.wait_for(lambda s: _ready(s, 4))
+    assert seeded.text().count("seeded ") == 4  # two target and two draft ranks
+    client = CacheClient(socket_path(seeded.sockdir, 1, "draft"))
+    try:
+        assert client.status()["fingerprint"]["role"] == "draft"
+    finally:
+        client.close()
+    for la in (seeded, source):
+        la.proc.terminate()
+        assert la.wait_exit() == 0

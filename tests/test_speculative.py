@@ -35,7 +35,8 @@ signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
 out = {}
 for rank in range(2):
     target = load(rank=rank, fallback=False, timeout=30)
-    draft = load(rank=rank, role="draft", fallback=False, timeout=30)
+    draft = load(rank=rank, role="draft", fallback=False, timeout=30,
+                 mode=os.environ.get("DRAFT_MODE", "share"))
     out[rank] = {"target": [target.source, sorted(target)], "draft": [draft.source, sorted(draft)]}
 attempt = os.environ["VLAUNCH_ATTEMPT"]
 with open(os.path.join(sys.argv[1], f"attempt-{attempt}.json"), "w") as f:
@@ -261,3 +262,17 @@ def test_a_new_replica_seeds_both_groups_from_a_running_one(
     for la in (seeded, source):
         la.proc.terminate()
         assert la.wait_exit() == 0
+
+
+def test_copy_release_of_the_draft_drops_the_draft_groups_copy(
+        launch: Callable[..., Launcher], llama_ckpt: Path, draft_ckpt: Path,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DRAFT_MODE", "copy-release")
+    la = launch(llama_ckpt, "--draft-model", str(draft_ckpt), "--engine-ready", "notify",
+                engine=_engine(tmp_path))
+    snap = la.wait_for(lambda s: _ready(s, 4) and all(
+        r["bytes"] == 0 for r in s["ranks"].values() if r["role"] == "draft"))
+    assert all(r["bytes"] > 0 for r in snap["ranks"].values() if r["role"] == "target")
+    assert la.text().count("released its checkpoint slabs") == 2
+    la.proc.terminate()
+    assert la.wait_exit() == 0

@@ -33,6 +33,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from benchlib import bare_starts
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu_restart import VLAUNCH, engine_stats, get, wait
 
@@ -96,13 +98,7 @@ def main() -> None:
         sys.exit("needs two GPUs (nvidia-h200-x2): NCCL refuses two engine ranks on one GPU")
     gpu_bytes = _gpu_bytes if args.device == "cuda" else lambda: {"used_mib": {},
                                                                   "per_process_mib": {}}
-    bare = []
-    code = f"import time, torch; torch.zeros(1, device={args.device!r}); print(time.time())"
-    for _ in range(args.reps):
-        t = time.time()
-        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                             text=True).stdout
-        bare.append(float(out.split()[-1]) - t)
+    bare = bare_starts(args.device, args.reps)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         sock, pf, go = work / "sock", work / "engine.port", work / "go"

@@ -18,7 +18,6 @@ Prints a table: figure, seconds, ratio to bare, target (vlaunch <= 1.05x bare).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -27,24 +26,16 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from benchlib import bare_starts, get
 
 from vlaunch.cache.contract.waiting import until
 
 # the console script when installed, else the same entry point from the checkout
 VLAUNCH = [shutil.which("vlaunch")] if shutil.which("vlaunch") else [
     sys.executable, "-c", "import sys; from vlaunch.launcher.cli import main; sys.exit(main())"]
-
-
-def get(url: str) -> dict[str, Any] | None:
-    """GET a JSON document, None on any failure."""
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return json.loads(r.read())
-    except (OSError, ValueError):
-        return None
 
 
 def engine_stats(port_file: Path) -> dict[str, Any] | None:
@@ -76,14 +67,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
-    bare, disk, cached, weights_ms = [], [], [], {}
-    # the moment the allocation is done is printed, so interpreter teardown is not counted
-    code = f"import time, torch; torch.zeros(1, device={args.device!r}); print(time.time())"
-    for _ in range(args.reps):
-        t = time.time()
-        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                             text=True).stdout
-        bare.append(float(out.split()[-1]) - t)
+    disk, cached, weights_ms = [], [], {}
+    bare = bare_starts(args.device, args.reps)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         empty = work / "empty"

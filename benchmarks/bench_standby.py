@@ -30,19 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from benchlib import get
 
 from vlaunch.cache.contract.waiting import until
 
 PROMPT = [1, 5, 9, 2, 7]
-
-
-def get(url: str) -> dict[str, Any] | None:
-    """GET a JSON document, None on any failure."""
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return json.loads(r.read())
-    except (OSError, ValueError):
-        return None
 
 
 def generate(port_file: Path, max_new: int) -> list[int] | None:

@@ -12,17 +12,9 @@ OUT=${OUT:-/tmp/vlaunch-gpu}
 PY=${PY:-python3}
 REPS=${REPS:-3}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
-if ! "$PY" -c "import vlaunch.launcher.cli" 2>/dev/null; then  # as gpu_session.sh's setup
-    mkdir -p /tmp/site /tmp/vl/vlaunch
-    if compgen -G ".whl/*.whl" >/dev/null; then
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-    fi
-    ln -sfn "$PWD/cache" /tmp/vl/vlaunch/cache
-    ln -sfn "$PWD/launcher" /tmp/vl/vlaunch/launcher
-    export PYTHONPATH=/tmp/site:/tmp/vl${PYTHONPATH:+:$PYTHONPATH}
-fi
+# shellcheck source=benchmarks/gpu_lib.sh
+source benchmarks/gpu_lib.sh
+use_checkout
 nvidia-smi -L
 NGPU=$(nvidia-smi -L | wc -l)
 DEVICES=""

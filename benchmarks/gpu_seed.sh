@@ -20,11 +20,10 @@
 # ready for benchmarks/results/.
 set -u
 cd "$(dirname "$0")/.."
+# shellcheck source=benchmarks/gpu_lib.sh
+source benchmarks/gpu_lib.sh
 OUT=${OUT:-/tmp/vlaunch-gpu-seed}
 mkdir -p "$OUT"
-LOGS=$(mktemp -d)  # one log per stage; $OUT keeps them together in session.log (8 files come back)
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
 CKPT=${1:-${CKPT:-/tmp/vlaunch-ckpt16}}
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
@@ -33,26 +32,6 @@ BUDGET=${BUDGET:-170}
 T0=$(date +%s)
 : >"$OUT/summary.txt"
 : >"$OUT/session.log"
-
-stage() {  # stage NAME LIMIT_S COMMAND...: run it under a time limit, log it, note its status
-    local name=$1 limit=$2 left t rc
-    shift 2
-    left=$((BUDGET - ($(date +%s) - T0)))
-    if ((left < 15)); then
-        echo "$name: skipped, ${left}s left of ${BUDGET}s" | tee -a "$OUT/summary.txt"
-        return
-    fi
-    ((limit > left)) && limit=$left
-    t=$(date +%s)
-    echo "=== $name ($(date -u +%H:%M:%S) UTC, limit ${limit}s): $*" | tee -a "$OUT/session.log"
-    timeout -k 5 "$limit" "$@" >"$LOGS/$name.log" 2>&1
-    rc=$?
-    cat "$LOGS/$name.log" >>"$OUT/session.log"
-    echo "$name: rc=$rc in $(($(date +%s) - t))s (limit ${limit}s)" | tee -a "$OUT/summary.txt"
-    if ((rc != 0)); then
-        tail -n 12 "$LOGS/$name.log" | sed 's/^/    /' >>"$OUT/summary.txt"
-    fi
-}
 
 setup() {
     if ! "$PY" -c "import vlaunch.cache" 2>/dev/null; then

@@ -19,37 +19,16 @@
 # last. BUDGET (default 300 s) bounds the whole run; CKPT moves the checkpoint.
 set -u
 cd "$(dirname "$0")/.."
+# shellcheck source=benchmarks/gpu_lib.sh
+source benchmarks/gpu_lib.sh
 OUT=${OUT:-/tmp/vlaunch-gpu}
 mkdir -p "$OUT"
-LOGS=$(mktemp -d)
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
 BUDGET=${BUDGET:-300}
 CKPT=${CKPT:-/tmp/vlaunch-ckpt16}
 PY=${PY:-python3}
 T0=$(date +%s)
 : >"$OUT/summary.txt"
 : >"$OUT/session.log"
-
-stage() {  # stage NAME LIMIT_S COMMAND...: run it under a time limit, log it, note its status
-    local name=$1 limit=$2 left t rc
-    shift 2
-    left=$((BUDGET - ($(date +%s) - T0)))
-    if ((left < 20)); then
-        echo "$name: skipped, ${left}s left of ${BUDGET}s" | tee -a "$OUT/summary.txt"
-        return
-    fi
-    ((limit > left)) && limit=$left
-    t=$(date +%s)
-    echo "=== $name ($(date -u +%H:%M:%S) UTC, limit ${limit}s): $*" | tee -a "$OUT/session.log"
-    timeout -k 5 "$limit" "$@" >"$LOGS/$name.log" 2>&1
-    rc=$?
-    cat "$LOGS/$name.log" >>"$OUT/session.log"
-    echo "$name: rc=$rc in $(($(date +%s) - t))s (limit ${limit}s)" | tee -a "$OUT/summary.txt"
-    if ((rc != 0)); then
-        tail -n 12 "$LOGS/$name.log" | sed 's/^/    /' >>"$OUT/summary.txt"
-    fi
-}
 
 setup() {
     mkdir -p /tmp/site

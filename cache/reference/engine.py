@@ -137,6 +137,11 @@ class Engine:
         self.workers: dict[int, subprocess.Popen[bytes]] = {}
         self._accept_lock = threading.Lock()
         self._halt_lock = threading.Lock()
+        # A stop while loading abandons the load by raising from the signal handler, but only
+        # once torch is imported: an exception in the middle of a C extension's import leaves
+        # it half-initialised ("cannot load module more than once per process").
+        self._interruptible = False
+        self._stop_requested = False
         self.http: ThreadingHTTPServer | None = None
 
     @property
@@ -154,6 +159,11 @@ class Engine:
             self.http = None if standby else start_http(self)
             listener = self.start_workers() if self.opts.tp_size > 1 else None
             store = open_store(self.opts, listener) if listener is not None else None
+            import torch  # noqa: F401  (before any interruptible wait: see __init__)
+
+            self._interruptible = True
+            if self._stop_requested:
+                raise _StopRequested
             state = start_rank(self.opts, 0, self.cfg, store)
             self.stats["layout"] = state.layout
             stats = gather_stats(state)
@@ -182,7 +192,10 @@ class Engine:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if not self.accepting:
-            raise _StopRequested
+            self._stop_requested = True
+            if self._interruptible:
+                raise _StopRequested
+            return
         self.jobs.put(STOP)
 
     def start_workers(self) -> socket.socket:

@@ -35,6 +35,7 @@ class ExitStatus(enum.IntEnum):
     ENGINE_CONFIG = 81
     STOP_TIMEOUT = 82
     START_TIMEOUT = 83
+    OUT_OF_MEMORY = 84
     QUIT = 131
 
 
@@ -109,6 +110,10 @@ EXIT_TABLE: tuple[ExitInfo, ...] = (
              "The launcher was not serving within --start-timeout: a cache rank still loading "
              "(or frozen), or an engine that never became ready, at start or after a "
              "restart.", True),
+    ExitInfo(ExitStatus.OUT_OF_MEMORY, "cache",
+             "A cache rank could not get the memory or the threads it needs (a memory limit: "
+             "ulimit -v, a container's or a unit's MemoryMax; host memory taken by others).",
+             True),
     ExitInfo(ExitStatus.QUIT, "launcher",
              "Stopped at once on SIGQUIT: every child was killed with SIGKILL, the socket "
              "directory cleaned (128+3, what a shell reports for a SIGQUIT death).", True),

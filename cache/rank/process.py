@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -41,12 +42,34 @@ def main(opts: RankArgs) -> int:
         return int(exc.status)
     except KeyboardInterrupt:
         return 0
-    except OSError as exc:  # reading the checkpoint (or the device) failed underneath us
+    except Exception as exc:
+        return _failed(exc, opts)
+
+
+def _failed(exc: Exception, opts: RankArgs) -> int:
+    """Log an unexpected failure of the rank in one line where it is the operator's to fix."""
+    if out_of_memory(exc):
+        log.error("out of memory: %s; rank %d needs room for its shard's slabs, torch and %d "
+                  "reader threads: raise the memory limit (ulimit -v, the container's or the "
+                  "unit's MemoryMax) or lower --threads", exc or "MemoryError", opts.rank,
+                  opts.threads)
+        return int(ExitStatus.OUT_OF_MEMORY)
+    if isinstance(exc, OSError):  # reading the checkpoint (or the device) failed underneath us
         log.error("I/O error: %s; check the disk and the file permissions", exc)
         return int(ExitStatus.IO_ERROR)
-    except Exception:
-        log.exception("internal error (a bug: please report it with this traceback)")
-        return int(ExitStatus.INTERNAL)
+    log.exception("internal error (a bug: please report it with this traceback)")
+    return int(ExitStatus.INTERNAL)
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` means the process could not get memory or a thread."""
+    if isinstance(exc, MemoryError):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOMEM
+    if isinstance(exc, ImportError):  # the loader could not map a shared library
+        return "failed to map segment" in str(exc) or "Cannot allocate memory" in str(exc)
+    return isinstance(exc, RuntimeError) and "can't start new thread" in str(exc)
 
 
 def _exit_quietly(signum: int, frame: Any) -> None:

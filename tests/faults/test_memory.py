@@ -1,0 +1,43 @@
+"""A cache rank that cannot get memory or threads: status 84, one clear line, no traceback.
+
+RLIMIT_AS bounds the rank's address space (what `ulimit -v` sets). The limits below were read
+off the CPU torch 2.13 wheel on these machines: a rank with a 0.3 GB shard peaks at about
+1.9 GB of address space. Too little for torch's libraries, too little for the slab, and too
+little for the reader threads' stacks each fail at a different step.
+"""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vlaunch.cache.contract.exitcodes import ExitStatus
+
+from .harness import start_rank
+
+pytestmark = pytest.mark.faults
+
+
+@pytest.fixture(scope="module")
+def shard_300mb(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 0.3 GB reference checkpoint (the slab is what a tight limit cannot fit)."""
+    path = tmp_path_factory.mktemp("mem") / "m"
+    subprocess.run([sys.executable, "-m", "vlaunch.cache.reference.refmodel", str(path),
+                    "--target-gib", "0.3"], check=True, capture_output=True, timeout=120)
+    return path
+
+
+@pytest.mark.parametrize("limit", [800_000_000, 1_300_000_000, 1_500_000_000],
+                         ids=["libraries", "slab", "threads"])
+def test_a_rank_out_of_memory_exits_84_naming_the_fix(shard_300mb: Path, sockdir: Path,
+                                                     limit: int) -> None:
+    rank = start_rank(shard_300mb, sockdir, limits={resource.RLIMIT_AS: limit}, wait=False)
+    assert rank.proc.wait(timeout=120) == ExitStatus.OUT_OF_MEMORY
+    log = rank.log.read_text() if rank.log else ""
+    assert "out of memory:" in log and "raise the memory limit" in log, log[-2000:]
+    assert "Traceback" not in log, log[-2000:]
+    assert not list(sockdir.glob("rank-0.sock")), "a socket left behind"

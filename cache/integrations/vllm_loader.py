@@ -36,6 +36,7 @@ plan, kernel_backends, loader; the rest from the environment `vlaunch run` sets.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -182,8 +183,16 @@ def _loader_class() -> type:
         def _fill_raw(self, model: Any, weights: Any, model_config: Any, target: Any
                       ) -> dict[str, Any]:
             """Fill the model from the raw layout (whole tensors) or, sliced, the checkpoint."""
-            where = _where(get_vllm_config(), self.options)
-            whole = where["tensor_parallel_size"] == 1 or where["plan"] == "replicate"
+            config = get_vllm_config()
+            where = _where(config, self.options)
+            plan = where["plan"]
+            if draft_role(config, model_config) == "draft":  # the draft group's own plan
+                from vlaunch.cache.contract.engine_env import EngineEnv
+                from vlaunch.cache.contract.errors import UsageError
+
+                with contextlib.suppress(UsageError):  # no draft group: load() says so
+                    plan = EngineEnv.from_env().for_role("draft").plan_or_default
+            whole = where["tensor_parallel_size"] == 1 or plan == "replicate"
             if not whole and weights.source == "cache":  # sliced: vLLM slices from the files
                 weights = _disk_weights(self.load_config, model_config, model)
                 _fill(model, weights, {}, model_config, target)

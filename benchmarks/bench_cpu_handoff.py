@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vlaunch.cache import load
-from vlaunch.cache.contract import wire
+from vlaunch.cache.contract.progress import recv_ready
 
 
 def make_checkpoint(path: Path, size_mb: int) -> None:
@@ -85,12 +85,9 @@ def main() -> None:
                                  "--socket-dir", str(sockdir), "--plan", "replicate",
                                  "--ready-fd", str(theirs.fileno())], pass_fds=[theirs.fileno()])
         theirs.close()
-        while True:  # progress frames come first, then the ready frame
-            ready, fds = wire.recv_frame(ours)
-            for fd in fds:
-                os.close(fd)
-            if ready.get("event") != "progress":
-                break
+        ready, fds = recv_ready(ours)  # progress frames come first, then the ready frame
+        for fd in fds:
+            os.close(fd)
         try:
             load_file(str(model))  # warm the page cache
             st_ms = median_ms(lambda: load_file(str(model)), args.repeats)

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vlaunch.cache.contract import wire
+from vlaunch.cache.contract.progress import recv_ready
 
 CHUNK = 64 << 20
 RESULTS: dict[str, Any] = {}
@@ -164,16 +164,13 @@ def spawn_cache(model: Path, sock: Path, device: str, threads: int,
 def wait_ready(proc: subprocess.Popen[bytes], ours: socket.socket, log: Path
                ) -> tuple[dict, float]:
     """The rank's ready frame (progress frames skipped) and its load GB/s from its log."""
-    while True:
-        try:
-            frame, fds = wire.recv_frame(ours)
-        except EOFError:
-            raise RuntimeError(f"cache rank exited ({proc.poll()}): "
-                               f"{log.read_text()[-1500:]}") from None
-        for fd in fds:
-            os.close(fd)
-        if frame.get("event") != "progress":
-            break
+    try:
+        frame, fds = recv_ready(ours)
+    except EOFError:
+        raise RuntimeError(f"cache rank exited ({proc.poll()}): "
+                           f"{log.read_text()[-1500:]}") from None
+    for fd in fds:
+        os.close(fd)
     text = log.read_text()
     m = re.search(r"in ([\d.]+)s \(([\d.]+) GB/s\)", text)
     done = re.findall(r"\(100%\) ([\d.]+) GB/s", text)  # the reader's own rate, from fill()

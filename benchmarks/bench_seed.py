@@ -42,7 +42,7 @@ import torch
 from safetensors.torch import save_file
 
 from vlaunch.cache import CacheClient
-from vlaunch.cache.contract import wire
+from vlaunch.cache.contract.progress import recv_ready
 from vlaunch.cache.contract.sockdir import socket_path
 from vlaunch.cache.rank.seed import seed_tcp, seed_unix
 from vlaunch.cache.store.plan import Layout
@@ -92,16 +92,13 @@ class Rank:
             env={**os.environ, "VLAUNCH_SEED_TOKEN": TOKEN}, stderr=log.open("wb"))
         theirs.close()
         with ours:
-            while True:  # progress frames, then ready
-                try:
-                    msg, fds = wire.recv_frame(ours)
-                except EOFError:
-                    raise SystemExit(f"rank exited before ready; see {log}:\n"
-                                     f"{log.read_text()[-2000:]}") from None
-                for fd in fds:
-                    os.close(fd)
-                if msg.get("event") == "ready":
-                    break
+            try:
+                _, fds = recv_ready(ours)  # progress frames, then ready
+            except EOFError:
+                raise SystemExit(f"rank exited before ready; see {log}:\n"
+                                 f"{log.read_text()[-2000:]}") from None
+            for fd in fds:
+                os.close(fd)
         self.seconds = time.perf_counter() - start
 
     def rate(self, word: str) -> str:

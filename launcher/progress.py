@@ -11,30 +11,17 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import socket
 import sys
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from vlaunch.cache.contract import progress, wire
+from vlaunch.cache.contract import progress
+from vlaunch.cache.contract.progress import recv_ready
+
+__all__ = ["LoadDisplay", "recv_ready"]
 
 REDRAW_EVERY = 0.25
-
-
-def recv_ready(sock: socket.socket, on_progress: Callable[[int, int], None]
-               ) -> tuple[dict[str, Any], list[int]]:
-    """Read a rank's channel until its first frame that is not progress; hand each progress
-    frame's (loaded, total) to `on_progress` (called in this thread)."""
-    while True:
-        message, fds = wire.recv_frame(sock)
-        loaded_total = progress.parse(message)
-        if loaded_total is None:
-            return message, fds
-        for fd in fds:  # a progress frame carries none; never leak one that came anyway
-            os.close(fd)
-        on_progress(*loaded_total)
 
 
 class LoadDisplay:

@@ -16,7 +16,7 @@ import torch
 from hypothesis import settings
 from safetensors.torch import save_file
 
-from vlaunch.cache.contract import progress, wire
+from vlaunch.cache.contract import progress
 from vlaunch.cache.contract.waiting import until
 
 # Shared CI machines are noisy: no per-example deadline, fixed example counts.
@@ -113,9 +113,7 @@ def spawn_cache(model: Path | str, socket_dir: Path, *args: str, rank: int = 0,
     if wait:
         ours.settimeout(60)
         try:
-            ready, fds = wire.recv_frame(ours)
-            while progress.parse(ready) is not None:  # loaded bytes, before the ready frame
-                ready, fds = wire.recv_frame(ours)
+            ready, fds = progress.recv_ready(ours)  # loaded bytes come before the ready frame
         except EOFError:
             proc.wait(30)
     ours.close()

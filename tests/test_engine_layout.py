@@ -64,10 +64,7 @@ class Rank:
 
     def frame(self) -> tuple[dict, list[int]]:
         """The next frame on the ready channel that is not a progress report."""
-        while True:
-            msg, fds = wire.recv_frame(self.channel)
-            if progress.parse(msg) is None:
-                return msg, fds
+        return progress.recv_ready(self.channel)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

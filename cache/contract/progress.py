@@ -3,9 +3,12 @@ its ready channel, and the text both show (bytes, GB/s, ETA)."""
 
 from __future__ import annotations
 
+import os
+import socket
+from collections.abc import Callable
 from typing import Any
 
-from vlaunch.cache.contract import protocol
+from vlaunch.cache.contract import protocol, wire
 from vlaunch.cache.contract.errors import ProtocolError
 
 EVENT = "progress"
@@ -49,3 +52,18 @@ def describe(loaded: int, total: int, elapsed: float) -> str:
     when = "" if loaded >= total else " ETA --" if left is None else f" ETA {left:.0f}s"
     return (f"{loaded / 1e9:.2f}/{total / 1e9:.2f} GB ({percent}%) {rate / 1e9:.2f} GB/s"
             f"{when}")
+
+
+def recv_ready(sock: socket.socket, on_progress: Callable[[int, int], None] | None = None
+               ) -> tuple[dict[str, Any], list[int]]:
+    """Read a rank's channel until its first frame that is not progress; hand each progress
+    frame's (loaded, total) to `on_progress` (called in this thread)."""
+    while True:
+        message, fds = wire.recv_frame(sock)
+        loaded_total = parse(message)
+        if loaded_total is None:
+            return message, fds
+        for fd in fds:  # a progress frame carries none; never leak one that came anyway
+            os.close(fd)
+        if on_progress is not None:
+            on_progress(*loaded_total)

@@ -19,7 +19,7 @@ import psutil
 import torch
 from safetensors.torch import load_file
 
-from vlaunch.cache.contract import wire
+from vlaunch.cache.contract.progress import recv_ready
 from vlaunch.cache.contract.sockdir import socket_path
 
 
@@ -117,13 +117,7 @@ def start_rank(model: Path | str, sockdir: Path, *args: str, env: Mapping[str, s
     if wait:
         ours.settimeout(60)
         try:
-            while not rank.ready:
-                msg, fds = wire.recv_frame(ours)
-                if msg.get("event") == "ready":
-                    rank.ready, rank.escrow = msg, fds
-                else:  # progress reports while loading
-                    for fd in fds:
-                        os.close(fd)
+            rank.ready, rank.escrow = recv_ready(ours)  # progress reports come first
         except EOFError:
             proc.wait(30)
     rank._channel = ours  # type: ignore[attr-defined]  # kept open: the rank may report later

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import itertools
+import mmap
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from vlaunch.cache.store import registered
 from vlaunch.cache.store.checkpoint import open_checkpoint
 from vlaunch.cache.store.manifest import pack, views
 from vlaunch.cache.store.plan import LLAMA_PLAN, Layout, plan_rank
 from vlaunch.cache.store.reader import NARROW, fill, pieces
-from vlaunch.cache.store.registered import windows
+from vlaunch.cache.store.registered import segments, windows
 from vlaunch.cache.store.shard import PlainBackend
 from vlaunch.cache.store.slabs import CpuBackend
 
@@ -153,16 +156,52 @@ def test_registration_windows_cover_every_piece_once_in_order() -> None:
             assert {k * 32 for k in range(offset // 32, (offset + length - 1) // 32 + 1)} <= seen
 
 
+@pytest.mark.parametrize(("offset", "length", "window"),
+                         [(0, 10, 4), (5, 3, 4), (4, 8, 4), (3, 0, 4), (1, 100, 7), (0, 4, 4)])
+def test_registered_copies_never_cross_a_window(offset: int, length: int, window: int) -> None:
+    got = segments(offset, length, window)
+    assert sum(hi - lo for lo, hi in got) == length
+    assert all(lo // window == (hi - 1) // window for lo, hi in got)  # one window each
+    assert [lo for lo, _ in got[1:]] == [hi for _, hi in got[:-1]]  # contiguous, in order
+    if got:
+        assert got[0][0] == offset and got[-1][1] == offset + length
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (4, 2)])
 @pytest.mark.parametrize(("reader", "split_read"), [("staging", "span"), ("staging", "gather"),
-                                                    ("register", "span")])
+                                                    ("register", "span"),
+                                                    ("register-windows", "span")])
 def test_cuda_ranks_match_a_disk_load(ckpt: Path, tp: int, pp: int, reader: str,
                                       split_read: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
+    if reader == "register-windows":  # pieces that span many registered windows
+        reader = "register"
+        monkeypatch.setattr(registered, "WINDOW", 2 * mmap.PAGESIZE)
     monkeypatch.setenv("VLAUNCH_SPLIT_READ", split_read)
     monkeypatch.setenv("VLAUNCH_READER", reader)
     for rank, chunk in itertools.product(range(tp * pp), (96, 64 << 20)):
         layout = Layout.from_global(rank, tp, pp)
         _check_rank(ckpt, layout, _load(ckpt, layout, chunk, 4, PlainBackend("cuda")))
+
+
+def test_auto_reader_registers_only_a_warm_page_cache(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from vlaunch.cache.store import reader
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"\1" * (4 << 20))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert registered.resident(fd) == 1.0  # just written: every page is cached
+        for mode, want in (("register", True), ("staging", False), ("auto", True)):
+            monkeypatch.setenv("VLAUNCH_READER", mode)
+            assert reader.use_registered({"f": fd}) is want
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if registered.resident(fd) >= reader.WARM:
+            pytest.skip(f"this file system keeps {path}'s pages cached after DONTNEED")
+        assert reader.use_registered({"f": fd}) is False  # auto, cold: staging
+    finally:
+        os.close(fd)

@@ -79,7 +79,7 @@ def fill(specs: list[SliceSpec], manifest: Manifest, slabs: list[torch.Tensor], 
     fds = {str(f): os.open(f, os.O_RDONLY | os.O_CLOEXEC)
            for f in {str(s.source.file) for s in specs}}
     progress = Progress(sum(s.nbytes for s in specs), label)
-    if cuda and os.environ.get("VLAUNCH_READER") == "register":
+    if cuda and use_registered(fds):
         try:
             if _fill_registered(specs, records, slabs, fds, chunk, progress):
                 return
@@ -112,6 +112,20 @@ def fill(specs: list[SliceSpec], manifest: Manifest, slabs: list[torch.Tensor], 
         mover.close()
         for fd in fds.values():
             os.close(fd)
+
+
+DEFAULT_READER = "staging"  # VLAUNCH_READER unset: staging, register or auto (registered.py)
+WARM = 0.9  # auto registers only files at least this much in the page cache
+
+
+def use_registered(fds: dict[str, int]) -> bool:
+    """Whether the CUDA fill reads from the registered page cache (VLAUNCH_READER)."""
+    mode = os.environ.get("VLAUNCH_READER") or DEFAULT_READER
+    if mode != "auto":
+        return mode == "register"
+    from vlaunch.cache.store.registered import resident
+
+    return all(resident(fd) >= WARM for fd in fds.values())
 
 
 def _fill_registered(specs: list[SliceSpec], records: dict[str, Any], slabs: list[torch.Tensor],

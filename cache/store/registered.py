@@ -8,12 +8,15 @@ out of the page cache itself: no host copy, no staging buffers. Registering ran 
 and copying from the registered mapping at 55 GB/s on an H200 (GPU run 2, 2026-11-30); the
 two overlap, since a window's copies are queued before the next window is registered.
 
-Opt-in with VLAUNCH_READER=register (page cache warm: registering a cold file reads it from
-disk on one thread); any refusal to register falls back to the staging reader.
+Chosen by VLAUNCH_READER: `register` always, `auto` when every file the rank reads is at
+least 90% in the page cache (registering a cold file reads it from disk on one thread, where
+the staging reader's threads read in parallel), `staging` never. Any refusal to register
+falls back to the staging reader.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import os
@@ -55,6 +58,45 @@ def windows(spans: Sequence[tuple[int, int]], size: int, window: int = WINDOW
             for k in sorted(needed)]
 
 
+def resident(fd: int) -> float:
+    """The fraction of a file's pages in the page cache (mincore over a fresh mapping); 0.0
+    when it cannot be told. Registering a cold file reads it from disk on one thread, so the
+    reader chooses this path only for a warm one."""
+    import ctypes
+
+    import numpy as np
+
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return 1.0
+    pages = -(-size // mmap.PAGESIZE)
+    try:
+        mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    except (OSError, ValueError):
+        return 0.0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        vec = ctypes.create_string_buffer(pages)
+        view = np.frombuffer(mapping, dtype=np.uint8)  # a read-only mapping's address
+        ok = libc.mincore(view.ctypes.data, size, vec) == 0
+        del view
+        if not ok:
+            return 0.0
+        return int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8)[:pages] & 1)) / pages
+    finally:
+        mapping.close()
+
+
+def segments(offset: int, length: int, window: int | None = None) -> list[tuple[int, int]]:
+    """The byte range [offset, offset + length) cut at `window` boundaries: (lo, hi) pairs,
+    each inside one registered window."""
+    window = window or WINDOW  # read at call time: tests shrink WINDOW
+    cuts = range((offset // window + 1) * window, offset + length, window)
+    bounds = [offset, *cuts, offset + length]
+    return [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
+
+
 def fill_registered(work: Sequence[tuple[str, Piece, torch.Tensor]], fds: dict[str, int],
                     device: torch.device, chunk: int, progress: Callable[[int], None],
                     split_copy: Callable[[torch.Tensor, torch.Tensor, Piece], None]) -> bool:
@@ -73,7 +115,8 @@ def fill_registered(work: Sequence[tuple[str, Piece, torch.Tensor]], fds: dict[s
     scratch: torch.Tensor | None = None
     LAST.clear()
     try:
-        with torch.cuda.stream(stream):
+        # registrations belong to the current device's context: make it the rank's own
+        with torch.cuda.device(device), torch.cuda.stream(stream):
             for file, items in by_file.items():
                 size = os.fstat(fds[file]).st_size
                 mapping = mmap.mmap(fds[file], size, prot=mmap.PROT_READ)
@@ -94,13 +137,15 @@ def fill_registered(work: Sequence[tuple[str, Piece, torch.Tensor]], fds: dict[s
                     held.append((base + start, mapping))
                     for i in ready:
                         piece, dst = items[i]
-                        span = host[piece.offset:piece.offset + piece.span]
-                        if piece.contiguous:
-                            dst.copy_(span, non_blocking=True)
-                        else:
-                            if scratch is None:
-                                scratch = torch.empty(chunk, dtype=torch.uint8, device=device)
-                            scratch[:piece.span].copy_(span, non_blocking=True)
+                        if not piece.contiguous and scratch is None:
+                            scratch = torch.empty(chunk, dtype=torch.uint8, device=device)
+                        into = dst if piece.contiguous else scratch
+                        # one copy per registered window: the driver refuses a copy whose
+                        # source spans two registrations ("invalid argument")
+                        for lo, hi in segments(piece.offset, piece.span):
+                            into[lo - piece.offset:hi - piece.offset].copy_(
+                                host[lo:hi], non_blocking=True)
+                        if not piece.contiguous:
                             split_copy(dst, scratch, piece)  # stream order reuses scratch
                         progress(piece.nbytes)
         stream.synchronize()

@@ -476,6 +476,24 @@ def test_sigterm_during_a_sighup_restart_waits_for_the_engine() -> None:
     assert of(SpawnEngine, actions) == [SpawnEngine(1)] and exit_of(actions).status == 0
 
 
+@pytest.mark.parametrize("before", [
+    pytest.param(SERVING, id="serving"),
+    pytest.param([*boot(), Spawned("engine", None, 201, 2)], id="engine-starting"),
+    pytest.param([*SERVING, engine_exit(1, 1, 9.9)], id="engine-in-backoff"),
+])
+def test_a_sigterm_right_after_a_sighup_is_a_first_sigterm(before: list[Event]) -> None:
+    """SIGHUP is a restart, not a stop: a SIGTERM 0.5 ms later begins the graceful stop."""
+    sup, actions = history([*before, SignalReceived(signal.SIGHUP, 10),
+                            SignalReceived(TERM, 10.0005)])
+    assert logs(actions)[-1] == "INFO SIGTERM received: stopping"
+    engine = sup.engine.pid if sup.engine and sup.engine.pid else 202
+    _, rest = history([ChildExited("engine", None, engine, -15, 10.1),
+                       rank_exit(0, 0, 10.2), rank_exit(1, 0, 10.2)], sup)
+    assert not of(KillAll, actions + rest)
+    assert not [line for line in logs(actions + rest) if "second" in line]
+    assert exit_of(rest) == Exit(ExitStatus.OK, "SIGTERM received")
+
+
 def test_other_signals_are_logged_and_ignored() -> None:
     _, actions = history([*SERVING, SignalReceived(signal.SIGUSR1, 5)])
     assert actions[-1] == Log("WARNING", "SIGUSR1 ignored")

@@ -39,6 +39,9 @@ IO_TIMEOUT = 30.0
 """Seconds each step of a handoff (a reply, the slab fds) may take: a stalled cache fails."""
 
 _BACKENDS: dict[str, Backend] = {}
+TRACE: dict[str, float] = {}
+"""The last handoff's steps (time.perf_counter() at start, replies, imported, hello, copied,
+done), for benchmarks."""
 
 
 def backend_for(device: str) -> Backend:
@@ -148,7 +151,8 @@ class CacheClient:
         copies: list[torch.Tensor] | None = [] if mode != "share" else None
         slabs = import_slabs(fds, manifest.slab_sizes, device, copies)
         if copies is not None:
-            slabs = copies  # one device copy per slab; the mappings drop here
+            release_after_copies(slabs, device)
+            slabs = copies  # one device copy per slab
         tensors = views(manifest, slabs)
         with self._lock:
             self._mapped(manifest, mode, slabs)
@@ -165,6 +169,8 @@ class CacheClient:
         it) the mappings and copies are dropped before it is raised.
         """
         with self._lock:
+            TRACE.clear()
+            TRACE["start"] = time.perf_counter()
             self._send({"op": "manifest"})
             self._send({"op": "open", "mode": mode})
             owed = 2  # replies not read yet; on an error, a later request reads them
@@ -196,10 +202,12 @@ class CacheClient:
                     raise
                 mapped: list[torch.Tensor] = []
                 copies: list[torch.Tensor] = []
+                TRACE["replies"] = time.perf_counter()
                 try:
                     # the copies start as each slab is mapped
                     mapped.extend(import_slabs(ofds, sizes, device, copies if mode != "share"
                                           else None))
+                    TRACE["imported"] = time.perf_counter()
                     if mode != "share":
                         self._send(self._hello(fingerprint()))
                         owed += 1
@@ -207,6 +215,7 @@ class CacheClient:
                     reply = self._recv()
                     owed -= 1
                     self._checked(*reply)
+                    TRACE["hello"] = time.perf_counter()
                     tensors = views(manifest, copies if mode != "share" else mapped)
                 except BaseException:
                     copies.clear()
@@ -216,8 +225,13 @@ class CacheClient:
                 self._unread += owed
                 raise
             held = list(mapped) if mode == "share" else []
-            mapped.clear()  # copy modes: waits for the copies, then unmaps
+            TRACE["copied"] = time.perf_counter()
+            if mode == "share":
+                mapped.clear()
+            else:
+                release_after_copies(mapped, device)
             self._mapped(manifest, mode, held)
+            TRACE["done"] = time.perf_counter()
         return tensors
 
     def _mapped(self, manifest: Manifest, mode: str, slabs: list[torch.Tensor]) -> None:
@@ -397,6 +411,21 @@ def io_timeout_default() -> float:
     except ValueError:
         value = IO_TIMEOUT
     return value if value > 0 else IO_TIMEOUT
+
+
+def release_after_copies(mapped: list[torch.Tensor], device: str) -> None:
+    """Drop the slab mappings once the copies queued on this stream are done: the copies are
+    waited for here, the unmapping (a driver call per slab, milliseconds for a large shard,
+    after a device synchronisation) runs on a thread the engine does not wait for."""
+    if not mapped or not device.startswith("cuda"):
+        mapped.clear()
+        return
+    import torch
+
+    torch.cuda.current_stream(device).synchronize()
+    held = list(mapped)
+    mapped.clear()
+    threading.Thread(target=held.clear, name="vlaunch-unmap", daemon=True).start()
 
 
 def _slab_sizes(obj: Any) -> tuple[int, ...]:

@@ -68,6 +68,8 @@ else:
                device=dev)
     torch.cuda.synchronize(dev)
     t3 = time.perf_counter()
+    from vlaunch.cache.client.connection import TRACE
+    out["steps_ms"] = {k: round((v - t2) * 1e3, 3) for k, v in TRACE.items()}
     out.update(package_import_s=t1 - t0, loader_import_s=t2 - t1, seconds=t3 - t2,
                total_s=t3 - t0, cuda_modules=sorted(m for m in sys.modules
                                                    if m.split(".")[0] == "cuda"))
@@ -277,6 +279,10 @@ def step_handoff(model: Path, device: str, tmp: Path) -> None:
            ("copy load() (med 3), loader imported", f"{c * 1e3:.1f} ms = {c_bw / 1e12:.2f} "
             "TB/s r+w", f"D2D copy_ {bw / 1e12:.2f} TB/s r+w", f"{c_bw / bw:.0%}",
             ">= 80% of D2D")])
+    for label, runs in (("share", share), ("copy", copy)):
+        steps = runs[len(runs) // 2].get("steps_ms", {})
+        print(f"{label} load() steps, ms after load() was called (one run): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()))
     print("memory accounting around one share handoff (engine process):")
     print(f"  mem_get_info free: {s0['free_before'] / 2**30:.2f} GiB -> "
           f"{s0['free_after'] / 2**30:.2f} GiB (the cache's slab is already counted as used)")

@@ -95,13 +95,16 @@ if [ ! -f "$CKPT/model.safetensors.index.json" ]; then
         --shards 4 --device cuda
 fi
 LOAD=("$PY" benchmarks/bench_gpu_load.py --model "$CKPT" --device cuda:0)
-stage layouts 150 "${LOAD[@]}" --steps layouts --layouts tp1,tp2,tp4,pp2,tp2:span,tp1:register,tp2:register,tp4:register --json "$OUT/layouts.json"
-stage sweep 120 "${LOAD[@]}" --steps sweep --json "$OUT/sweep.json"
-stage handoff 150 "${LOAD[@]}" --steps handoff --json "$OUT/handoff.json"
-stage tests 180 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 150 \
+STAGES=" ${STAGES:-layouts sweep handoff tests imports restart} "  # a subset: STAGES="layouts tests"
+LAYOUTS=${LAYOUTS:-tp1,tp2,tp4,pp2,tp2:span,tp1:register,tp2:register,tp4:register,pp2:register}
+want() { [[ $STAGES == *" $1 "* ]]; }
+want layouts && stage layouts 200 "${LOAD[@]}" --steps layouts --layouts "$LAYOUTS" --json "$OUT/layouts.json"
+want sweep && stage sweep 120 "${LOAD[@]}" --steps sweep --json "$OUT/sweep.json"
+want handoff && stage handoff 150 "${LOAD[@]}" --steps handoff --json "$OUT/handoff.json"
+want tests && stage tests 180 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 150 \
     tests/test_slabs_cuda.py tests/test_gpu_cache.py tests/test_reader.py
-stage imports 60 bash -c imports
-stage restart 120 "$PY" benchmarks/bench_gpu_restart.py --model "$CKPT" --device cuda --reps 2
+want imports && stage imports 60 bash -c imports
+want restart && stage restart 120 "$PY" benchmarks/bench_gpu_restart.py --model "$CKPT" --device cuda --reps 2
 
 {
     echo

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import spawn_cache
+from tests.conftest import eventually, spawn_cache
 from vlaunch.cache import hand_back, load
 from vlaunch.cache.client.connection import CacheClient
 from vlaunch.cache.client.layout import layout_nbytes
@@ -296,6 +297,7 @@ def test_reference_engine_hands_back_then_restarts_on_its_own_layout(
         stats = first.request("GET", "/stats")[1]
         assert (stats["source"], stats["layout"]) == ("cache", "handed-back")
         tokens = [first.generate(p, 6)[1]["tokens"] for p in ([1, 2, 3], [200, 7, 7])]
+        _one_copy_each(first.request("GET", "/stats")[1]["memory"], stats["bytes"])
         first.proc.send_signal(signal.SIGTERM)
         assert first.wait() == 0
     log = first.log.read_text()
@@ -314,8 +316,94 @@ def test_reference_engine_hands_back_then_restarts_on_its_own_layout(
             assert (stats["source"], stats["layout"]) == ("cache", "engine")
             assert [again.generate(p, 6)[1]["tokens"]
                     for p in ([1, 2, 3], [200, 7, 7])] == tokens
+            _one_copy_each(again.request("GET", "/stats")[1]["memory"], stats["bytes"])
             again.proc.send_signal(signal.SIGTERM)
             assert again.wait() == 0
     finally:
         for f in moved.iterdir():
             shutil.move(str(f), model / f.name)
+
+
+def test_first_start_keeps_one_copy_the_caches_mappings(
+        model: Path, sockdir: Path, caches: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After its hand-back the reference engine's rank holds the cache's engine layout and
+    nothing else: every tensor lies in one of the layout's slab mappings (by address), and the
+    fused, padded tensors it built are freed (their storages are gone)."""
+    import vlaunch.cache.reference.weights as ref_weights
+    from vlaunch.cache.reference.memory import weight_split
+    from vlaunch.cache.reference.options import parse_args
+
+    cache = spawn_cache(model, sockdir)
+    caches.append(cache)
+    built: list[weakref.ref] = []
+
+    def spied(raw: dict, cfg: ModelConfig, tp: int) -> dict[str, torch.Tensor]:
+        out = engine_layout(raw, cfg, tp)
+        built.extend(weakref.ref(t.untyped_storage()) for n, t in out.items()
+                     if "qkv_proj" in n or "gate_up_proj" in n)  # the engine's own tensors
+        return out
+
+    monkeypatch.setattr(ref_weights, "engine_layout", spied)
+    cfg = ModelConfig.from_dir(model)
+    opts = parse_args(["--model", str(model), "--socket-dir", str(sockdir), "--no-fallback"])
+    raw = _memfd_inodes(cache.proc.pid)
+    loaded = ref_weights.load_weights(opts, 0, "cpu", cfg)
+    assert loaded.layout == "handed-back" and built
+    assert [r for r in built if r() is not None] == []  # the own copy is gone
+    eventually(lambda: not raw & _memfd_inodes(cache.proc.pid), what="the raw layout released")
+    layout = _memfd_inodes(cache.proc.pid)
+    spans = _mapped_spans(os.getpid())
+    for name, t in loaded.tensors.items():
+        start = t.data_ptr()
+        inode = next((i for lo, hi, i in spans if lo <= start and start + t.nbytes <= hi), None)
+        assert inode in layout, f"{name} is not in the cache's engine layout"
+    total = sum(t.nbytes for t in loaded.tensors.values())
+    assert weight_split(loaded.tensors.values(), "cpu") == (total, 0)  # what /stats reports
+
+
+def _mapped_spans(pid: int) -> list[tuple[int, int, int]]:
+    """(start, end, inode) of each vlaunch slab mapping of a process."""
+    spans = []
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            if "vlaunch-slab" in line:
+                lo, _, hi = line.split()[0].partition("-")
+                spans.append((int(lo, 16), int(hi, 16), int(line.split()[4])))
+    return spans
+
+
+def _one_copy_each(memory: list[dict], nbytes: int) -> None:
+    """/stats memory of a TP 2 engine on CPU: every rank's weights are the cache's mappings."""
+    assert [m["rank"] for m in memory] == [0, 1]
+    assert sum(m["weights_shared"] for m in memory) == nbytes
+    for m in memory:
+        assert m["weights_own"] == 0 and m["kv_cache"] == 0, m
+        assert m["device_bytes"] is None and m["other"] is None  # CPU: no device figure
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_first_start_on_cuda_gives_its_own_copy_back(tmp_path: Path, sockdir: Path,
+                                                     caches: list) -> None:
+    """CUDA: after the hand-back torch's allocator no longer keeps the engine's fused copy
+    reserved (it would, freed but cached, without release_cached), and the weights are
+    mappings, not torch allocations."""
+    import vlaunch.cache.reference.weights as ref_weights
+    from vlaunch.cache.reference.memory import process_device_bytes, weight_split
+    from vlaunch.cache.reference.options import parse_args
+
+    big = make_checkpoint(tmp_path / "m", hidden=1024, layers=4, heads=8, kv_heads=4,
+                          intermediate=4096, vocab=4096)  # 2 x 24 MiB fused a layer
+    caches.append(spawn_cache(big, sockdir, "--device", "cuda:0"))
+    cfg = ModelConfig.from_dir(big)
+    opts = parse_args(["--model", str(big), "--socket-dir", str(sockdir), "--no-fallback",
+                       "--device", "cuda"])
+    torch.cuda.set_device(0)
+    loaded = ref_weights.load_weights(opts, 0, "cuda:0", cfg)
+    assert loaded.layout == "handed-back"
+    fused = sum(t.nbytes for n, t in loaded.tensors.items() if "_proj" in n and "o_proj" not in
+                n and "down_proj" not in n)
+    assert torch.cuda.memory_reserved(0) < fused // 4, (torch.cuda.memory_reserved(0), fused)
+    total = sum(t.nbytes for t in loaded.tensors.values())
+    assert weight_split(loaded.tensors.values(), "cuda:0") == (total, 0)
+    assert (process_device_bytes("cuda:0") or 0) > 0

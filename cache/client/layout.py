@@ -131,7 +131,8 @@ def hand_back(tensors: Mapping[str, torch.Tensor], *, model: str, fields: Mappin
     One device copy per tensor into slabs the cache allocates; then the cache serves them
     under the raw fingerprint extended by `fields`, and (release_raw) drops its raw layout.
     Returns the engine layout as `load(..., layout=fields)` would: rebind the parameters to
-    these tensors and free the originals to hold one copy. `copy` names tensors the engine
+    these tensors, drop every reference to the originals, then `release_cached(device)`: one
+    copy on the device. `copy` names tensors the engine
     writes into later: they come back (now and on every later start) as private copies.
     """
     import torch
@@ -169,6 +170,23 @@ def hand_back(tensors: Mapping[str, torch.Tensor], *, model: str, fields: Mappin
              el.layout_key(checked), len(manifest.tensors) - len(copied), len(copied))
     return load_layout(path, model, lay, device, checked, plan=plan,
                        kernel_backends=kernel_backends, loader=loader, quantization=quantization)
+
+
+def release_cached(device: str) -> None:
+    """Give the device memory that torch's caching allocator keeps for freed tensors back to
+    the driver. Call it once the engine holds hand_back's tensors and no reference to its own
+    former copies is left (parameters rebound, the dict it handed back dropped): until then
+    a freed copy stays reserved by the engine and counts in nvidia-smi. Nothing on CPU, where
+    freed tensors of this size go back to the system at once."""
+    if not device.startswith("cuda"):
+        return
+    import gc
+
+    import torch
+
+    gc.collect()  # a reference cycle (a traceback, a closure) may hold a former copy
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
 
 
 def _raw_fingerprint(client: CacheClient, model: str, layout: Layout, device: str, plan: str,

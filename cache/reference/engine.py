@@ -130,7 +130,7 @@ class Engine:
         self.stats: dict[str, Any] = {"weights_ms": None, "source": None, "layout": None,
                                       "tp_size": opts.tp_size, "bytes": None,
                                       "pid": os.getpid(), "started_at": self.started_at,
-                                      "ready_at": None}
+                                      "ready_at": None, "memory": None}
         self.jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self.accepting = False
         self.stopping = False
@@ -171,6 +171,7 @@ class Engine:
                 self.park(fd)
                 self.http = start_http(self)
             self.became_ready(*stats)
+            self.record_memory(state, log_it=True)
             self.serve(state)
             return self.shutdown(state)
         except _StopRequested:
@@ -252,6 +253,14 @@ class Engine:
         notify("READY=1\nSTATUS=serving")
         log.info("serving on http://%s:%d", *self.http_address())
 
+    def record_memory(self, state: RankState, *, log_it: bool = False) -> None:
+        """Every rank's memory into /stats (`memory`, one entry per rank; memory.py). Every
+        rank gathers at the same points: at ready (each logs its line) and after each request.
+        """
+        from vlaunch.cache.reference.memory import gather_memory
+
+        self.stats["memory"] = [m.to_dict() for m in gather_memory(state, log_it=log_it)]
+
     def http_address(self) -> tuple[str, int]:
         """The host and port the HTTP server listens on."""
         assert self.http is not None
@@ -272,7 +281,9 @@ class Engine:
         while (job := self.next_job()) is not STOP:
             assert job.tokens is not None
             try:
-                job.result.set_result(run_generate(state, job.tokens, job.max_new))
+                tokens = run_generate(state, job.tokens, job.max_new)
+                self.record_memory(state)  # before the reply: /stats is current once it is in
+                job.result.set_result(tokens)
             except Exception as exc:
                 job.result.set_exception(exc)
                 raise  # a failed collective leaves the group unusable: exit and be restarted

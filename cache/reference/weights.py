@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 # imported with this module (before the engine times its load), not inside load_weights
-from vlaunch.cache.client.layout import hand_back
+from vlaunch.cache.client.layout import hand_back, release_cached
 from vlaunch.cache.client.loader import load
 from vlaunch.cache.contract.errors import VlaunchError
 from vlaunch.cache.reference.config import ModelConfig
@@ -52,4 +52,9 @@ def load_weights(opts: EngineOptions, rank: int, device: str, cfg: ModelConfig) 
         log.warning("rank %d: could not hand the engine layout back to the cache (%s); "
                     "serving from the engine's own copy", rank, exc)
         return Loaded(params, source, "own")
+    # one copy: the engine's fused, padded tensors go, and on CUDA torch's allocator gives
+    # their memory back instead of keeping it reserved (docs/engine-layout.md)
+    params.clear()
+    del params
+    release_cached(device)
     return Loaded(dict(back), source, "handed-back")

@@ -72,6 +72,7 @@ class RankState:
     layout: str = "own"
     draft: TPLlama | None = None  # speculative decoding's draft model (replicated: no comm)
     speculative_tokens: int = 4
+    weights_split: tuple[int, int] | None = None  # bytes (shared, own): memory.py
 
 
 def device_for(kind: str, rank: int, tp_size: int) -> str:
@@ -198,6 +199,7 @@ def run_worker(opts: EngineOptions) -> int:
     import torch.distributed as dist
 
     from vlaunch.cache.reference.config import ModelConfig
+    from vlaunch.cache.reference.memory import gather_memory
 
     _die_with_parent(opts.parent_pid)
     # the launcher signals the whole process group; rank 0 alone decides when workers stop
@@ -207,6 +209,7 @@ def run_worker(opts: EngineOptions) -> int:
     cfg = ModelConfig.from_dir(opts.model)
     state = start_rank(opts, rank, cfg, open_store(opts, None))
     gather_stats(state)
+    gather_memory(state, log_it=True)
     header = torch.empty(3, dtype=torch.int64, device=state.comm_device)
     while True:
         dist.broadcast(header, src=0)
@@ -216,6 +219,7 @@ def run_worker(opts: EngineOptions) -> int:
         tokens = torch.empty(n_tokens, dtype=torch.int64, device=state.comm_device)
         dist.broadcast(tokens, src=0)
         decode(state, tokens.tolist(), max_new)
+        gather_memory(state)  # rank 0 reports every rank's memory after each request
     dist.destroy_process_group()
     log.info("stopped")
     return 0

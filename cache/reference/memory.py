@@ -1,0 +1,204 @@
+"""Where a reference-engine rank's memory goes: its weights (mapped from the cache, or its own),
+torch's allocator, its KV cache, and on CUDA the rest of what the process holds on the device.
+
+    mem = rank_memory(rank, tensors, device)     # per rank, after its weights are in place
+    mem.line()  # 'rank 0: weights 8.68 GB mapped from the cache, 0.00 GB own; torch ...'
+
+`shared` and `own` come from where each tensor's memory is, not from bookkeeping: on CUDA a
+tensor inside one of torch's allocator segments is the engine's own, anything else is a
+mapping (the cache's VMM slabs); on CPU a tensor inside a `vlaunch-slab` memfd mapping is
+shared, anything else is the engine's own. `device_bytes` is the process's device memory as
+NVML reports it (the driver's per-process figure nvidia-smi shows; it leaves out the mapped
+slabs, which the cache rank owns); None on CPU or where NVML cannot say (no library, another
+PID namespace). `other` is what the process holds beyond torch's reserved memory: the CUDA
+context, NCCL's buffers, cuBLAS workspaces, kernels (docs/memory.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from vlaunch.cache.reference.workers import RankState
+
+log = logging.getLogger("vlaunch.engine")
+
+FIELDS = ("rank", "weights_shared", "weights_own", "torch_allocated", "torch_reserved",
+          "kv_cache", "device_bytes")
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's memory, in bytes (device_bytes: None where it cannot be measured)."""
+
+    rank: int
+    weights_shared: int  # parameters that are the cache's mappings (no memory of the engine's)
+    weights_own: int  # parameters in the engine's own memory (copied, or built and kept)
+    torch_allocated: int  # torch's allocator: tensors alive now (own weights, activations)
+    torch_reserved: int  # ... plus the cached blocks it keeps for reuse
+    kv_cache: int  # the reference engine keeps none: every token runs the whole sequence
+    device_bytes: int | None = None
+
+    @property
+    def other(self) -> int | None:
+        """Device bytes beyond torch's reserved memory (context, NCCL, workspaces)."""
+        return None if self.device_bytes is None else self.device_bytes - self.torch_reserved
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON for /stats, with `other`."""
+        return {**asdict(self), "other": self.other}
+
+    def to_row(self) -> list[float]:
+        """The fields as numbers (-1: unknown), for an all-gather."""
+        return [float(-1 if v is None else v) for v in (getattr(self, f) for f in FIELDS)]
+
+    @classmethod
+    def from_row(cls, row: Iterable[float]) -> RankMemory:
+        """The inverse of to_row."""
+        values = [int(v) for v in row]
+        device = values[-1] if values[-1] >= 0 else None
+        return cls(*values[:-1], device_bytes=device)  # type: ignore[arg-type]
+
+    def line(self) -> str:
+        """One log line."""
+        gb = 1e9
+        text = (f"rank {self.rank}: weights {self.weights_shared / gb:.2f} GB mapped from the "
+                f"cache, {self.weights_own / gb:.2f} GB own; torch allocated "
+                f"{self.torch_allocated / gb:.2f} GB, reserved {self.torch_reserved / gb:.2f} "
+                f"GB; KV cache {self.kv_cache / gb:.2f} GB")
+        if self.device_bytes is not None:
+            text += (f"; process on the device {self.device_bytes / gb:.2f} GB, of which "
+                     f"context and other {self.other / gb:.2f} GB")  # type: ignore[operator]
+        return text
+
+
+def weight_split(tensors: Iterable[torch.Tensor], device: str) -> tuple[int, int]:
+    """(bytes shared, bytes own) of the tensors, each distinct memory range counted once."""
+    seen: set[tuple[int, int]] = set()
+    spans = [(t.data_ptr(), t.nbytes) for t in tensors]
+    inside = _torch_segments(device) if device.startswith("cuda") else _slab_mappings()
+    shared = own = 0
+    for ptr, nbytes in spans:
+        if (ptr, nbytes) in seen:  # a tied weight: one tensor under two names
+            continue
+        seen.add((ptr, nbytes))
+        hit = any(lo <= ptr and ptr + nbytes <= hi for lo, hi in inside)
+        # CUDA: inside torch's segments means own; CPU: inside a slab mapping means shared
+        if hit == device.startswith("cuda"):
+            own += nbytes
+        else:
+            shared += nbytes
+    return shared, own
+
+
+def rank_memory(rank: int, split: tuple[int, int], device: str,
+                kv_cache: int = 0) -> RankMemory:
+    """The rank's memory now; `split` from weight_split (weights do not move once loaded)."""
+    allocated = reserved = 0
+    device_bytes = None
+    if device.startswith("cuda"):
+        import torch
+
+        allocated = torch.cuda.memory_allocated(device)
+        reserved = torch.cuda.memory_reserved(device)
+        device_bytes = process_device_bytes(device)
+    return RankMemory(rank, split[0], split[1], allocated, reserved, kv_cache, device_bytes)
+
+
+def _torch_segments(device: str) -> list[tuple[int, int]]:
+    """Address ranges of torch's CUDA allocator segments on this device."""
+    import torch
+
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    return [(s["address"], s["address"] + s["total_size"]) for s in torch.cuda.memory_snapshot()
+            if s["device"] == index]
+
+
+def _slab_mappings() -> list[tuple[int, int]]:
+    """Address ranges of this process's vlaunch slab mappings (memfd)."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "vlaunch-slab" in line:
+                lo, _, hi = line.split()[0].partition("-")
+                ranges.append((int(lo, 16), int(hi, 16)))
+    return ranges
+
+
+class _ProcessInfo(ctypes.Structure):
+    """NVML's nvmlProcessInfo_v1_t, the layout of the unversioned legacy entry point."""
+
+    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
+
+
+_NVML: list[Any] = []  # the loaded, initialised library (empty until first use; None: absent)
+
+
+def process_device_bytes(device: str) -> int | None:
+    """This process's memory on `device` per NVML (what nvidia-smi shows), or None."""
+    import os
+
+    import torch
+
+    lib = _nvml()
+    if lib is None:
+        return None
+    try:
+        uuid = str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+        handle = ctypes.c_void_p()
+        if lib.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}".encode(), ctypes.byref(handle)) != 0:
+            return None
+        count = ctypes.c_uint(64)
+        infos = (_ProcessInfo * 64)()
+        if lib.nvmlDeviceGetComputeRunningProcesses(handle, ctypes.byref(count), infos) != 0:
+            return None
+        mine = [infos[i].usedGpuMemory for i in range(min(count.value, 64))
+                if infos[i].pid == os.getpid()]
+    except (AttributeError, OSError, RuntimeError):
+        return None
+    # absent: the driver sees this process under another PID (a container's namespace)
+    return int(mine[0]) if mine and mine[0] < (1 << 62) else None
+
+
+def _nvml() -> Any:
+    """libnvidia-ml, initialised once per process; None without it."""
+    if not _NVML:
+        lib = None
+        try:
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+            if lib.nvmlInit_v2() != 0:
+                lib = None
+        except (OSError, AttributeError) as exc:
+            log.debug("NVML is not available (%s): no per-process device figure", exc)
+            lib = None
+        _NVML.append(lib)
+    return _NVML[0]
+
+
+def gather_memory(state: RankState, *, log_it: bool = False) -> list[RankMemory]:
+    """Every rank's memory, on every rank: each rank calls this at the same point (an
+    all-gather at tp > 1). `log_it`: this rank logs its own line."""
+    import torch
+    import torch.distributed as dist
+
+    if state.weights_split is None:  # where the weights are does not change once loaded
+        tensors = list(state.model.weights.values())
+        if state.draft is not None:
+            tensors += list(state.draft.weights.values())
+        state.weights_split = weight_split(tensors, state.device)
+    mine = rank_memory(state.rank, state.weights_split, state.device)
+    if log_it:
+        log.info("%s", mine.line())
+    if state.tp_size == 1:
+        return [mine]
+    row = torch.tensor(mine.to_row(), dtype=torch.float64, device=state.comm_device)
+    rows = [torch.empty_like(row) for _ in range(state.tp_size)]
+    dist.all_gather(rows, row)
+    return [RankMemory.from_row(r.tolist()) for r in rows]

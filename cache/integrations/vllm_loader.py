@@ -322,7 +322,7 @@ def _hand_back(model: torch.nn.Module, fields: dict[str, str], vllm_config: Any,
                options: LoaderOptions) -> Any:
     """Hand the loaded parameters back as the rank's engine layout and rebind them to it;
     None (with a warning) when the cache refuses."""
-    from vlaunch.cache.client.layout import hand_back
+    from vlaunch.cache.client.layout import hand_back, release_cached
     from vlaunch.cache.client.weights import engine_args
     from vlaunch.cache.contract.errors import VlaunchError
     from vlaunch.cache.integrations.meta import set_data
@@ -346,6 +346,9 @@ def _hand_back(model: torch.nn.Module, fields: dict[str, str], vllm_config: Any,
         return None
     for name, param in params.items():
         set_data(param, back[name])
+    # vLLM's own copies went with the dict handed back; on CUDA give their memory back to the
+    # driver before the post-load processing allocates (one copy, docs/engine-layout.md)
+    release_cached(where["device"])
     return back
 
 

@@ -26,6 +26,9 @@ MEM_ALLOC_GRANULARITY_MINIMUM = 0
 MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
 DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
+MEMORYTYPE_HOST = 1
+MEMORYTYPE_DEVICE = 2
+MEMHOSTREGISTER_READ_ONLY = 8
 
 
 class MemLocation(ctypes.Structure):
@@ -44,6 +47,17 @@ class MemAllocationProp(ctypes.Structure):
 
     _fields_ = [("type", c_int), ("requestedHandleTypes", c_int), ("location", MemLocation),
                 ("win32HandleMetaData", c_void_p), ("allocFlags", _AllocFlags)]
+
+
+class Memcpy2D(ctypes.Structure):
+    """CUDA_MEMCPY2D."""
+
+    _fields_ = [("srcXInBytes", c_size_t), ("srcY", c_size_t), ("srcMemoryType", c_int),
+                ("srcHost", c_void_p), ("srcDevice", c_ulonglong), ("srcArray", c_void_p),
+                ("srcPitch", c_size_t), ("dstXInBytes", c_size_t), ("dstY", c_size_t),
+                ("dstMemoryType", c_int), ("dstHost", c_void_p), ("dstDevice", c_ulonglong),
+                ("dstArray", c_void_p), ("dstPitch", c_size_t), ("WidthInBytes", c_size_t),
+                ("Height", c_size_t)]
 
 
 class MemAccessDesc(ctypes.Structure):
@@ -79,6 +93,9 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
     "cuMemUnmap": (_u64, c_size_t),
     "cuMemSetAccess": (_u64, c_size_t, POINTER(MemAccessDesc), c_size_t),
     "cuMemGetAddressRange_v2": (POINTER(_u64), POINTER(c_size_t), _u64),
+    "cuMemHostRegister_v2": (c_void_p, c_size_t, c_uint),
+    "cuMemHostUnregister": (c_void_p,),
+    "cuMemcpy2DAsync_v2": (POINTER(Memcpy2D), c_void_p),
 }
 _lib: Any = None
 _lock = threading.Lock()

@@ -81,7 +81,7 @@ def fill(specs: list[SliceSpec], manifest: Manifest, slabs: list[torch.Tensor], 
     progress = Progress(sum(s.nbytes for s in specs), label)
     if cuda and use_registered(fds):
         try:
-            if _fill_registered(specs, records, slabs, fds, chunk, progress):
+            if _fill_registered(specs, records, slabs, fds, threads, progress):
                 return
         except BaseException:
             for fd in fds.values():
@@ -129,19 +129,17 @@ def use_registered(fds: dict[str, int]) -> bool:
 
 
 def _fill_registered(specs: list[SliceSpec], records: dict[str, Any], slabs: list[torch.Tensor],
-                     fds: dict[str, int], chunk: int | None, progress: Progress) -> bool:
+                     fds: dict[str, int], threads: int, progress: Progress) -> bool:
     """The registered-page-cache reader (registered.py); closes the fds when it succeeds."""
     from vlaunch.cache.store import registered
 
-    chunk = chunk or registered.CHUNK
     work = []
     for spec in specs:
         rec = records[spec.name]
-        for piece in pieces(spec, chunk):
+        for piece in pieces(spec, registered.CHUNK):
             at = rec.offset + piece.at
             work.append((str(spec.source.file), piece, slabs[rec.slab][at:at + piece.nbytes]))
-    if not registered.fill_registered(work, fds, slabs[0].device, chunk, progress.add,
-                                      split_copy):
+    if not registered.fill_registered(work, fds, slabs[0].device, threads, progress.add):
         return False
     for fd in fds.values():
         os.close(fd)

@@ -1,12 +1,13 @@
 """CUDA slabs filled straight from the page cache: the file's mapping registered, then DMA.
 
 The staging reader copies every byte twice on the host (page cache to pinned buffer, then the
-copy engine reads the buffer), and allocating the pinned buffers is slow on VMs (1.9-2.8 GB/s
-on the H200 VMs measured). Here each file is mapped read-only and registered with the driver
-(`cudaHostRegister`, read-only) window by window, and every piece is one host-to-device copy
-out of the page cache itself: no host copy, no staging buffers. Registering ran at 50 GB/s
-and copying from the registered mapping at 55 GB/s on an H200 (GPU run 2, 2026-11-30); the
-two overlap, since a window's copies are queued before the next window is registered.
+copy engine reads the buffer): when several ranks load at once, the host's memory bandwidth
+is the limit (TP 2 ranks at 54% of a lone TP 1 rank, H200 x2, 2026-11-30). Here each file is
+mapped read-only and registered with the driver (`cuMemHostRegister`, read-only) window by
+window on several threads, and every piece moves by DMA out of the page cache itself: no host
+copy, no staging buffers. A split along dimension 1 is a 2-D copy (each row's part, the row
+pitch apart), so a rank moves only its own bytes. A copy may not span two registrations (the
+driver answers "invalid argument"), so copies are cut at window boundaries.
 
 Chosen by VLAUNCH_READER: `register` always, `auto` when every file the rank reads is at
 least 90% in the page cache (registering a cold file reads it from disk on one thread, where
@@ -16,13 +17,15 @@ falls back to the staging reader.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import mmap
 import os
 import threading
-import warnings
 from collections.abc import Callable, Sequence
+from ctypes import byref, c_void_p
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -32,8 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vlaunch.cache.store.registered")
 WINDOW = 32 << 20  # bytes registered at once; a multiple of the page size
-CHUNK = 64 << 20  # the most bytes one copy spans (and the device scratch for split spans)
-_READ_ONLY = 8  # cudaHostRegisterReadOnly
+CHUNK = 64 << 20  # the most file bytes one piece spans
 LAST: dict[str, Any] = {}  # the last fill's outcome: windows registered, refused (benchmarks)
 
 
@@ -97,77 +99,181 @@ def segments(offset: int, length: int, window: int | None = None) -> list[tuple[
     return [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
 
 
-def fill_registered(work: Sequence[tuple[str, Piece, torch.Tensor]], fds: dict[str, int],
-                    device: torch.device, chunk: int, progress: Callable[[int], None],
-                    split_copy: Callable[[torch.Tensor, torch.Tensor, Piece], None]) -> bool:
-    """Copy every (file, piece, destination) out of the registered page cache (`split_copy`
-    splits a span's rows on the device); False, with nothing registered left behind, when
-    the driver refuses to register a mapping."""
-    import numpy as np
-    import torch
+@dataclass(frozen=True)
+class Copy:
+    """One DMA out of a registered window: `height` rows of `width` bytes, `pitch` bytes apart
+    in the file from file offset `src`, packed (`width` apart) from byte `dst` of the piece."""
 
-    cudart = torch.cuda.cudart()
-    held: list[tuple[int, Any]] = []  # (registered address, the mapping it lies in)
+    src: int
+    dst: int
+    width: int
+    height: int
+    pitch: int
+
+
+def window_copies(piece: Piece, start: int, end: int) -> list[Copy]:
+    """The copies that move a piece's kept bytes lying in file window [start, end).
+
+    Each row keeps bytes [lo, lo + width) of its `row` bytes. Rows wholly inside the window
+    are one 2-D copy; a row cut by the window's first or last byte is a 1-D copy of its part
+    inside. Every copy's source lies in the window; over all windows, each kept byte once.
+    """
+    base, row, width = piece.offset + piece.lo, piece.row, piece.width
+    if width <= 0 or piece.rows <= 0:
+        return []
+    first = max(0, (start - width - base) // row + 1)  # the first row ending after `start`
+    stop = min(piece.rows, -(-(end - base) // row))  # past the last row beginning before `end`
+    out = []
+    if first < stop and base + first * row < start:  # cut by the window's start
+        at = base + first * row
+        hi = min(at + width, end)
+        out.append(Copy(start, first * width + start - at, hi - start, 1, hi - start))
+        first += 1
+    tail = []
+    if first < stop and base + (stop - 1) * row + width > end:  # cut by the window's end
+        at = base + (stop - 1) * row
+        tail.append(Copy(at, (stop - 1) * width, end - at, 1, end - at))
+        stop -= 1
+    if first < stop:
+        out.append(Copy(base + first * row, first * width, width, stop - first, row))
+    return out + tail
+
+
+@dataclass
+class _Job:
+    """One window of `file`: its host address and length, and its copies (copy, the file's
+    base address, the destination's address)."""
+
+    file: str
+    address: int
+    length: int
+    copies: list[tuple[Copy, int, int]] = field(default_factory=list)
+
+
+def fill_registered(work: Sequence[tuple[str, Piece, torch.Tensor]], fds: dict[str, int],
+                    device: torch.device, threads: int, progress: Callable[[int], None]) -> bool:
+    """Copy every (file, piece, destination) out of the registered page cache; False, with
+    nothing registered left behind and no copy in flight, when the driver refuses to register.
+
+    The windows are dealt round robin to `threads` threads. Each registers its windows in
+    file order and queues a window's copies on its own stream as soon as it is registered:
+    registering (which faults the pages in; ctypes drops the GIL) runs on every thread while
+    the copy engine drains the queues. Split rows go by 2-D copies straight from the page
+    cache: only the rank's own bytes cross the bus.
+    """
+    import numpy as np
+
     by_file: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
     for file, piece, dst in work:
         by_file.setdefault(file, []).append((piece, dst))
-    stream = torch.cuda.Stream(device)
-    scratch: torch.Tensor | None = None
+    jobs: list[_Job] = []
+    keep: list[Any] = []  # the mappings, until every registration in them is released
+    for file, items in by_file.items():
+        size = os.fstat(fds[file]).st_size
+        array = np.frombuffer(mmap.mmap(fds[file], size, prot=mmap.PROT_READ), dtype=np.uint8)
+        keep.append(array)
+        base = array.ctypes.data
+        pages = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        for start, _, _ in windows([(p.offset, p.span) for p, _ in items], size):
+            length = min(WINDOW, pages - start)
+            job = _Job(file, base + start, length)
+            for piece, dst in items:
+                job.copies.extend((c, base, dst.data_ptr())
+                                  for c in window_copies(piece, start, start + length))
+            jobs.append(job)
     LAST.clear()
+    held: list[int] = []
+    failed: list[BaseException] = []
+    lock = threading.Lock()
+    n = max(1, min(threads, len(jobs)))
+    workers = [threading.Thread(target=_worker, name=f"vlaunch-register-{i}",
+                                args=(jobs[i::n], device, held, lock, failed, progress))
+               for i in range(n)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()  # each thread waits for its own stream before it ends
+    _release_later(device, held, keep)
+    LAST.update(windows=len(held), threads=n)
+    refused = [e for e in failed if isinstance(e, _Refused)]
+    if refused:
+        log.warning("cannot register %s with the CUDA driver (%s); reading it through pinned "
+                    "staging buffers instead", refused[0].file, refused[0].error)
+        LAST.update(refused=str(refused[0].error))
+        return False
+    if failed:
+        raise failed[0]
+    return True
+
+
+class _Refused(Exception):
+    """The driver would not register a window (the caller falls back to staging)."""
+
+    def __init__(self, file: str, error: Exception) -> None:
+        super().__init__(str(error))
+        self.file, self.error = file, error
+
+
+def _worker(jobs: list[_Job], device: torch.device, held: list[int], lock: threading.Lock,
+            failed: list[BaseException], progress: Callable[[int], None]) -> None:
+    """Register each job's window and queue its copies on this thread's stream."""
+    import torch
+
+    from vlaunch.cache.store import cudadrv as cu
+
+    stream = None
     try:
-        # registrations belong to the current device's context: make it the rank's own
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            for file, items in by_file.items():
-                size = os.fstat(fds[file]).st_size
-                mapping = mmap.mmap(fds[file], size, prot=mmap.PROT_READ)
-                array = np.frombuffer(mapping, dtype=np.uint8)
-                with warnings.catch_warnings():  # a read-only source is what we mean
-                    warnings.simplefilter("ignore", UserWarning)
-                    host = torch.from_numpy(array)
-                base = array.ctypes.data
-                for start, _, ready in windows([(p.offset, p.span) for p, _ in items], size):
-                    # whole pages: the last window ends at the mapping's last page
-                    length = min(WINDOW, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE - start)
-                    err = cudart.cudaHostRegister(base + start, length, _READ_ONLY)
-                    if int(getattr(err, "value", err)) != 0:
-                        log.warning("cannot register %s with the CUDA driver (%s); reading "
-                                    "it through pinned staging buffers instead", file, err)
-                        LAST.update(refused=str(err), windows=len(held))
-                        return False
-                    held.append((base + start, mapping))
-                    for i in ready:
-                        piece, dst = items[i]
-                        if not piece.contiguous and scratch is None:
-                            scratch = torch.empty(chunk, dtype=torch.uint8, device=device)
-                        into = dst if piece.contiguous else scratch
-                        # one copy per registered window: the driver refuses a copy whose
-                        # source spans two registrations ("invalid argument")
-                        for lo, hi in segments(piece.offset, piece.span):
-                            into[lo - piece.offset:hi - piece.offset].copy_(
-                                host[lo:hi], non_blocking=True)
-                        if not piece.contiguous:
-                            split_copy(dst, scratch, piece)  # stream order reuses scratch
-                        progress(piece.nbytes)
-        stream.synchronize()
-        LAST.update(windows=len(held))
-        return True
+        torch.cuda.set_device(device)  # the driver calls below act in its primary context
+        stream = torch.cuda.Stream(device)
+        handle = c_void_p(stream.cuda_stream)
+        for job in jobs:
+            if failed:
+                return
+            try:
+                cu.call("cuMemHostRegister_v2", c_void_p(job.address), job.length,
+                        cu.MEMHOSTREGISTER_READ_ONLY)
+            except cu.DriverError as e:
+                failed.append(_Refused(job.file, e))
+                return
+            with lock:
+                held.append(job.address)
+            for c, base, dst in job.copies:
+                cu.call("cuMemcpy2DAsync_v2", byref(_desc(c, base, dst)), handle)
+                progress(c.width * c.height)
+    except BaseException as e:  # re-raised by fill_registered
+        failed.append(e)
     finally:
-        stream.synchronize()
-        _release_later(cudart, held)
-        if scratch is not None:
-            del scratch
-            torch.cuda.empty_cache()  # the rank keeps no cached device memory of its own
+        if stream is not None:
+            stream.synchronize()
 
 
-def _release_later(cudart: Any, held: list[tuple[int, Any]]) -> None:
+def _desc(c: Copy, base: int, dst: int) -> Any:
+    """The driver's description of copy `c` from the file mapped at `base` to address `dst`."""
+    from vlaunch.cache.store import cudadrv as cu
+
+    d = cu.Memcpy2D()
+    d.srcMemoryType, d.srcHost, d.srcPitch = cu.MEMORYTYPE_HOST, base + c.src, c.pitch
+    d.dstMemoryType, d.dstDevice, d.dstPitch = cu.MEMORYTYPE_DEVICE, dst + c.dst, c.width
+    d.WidthInBytes, d.Height = c.width, c.height
+    return d
+
+
+def _release_later(device: torch.device, held: list[int], keep: list[Any]) -> None:
     """Unregister the windows (their copies are done) on a thread: the load is complete
     without waiting for it; the mappings are dropped after."""
     if not held:
         return
 
     def release() -> None:
-        for address, _ in held:
-            cudart.cudaHostUnregister(address)
+        import torch
+
+        from vlaunch.cache.store import cudadrv as cu
+
+        torch.cuda.set_device(device)
+        for address in held:
+            with contextlib.suppress(cu.DriverError):
+                cu.call("cuMemHostUnregister", c_void_p(address))
         held.clear()
+        keep.clear()
 
     threading.Thread(target=release, name="vlaunch-unregister", daemon=True).start()

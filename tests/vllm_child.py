@@ -11,7 +11,10 @@ loader, the vlaunch load format (hands back its engine layout), the vlaunch load
 (maps it); one JSON line of each parameter's sha256 per load.
 
 `generate` prints one JSON line: the greedy token ids of each prompt, the seconds from process
-start to `LLM` ready and to the first token, and vLLM's weight-loading seconds.
+start to `LLM` ready and to the first token, and the wall-clock times (`time.time()`) of both.
+With VLAUNCH_ENGINE_STANDBY=1 and VLAUNCH_PROMOTE_FD in its environment it is a standby: the
+vlaunch load format parks it until the pipe says PROMOTE. `tp --loads default,vlaunch` picks
+the loads a rank runs (default: default,hand_back,mapped; any name but default is vlaunch).
 """
 
 from __future__ import annotations
@@ -63,10 +66,12 @@ def generate(path: str, load_format: str, tp: int, extra: str, max_tokens: int) 
                          SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     first_token = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    now = time.time() - time.perf_counter()  # wall clock = perf_counter + now
     print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
                       "first": list(first[0].outputs[0].token_ids),
                       "import_s": imported - START, "ready_s": ready - START,
-                      "first_token_s": first_token - START}), flush=True)
+                      "first_token_s": first_token - START, "ready_at": now + ready,
+                      "first_token_at": now + first_token}), flush=True)
 
 
 def serve(path: str, load_format: str, port: int) -> None:
@@ -97,8 +102,9 @@ def serve(path: str, load_format: str, port: int) -> None:
     http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 
-def tp_rank(path: str, tp: int, rank: int, port: int, extra: str) -> None:
-    """Rank `rank` of a TP `tp` group: parameter digests after each of three loads."""
+def tp_rank(path: str, tp: int, rank: int, port: int, extra: str, loads: list[str]) -> None:
+    """Rank `rank` of a TP `tp` group: parameter digests after each load (default: vLLM's
+    default loader; any other name: the vlaunch load format)."""
     import hashlib
 
     import torch
@@ -138,9 +144,8 @@ def tp_rank(path: str, tp: int, rank: int, port: int, extra: str) -> None:
                                      distributed_init_method=f"tcp://127.0.0.1:{port}",
                                      backend="gloo")
         initialize_model_parallel(tensor_model_parallel_size=tp)
-    loads = {"default": digests(default), "hand_back": digests(config("vlaunch")),
-             "mapped": digests(config("vlaunch"))}
-    print(json.dumps(loads), flush=True)
+    out = {name: digests(default if name == "default" else config("vlaunch")) for name in loads}
+    print(json.dumps(out), flush=True)
 
 
 def main() -> None:
@@ -157,11 +162,12 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--extra", default="")
     ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--loads", default="default,hand_back,mapped")
     a = ap.parse_args()
     if a.cmd == "make":
         make(a.path, a.hidden, a.layers, a.vocab, a.intermediate or 2 * a.hidden)
     elif a.cmd == "tp":
-        tp_rank(a.path, a.tp, a.rank, a.port, a.extra)
+        tp_rank(a.path, a.tp, a.rank, a.port, a.extra, a.loads.split(","))
     elif a.cmd == "serve":
         serve(a.path, a.load_format, a.port)
     else:

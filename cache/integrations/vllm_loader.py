@@ -30,6 +30,9 @@ The engine layout's fields include the attention backend vLLM's selector picks. 
 (`--enable-eplb`, experts rewritten in place) share mode is refused before anything is mapped;
 on a GPU, mapped weights beyond `--gpu-memory-utilization` of the device refuse the start.
 
+A standby engine (`vlaunch run --standby`, docs/standby.md) parks in `load_model` once its
+weights are mapped, before the post-load processing (vllm_standby.py).
+
 Options come from `--model-loader-extra-config` (JSON): mode, fallback, timeout, socket_dir,
 plan, kernel_backends, loader; the rest from the environment `vlaunch run` sets.
 """
@@ -46,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from vlaunch.cache.contract.errors import UsageError
 from vlaunch.cache.contract.launch import EngineEnv
 from vlaunch.cache.contract.protocol import MODES
+from vlaunch.cache.contract.standby import is_standby
 
 if TYPE_CHECKING:
     import torch
@@ -101,6 +105,9 @@ def register() -> None:
     """The `vllm.general_plugins` entry point: add the `vlaunch` load format."""
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, register_model_loader
 
+    from vlaunch.cache.integrations.vllm_standby import export_promote_pipe
+
+    export_promote_pipe()  # a standby: name the promote pipe before vLLM starts its children
     if LOAD_FORMAT not in _LOAD_FORMAT_TO_MODEL_LOADER:
         register_model_loader(LOAD_FORMAT)(_loader_class())
 
@@ -167,6 +174,10 @@ def _loader_class() -> type:
                             weights.source == "cache" or "released" in weights.reason):
                         weights = _hand_back(model, fields, vllm_config, self.options) \
                             or weights
+                if is_standby():  # weights mapped, nothing exclusive taken: park here
+                    from vlaunch.cache.integrations.vllm_standby import park
+
+                    start += park(self.options.mode)  # the log line times the load only
                 process_weights_after_loading(model, model_config, target)
             if weights.layout:
                 log.info("vlaunch load format: rank %d: engine layout %s: %d parameters "

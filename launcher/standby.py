@@ -1,7 +1,7 @@
 """One standby engine's channels: the pipe it is promoted on and its own notify socket.
 
 The protocol itself (environment, PARKED=1, PROMOTE) is in cache/contract/standby.py; the
-decisions (when to start, promote, replace or give up a standby) are in core.py.
+decisions (when to start, promote, replace or give up a standby) are in core/standby.py.
 """
 
 from __future__ import annotations

@@ -550,7 +550,7 @@ def _key(template: str) -> str | None:
     return None
 
 
-def _message_args(node: ast.AST, module: str) -> Iterator[tuple[ast.expr, bool]]:
+def _message_args(node: ast.AST, folder: str) -> Iterator[tuple[ast.expr, bool]]:
     """The message arguments of a user-facing raise or log call, with their %-format flag."""
     if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
         func = node.exc.func
@@ -567,7 +567,7 @@ def _message_args(node: ast.AST, module: str) -> Iterator[tuple[ast.expr, bool]]
               and isinstance(node.args[0], ast.Constant)
               and node.args[0].value in ("WARNING", "ERROR")):
             yield node.args[1], False
-    elif (isinstance(node, ast.Assign) and module == "core.py"
+    elif (isinstance(node, ast.Assign) and folder == "core"
           and any(isinstance(t, ast.Name) and t.id in ("what", "why") for t in node.targets)):
         yield node.value, False  # launcher.core builds its ERROR lines and exit reasons so
 
@@ -587,7 +587,7 @@ def code_messages() -> dict[str, str]:
     found: dict[str, str] = {}
     for path in sorted(p for d in CODE_DIRS for p in d.rglob("*.py")):
         tree = ast.parse(path.read_text())
-        args = [(a, pct) for n in ast.walk(tree) for a, pct in _message_args(n, path.name)]
+        args = [(a, pct) for n in ast.walk(tree) for a, pct in _message_args(n, path.parent.name)]
         args += [(a, False) for a in _error_class_messages(tree)]
         for arg, percent in args:
             template = _template(arg, percent)

@@ -3,6 +3,8 @@
 `launcher/` (vlaunch.launcher) imports only `cache/contract/` (vlaunch.cache.contract), at any
 depth (function-level imports count): the launcher must start fast and never load torch.
 The contract imports nothing else of vlaunch; nothing in `cache/` imports the launcher.
+The supervisor's core (`launcher/core/`, and the events it speaks) stays pure: data types from
+the standard library, the events, the exit statuses; no I/O, no clock, no os.
 """
 
 from __future__ import annotations
@@ -17,6 +19,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"launcher": "vlaunch.launcher", "cache": "vlaunch.cache"}
 CONTRACT = "vlaunch.cache.contract"
+
+PURE = (ROOT / "launcher" / "core", ROOT / "launcher" / "events.py")
+"""The supervisor's pure state machine and its vocabulary."""
+PURE_STDLIB = {"__future__", "collections.abc", "dataclasses", "enum", "math", "signal", "types",
+               "typing"}
+"""Standard-library modules the core may import (`signal` for its numbers and names only)."""
+PURE_VLAUNCH = ("vlaunch.launcher.core", "vlaunch.launcher.events",
+                "vlaunch.cache.contract.exitcodes")
+IMPURE_BUILTINS = {"open", "print", "input", "exec", "eval", "compile", "__import__",
+                   "breakpoint"}
 
 LAUNCHER_EXCEPTIONS: dict[str, set[str]] = {
     # none: `vlaunch verify` execs vlaunch.cache.client.verify for its work
@@ -152,3 +164,48 @@ def test_no_module_imports_another_modules_private_names() -> None:
                        for a in node.names):
                     bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not bad, f"private names imported across modules: {bad}"
+
+
+def pure_sources() -> Iterator[tuple[str, Path]]:
+    """Every module of the supervisor's pure core."""
+    for place in PURE:
+        for path in sorted(place.rglob("*.py")) if place.is_dir() else [place]:
+            yield module_name(path), path
+
+
+def impurities(path: Path, module: str) -> Iterator[str]:
+    """What in `path` is more than data and decisions: an import outside the allowed ones, a
+    use of `signal` beyond its numbers and names, a builtin that does I/O or loads code."""
+    for m in imports(path, module):
+        if not m.startswith(PURE_VLAUNCH):
+            yield f"imports {m}"
+    for node in ast.walk(parsed(path)):
+        if isinstance(node, ast.Import):
+            yield from (f"imports {a.name}" for a in node.names
+                        if not a.name.startswith("vlaunch") and a.name not in PURE_STDLIB)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module and \
+                not node.module.startswith("vlaunch"):
+            if node.module not in PURE_STDLIB:
+                yield f"imports {node.module}"
+            elif node.module == "signal":
+                yield from (f"signal.{a.name}" for a in node.names if not _signal_data(a.name))
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                node.value.id == "signal" and not _signal_data(node.attr):
+            yield f"signal.{node.attr}"
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in IMPURE_BUILTINS:
+            yield f"calls {node.func.id}()"
+
+
+def _signal_data(name: str) -> bool:
+    """A signal number (SIGTERM) or the Signals enum: data, not a handler or a kill."""
+    return name == "Signals" or (name.startswith("SIG") and name[3:].isalnum()
+                                 and name[3:].isupper())
+
+
+def test_the_supervisor_core_is_pure() -> None:
+    """No I/O, no clock, no os in the core: time comes in events, effects go out as actions."""
+    found = {name: sorted(set(impurities(path, name))) for name, path in pure_sources()}
+    assert len(found) > 2, found  # the rule reads the package
+    bad = {name: what for name, what in found.items() if what}
+    assert not bad, f"the supervisor's core must stay pure: {bad}"

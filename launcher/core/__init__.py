@@ -1,0 +1,29 @@
+"""The supervisor's decisions: a pure state machine that takes events and returns actions.
+
+One concern a module: `supervisor` (the entry, `Supervisor.handle`, and the contract with the
+executor), `model` (phases, states, records), `state` (the shared state), `ranks`, `engine`,
+`budget`, `standby`, `stop`, `timers`, `view` (the status surface) and `exits` (how a child
+ended, in words). None of them does I/O or reads a clock (tests/test_layout.py checks it).
+"""
+
+from .exits import CACHE_STATUSES, describe_exit
+from .model import (
+    EngineState,
+    EngineStatus,
+    Failure,
+    Phase,
+    RankState,
+    RankStatus,
+    StandbyState,
+    StandbyStatus,
+    SupervisorProtocolError,
+)
+from .standby import STANDBY_MAX_FAILS
+from .supervisor import Supervisor
+from .timers import EXTEND_BY, EXTEND_EVERY
+
+__all__ = [
+    "CACHE_STATUSES", "EXTEND_BY", "EXTEND_EVERY", "STANDBY_MAX_FAILS", "EngineState",
+    "EngineStatus", "Failure", "Phase", "RankState", "RankStatus", "StandbyState",
+    "StandbyStatus", "Supervisor", "SupervisorProtocolError", "describe_exit",
+]

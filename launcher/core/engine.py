@@ -1,0 +1,164 @@
+"""The engine: spawn, readiness and health, an exit (config error, success, restart with
+backoff inside the budget), and SIGHUP's restart outside the budget."""
+
+from __future__ import annotations
+
+import math
+import signal
+from dataclasses import replace
+
+from vlaunch.cache.contract.exitcodes import ExitStatus
+
+from ..events import (
+    Action,
+    ChildExited,
+    EngineHealth,
+    EngineReady,
+    Log,
+    Notify,
+    SignalChild,
+    SignalReceived,
+    SpawnEngine,
+)
+from .exits import describe_exit
+from .model import ENGINE_ALIVE, EngineState
+from .state import SupervisorState, stale
+
+
+class EngineDecisions(SupervisorState):
+    """What the engine's spawn, ready, health and exit mean; SIGHUP; the backoff timers."""
+
+    def _on_engine_ready(self, e: EngineReady) -> list[Action]:
+        """The engine reported ready: READY=1 (again after a restart) and STATUS=serving."""
+        return self._engine_became_ready(e.now)
+
+    def _on_engine_health(self, e: EngineHealth) -> list[Action]:
+        """Track a ready engine's health; log and update STATUS when it changes."""
+        engine = self._engine
+        if engine is None or engine.state is not EngineState.READY or engine.healthy == e.ok:
+            return []
+        self._engine = replace(engine, healthy=e.ok)
+        level, word = ("INFO", "passes again") if e.ok else ("WARNING", "fails: not ready")
+        return [Log(level, f"engine (pid {engine.pid}) health check {word}"),
+                Notify({"STATUS": self._status_line()})]
+
+    def _spawn_engine(self) -> list[Action]:
+        """Start the engine's next attempt now (promote the standby, if one is parked)."""
+        if self._standby_parked():
+            return self._promote()
+        engine = self._require_engine()
+        attempt = engine.attempt + 1
+        self._engine = replace(engine, state=EngineState.STARTING, pid=None, attempt=attempt,
+                               restarts=engine.restarts + (attempt > 1), healthy=True)
+        self._respawn_due = None
+        return [Log("INFO", f"starting the engine (attempt {attempt})"),
+                Notify({"STATUS": self._status_line()}), SpawnEngine(attempt)]
+
+    def _settle_if_due(self, now: float) -> list[Action]:
+        """Readiness "none": the engine is ready once it has stayed up engine_settle seconds."""
+        if self._settle_due is None or now < self._settle_due:
+            return []
+        self._settle_due = None
+        return self._engine_became_ready(now)
+
+    def _engine_became_ready(self, now: float) -> list[Action]:
+        """Mark a starting engine ready: READY=1 every time (first start or after RELOADING)."""
+        engine = self._engine
+        if engine is None or engine.state is not EngineState.STARTING or self._stop is not None:
+            return []
+        self._engine = replace(engine, state=EngineState.READY, healthy=True)
+        self._ready_since, self._ready_sent, self._reloading = now, True, False
+        return [Log("INFO", f"engine ready (pid {engine.pid}, attempt {engine.attempt})"),
+                Notify({"READY": "1", "STATUS": self._status_line()}), *self._spawn_standby(now)]
+
+    def _on_engine_exited(self, e: ChildExited) -> list[Action]:
+        """The engine is gone: finish a stop, respawn after SIGHUP, stop, or restart it."""
+        engine = self._require_engine()
+        if engine.state not in ENGINE_ALIVE or stale(engine.pid, e.pid):
+            return []
+        self._reset_budget_if_stable(e.now)
+        self._settle_due = None
+        self._engine = replace(engine, state=EngineState.EXITED, pid=None, last_exit=e.status)
+        what = (f"engine (pid {e.pid}) exited: {describe_exit(e.status)}" if e.pid else
+                f"engine could not be started: {describe_exit(e.status)}")
+        if self._stop is not None:
+            return [Log("INFO", what), *self._stop_ranks(), *self._finish_if_done()]
+        if self._reload_deadline is not None:
+            self._reload_deadline = None
+            return [Log("INFO", f"{what}; restarting it (SIGHUP)"), *self._spawn_engine()]
+        return self._engine_crashed(e, what)
+
+    def _engine_crashed(self, e: ChildExited, what: str) -> list[Action]:
+        """Decide an unrequested engine exit: config error, success, or a restart."""
+        if e.status in self.config.engine_config_error_statuses:
+            why = f"{what}, a configuration error (engine_config_error_statuses): not restarting"
+            return [Log("ERROR", why), *self._begin_stop(ExitStatus.ENGINE_CONFIG, why, e.now)]
+        if e.status == 0 and self.config.stop_on_engine_success:
+            why = f"{what}: finished (stop_on_engine_success)"
+            return [Log("INFO", why), *self._begin_stop(ExitStatus.OK, why, e.now)]
+        return self._schedule_restart(what, e.now)
+
+    def _reset_budget_if_stable(self, now: float) -> None:
+        """Forget restarts and backoff if the exiting engine stayed ready `stable_after`."""
+        if self._ready_since is not None and now - self._ready_since >= self.config.stable_after:
+            self._budget.reset()
+        self._ready_since = None
+
+    def _schedule_restart(self, what: str, now: float) -> list[Action]:
+        """Count the restart against the budget, then respawn after the backoff."""
+        c = self.config
+        count = self._budget.count(now)
+        if self._budget.exhausted(count):
+            why = (f"{what}; restart budget exhausted ({count} exits in {c.restart_window:g} s, "
+                   f"at most {c.restart_max} restarts allowed)")
+            return [Log("ERROR", why), *self._begin_stop(ExitStatus.ENGINE_BUDGET, why, now)]
+        delay = self._budget.next_delay()
+        self._engine = replace(self._require_engine(), state=EngineState.BACKOFF)
+        if self._standby_parked():  # a promotion counts as a restart, but waits for nothing
+            delay = 0.0
+        self._respawn_due = now + delay
+        attempt = self._require_engine().attempt + 1
+        status = f"restarting engine (attempt {attempt}, in {delay:g} s)"
+        return [Log("WARNING", f"{what}; restarting it in {delay:g} s ({count} of at most "
+                               f"{c.restart_max} restarts in {c.restart_window:g} s)"),
+                Notify({**self._reloading_field(), "STATUS": status}), *self._respawn_if_due(now)]
+
+    def _reloading_field(self) -> dict[str, str]:
+        """RELOADING=1 once per restart, and only after READY=1 (systemd's reload state)."""
+        if not self._ready_sent or self._reloading:
+            return {}
+        self._reloading = True
+        return {"RELOADING": "1"}
+
+    def _respawn_if_due(self, now: float) -> list[Action]:
+        """Respawn the engine once its backoff has passed."""
+        if self._respawn_due is None or now < self._respawn_due:
+            return []
+        return self._spawn_engine()
+
+    def _on_sighup(self, e: SignalReceived) -> list[Action]:
+        """SIGHUP: restart the engine now, outside the restart budget."""
+        engine = self._engine
+        if engine is None or self._stop is not None:
+            why = "no engine to restart (caches only)" if engine is None else "stopping"
+            return [Log("INFO", f"SIGHUP ignored: {why}")]
+        if engine.state is EngineState.BACKOFF:  # RELOADING=1 went out with the crash
+            return [Log("INFO", "SIGHUP: restarting the engine now, skipping its backoff"),
+                    *self._spawn_engine()]
+        if engine.state not in (EngineState.STARTING, EngineState.READY):
+            return [Log("INFO", f"SIGHUP ignored: the engine is {engine.state.value}")]
+        self._engine = replace(engine, state=EngineState.STOPPING)
+        self._reload_deadline = e.now + self.config.stop_timeout
+        return [Log("INFO", f"SIGHUP: restarting the engine (pid {engine.pid})"),
+                Notify({**self._reloading_field(), "STATUS": "restarting engine (SIGHUP)"}),
+                SignalChild("engine", None, signal.SIGTERM)]
+
+    def _reload_timeout(self, now: float) -> list[Action]:
+        """SIGKILL an engine that ignored a SIGHUP restart's SIGTERM for stop_timeout."""
+        if self._reload_deadline is None or now < self._reload_deadline:
+            return []
+        self._reload_deadline = math.inf  # still a reload, killed once
+        pid = self._require_engine().pid
+        return [Log("WARNING", f"the engine (pid {pid}) ignored SIGTERM for "
+                               f"{self.config.stop_timeout:g} s: killing it"),
+                SignalChild("engine", None, signal.SIGKILL)]

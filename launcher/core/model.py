@@ -1,0 +1,145 @@
+"""The supervisor's model: the phase table, each child's states and the records it reports.
+
+Plain enums and frozen dataclasses; the decisions that move between these states are in the
+other modules of this package.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from vlaunch.cache.contract.exitcodes import ExitStatus
+
+
+class SupervisorProtocolError(RuntimeError):
+    """The executor fed an event that cannot happen: a bug in the executor, not in a child."""
+
+
+class Phase(enum.Enum):
+    """Where the launcher stands as a whole; derived from the children, never stored.
+
+    loading          Cache ranks load their shards; STATUS counts them and
+                     EXTEND_TIMEOUT_USEC keeps systemd waiting.
+                     -> starting_engine  the last rank is ready (with an engine)
+                     -> serving          the last rank is ready (caches only): READY=1
+                     -> stopping         a rank exits (its own status, else 68); SIGTERM/SIGINT
+    starting_engine  Every rank was ready once; the engine runs, or waits out a backoff, but
+                     has never been ready (no READY=1 yet, so no RELOADING=1 either).
+                     -> serving          EngineReady: READY=1
+                     -> stopping         budget (80), config error (81), success (0), a rank
+                                         exits (69), SIGTERM/SIGINT (0)
+    serving          READY=1 sent; the engine is ready, or there is none. A rank respawning
+                     from escrow (on_rank_exit=respawn) stays here: the engine keeps serving
+                     from its mappings.
+                     -> restarting       the engine exits or SIGHUP: RELOADING=1
+                     -> stopping         as from starting_engine
+    restarting       RELOADING=1 sent; the engine is stopping (SIGHUP), in backoff, or
+                     respawned and not ready yet.
+                     -> serving          EngineReady: READY=1 again
+                     -> stopping         as from starting_engine
+    stopping         STOPPING=1 sent; the engine gets SIGTERM, then (once it is gone) the
+                     ranks. The first cause fixes the exit status.
+                     -> stopped          every child exited, or stop_timeout / a second
+                                         SIGTERM/SIGINT: KillAll (82 unless a failure began it)
+    stopped          Exit returned; every later event is ignored.
+    """
+
+    LOADING = "loading"
+    STARTING_ENGINE = "starting_engine"
+    SERVING = "serving"
+    RESTARTING = "restarting"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class RankState(enum.Enum):
+    """One cache rank: loading -> ready -> (respawning -> ready)* -> stopping -> exited."""
+
+    LOADING = "loading"
+    READY = "ready"
+    RESPAWNING = "respawning"
+    STOPPING = "stopping"
+    EXITED = "exited"
+
+
+class EngineState(enum.Enum):
+    """The engine: pending -> starting -> ready, then backoff/stopping -> starting, or exited."""
+
+    PENDING = "pending"
+    STARTING = "starting"
+    READY = "ready"
+    BACKOFF = "backoff"
+    STOPPING = "stopping"
+    EXITED = "exited"
+
+
+class StandbyState(enum.Enum):
+    """The standby engine: none -> starting -> parked -> (promoted: none) | stopping -> none."""
+
+    NONE = "none"
+    STARTING = "starting"
+    PARKED = "parked"
+    STOPPING = "stopping"
+
+
+ENGINE_ALIVE = (EngineState.STARTING, EngineState.READY, EngineState.STOPPING)
+"""Engine states in which its process may still exist."""
+RANK_RUNNING = (RankState.LOADING, RankState.READY, RankState.RESPAWNING)
+"""Rank states in which the rank runs and has not been asked to stop."""
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """One cache rank as the status surface shows it."""
+
+    rank: int
+    state: RankState = RankState.LOADING
+    pid: int | None = None
+    last_exit: int | None = None
+    respawns: int = 0
+    loaded_bytes: int = 0  # while loading: from its progress reports; once ready: total_bytes
+    total_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """The engine as the status surface shows it; `restarts` counts every respawn."""
+
+    state: EngineState = EngineState.PENDING
+    pid: int | None = None
+    attempt: int = 0
+    restarts: int = 0
+    last_exit: int | None = None
+    healthy: bool = True
+
+
+@dataclass(frozen=True)
+class StandbyStatus:
+    """The standby engine (--standby) as the status surface shows it."""
+
+    state: StandbyState = StandbyState.NONE
+    pid: int | None = None
+    number: int = 0  # standbys started so far
+    promotions: int = 0
+    failures: int = 0  # standbys in a row that died before parking
+    given_up: bool = False
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The first cache rank that failed, as logged and reported."""
+
+    rank: int
+    pid: int
+    status: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """A stop in progress: its first cause (the exit status) and its deadline."""
+
+    cause: ExitStatus
+    reason: str
+    deadline: float
+    signals: int

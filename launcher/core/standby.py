@@ -1,0 +1,133 @@
+"""The standby engine (--standby): start one once the engine is ready, promote it instead of
+spawning, replace one that dies, give standbys up after repeated failures or a park timeout."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import replace
+
+from ..events import (
+    Action,
+    ChildExited,
+    Log,
+    Notify,
+    PromoteStandby,
+    SignalChild,
+    Spawned,
+    SpawnStandby,
+    StandbyParked,
+)
+from .exits import describe_exit
+from .model import EngineState, StandbyState, SupervisorProtocolError
+from .state import SupervisorState
+
+STANDBY_MAX_FAILS = 3
+"""Standbys in a row that die before parking; then the launcher gives standbys up."""
+
+
+class StandbyDecisions(SupervisorState):
+    """When to start, promote, replace, stop or give up the standby engine."""
+
+    def _standby_parked(self) -> bool:
+        """Whether a parked standby waits for its promotion."""
+        return self._standby is not None and self._standby.state is StandbyState.PARKED
+
+    def _is_promoted(self, pid: int) -> bool:
+        """Whether `pid` is the engine now: a standby promoted before its exit was reaped."""
+        engine = self._engine
+        return engine is not None and engine.pid is not None and engine.pid == pid
+
+    def _spawn_standby(self, now: float) -> list[Action]:
+        """Start a standby, when standbys are on, the engine is ready and there is none."""
+        sb, engine = self._standby, self._engine
+        if sb is None or sb.given_up or sb.state is not StandbyState.NONE or \
+                self._stop is not None or engine is None or engine.state is not EngineState.READY:
+            return []
+        self._standby = replace(sb, state=StandbyState.STARTING, pid=None, number=sb.number + 1)
+        self._park_due = now + self.config.standby_park_timeout
+        return [Log("INFO", f"starting standby engine {sb.number + 1}"),
+                SpawnStandby(sb.number + 1)]
+
+    def _standby_spawned(self, e: Spawned) -> list[Action]:
+        """Record the standby's pid."""
+        sb = self._standby
+        if sb is None or sb.state is StandbyState.NONE:
+            raise SupervisorProtocolError(f"{e!r}: no standby was asked for")
+        self._standby = replace(sb, pid=e.pid)
+        return [Log("INFO", f"standby engine {sb.number} started (pid {e.pid})")]
+
+    def _on_standby_parked(self, e: StandbyParked) -> list[Action]:
+        """The standby is parked: promote it at once if the engine is already down."""
+        sb = self._standby
+        if sb is None or sb.state is not StandbyState.STARTING:
+            return []
+        self._standby = replace(sb, state=StandbyState.PARKED, failures=0)
+        self._park_due = None
+        actions: list[Action] = [Log("INFO", f"standby engine {sb.number} (pid {sb.pid}) parked")]
+        if self._respawn_due is not None and self._stop is None:  # the engine is in backoff
+            actions += self._spawn_engine()
+        return actions
+
+    def _promote(self) -> list[Action]:
+        """Make the parked standby the engine's next attempt; a new standby follows once it is
+        ready."""
+        sb, engine = self._standby, self._require_engine()
+        assert sb is not None
+        attempt = engine.attempt + 1
+        self._standby = replace(sb, state=StandbyState.NONE, pid=None,
+                                promotions=sb.promotions + 1)
+        self._engine = replace(engine, state=EngineState.STARTING, pid=sb.pid, attempt=attempt,
+                               restarts=engine.restarts + (attempt > 1), healthy=True)
+        self._respawn_due = None
+        actions: list[Action] = [
+            Log("INFO", f"promoting standby engine {sb.number} (pid {sb.pid}) to engine "
+                        f"attempt {attempt}"),
+            Notify({"STATUS": self._status_line()}), PromoteStandby()]
+        if self.config.engine_readiness == "none":
+            self._settle_due = self._now + self.config.engine_settle
+            actions += self._settle_if_due(self._now)
+        return actions
+
+    def _on_standby_exited(self, e: ChildExited) -> list[Action]:
+        """A standby died or stopped: replace it, or give standbys up after repeated failures."""
+        sb = self._standby
+        if sb is None or sb.state is StandbyState.NONE or (sb.pid is not None and sb.pid != e.pid):
+            return []
+        parked = sb.state is StandbyState.PARKED
+        self._standby = sb = replace(sb, state=StandbyState.NONE, pid=None,
+                                     failures=sb.failures + (not parked))
+        self._park_due = None
+        what = f"standby engine {sb.number} (pid {e.pid}) exited: {describe_exit(e.status)}"
+        if self._stop is not None:
+            return [Log("INFO", what), *self._finish_if_done()]
+        if sb.given_up:
+            return [Log("INFO", what)]
+        if sb.failures >= STANDBY_MAX_FAILS:
+            self._standby = replace(sb, given_up=True)
+            return [Log("WARNING", f"{what}; {sb.failures} standbys in a row died before "
+                                   "parking: giving standbys up, engine restarts are ordinary "
+                                   "restarts from now on")]
+        return [Log("WARNING", f"{what}; replacing it"), *self._spawn_standby(e.now)]
+
+    def _park_timeout(self, now: float) -> list[Action]:
+        """Give standbys up when one has not parked within standby_park_timeout."""
+        sb = self._standby
+        if sb is None or self._park_due is None or now < self._park_due or \
+                sb.state is not StandbyState.STARTING:
+            return []
+        self._park_due = None
+        self._standby = replace(sb, state=StandbyState.STOPPING, given_up=True)
+        limit = self.config.standby_park_timeout
+        return [Log("WARNING", f"standby engine {sb.number} (pid {sb.pid}) did not park within "
+                               f"{limit:g} s (--standby-park-timeout): killing it and giving "
+                               "standbys up; engine restarts are ordinary restarts from now on"),
+                SignalChild("standby", None, signal.SIGKILL)]
+
+    def _stop_standby(self) -> list[Action]:
+        """SIGTERM a live standby as part of the stop."""
+        sb = self._standby
+        self._park_due = None
+        if sb is None or sb.state in (StandbyState.NONE, StandbyState.STOPPING):
+            return []
+        self._standby = replace(sb, state=StandbyState.STOPPING)
+        return [SignalChild("standby", None, signal.SIGTERM)]

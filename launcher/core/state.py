@@ -1,0 +1,101 @@
+"""The supervisor's state, shared by the decision mixins, and the lookups they all use.
+
+`Supervisor` (supervisor.py) is this state plus one mixin per concern (ranks, engine, standby,
+stop, timers, status view). The mixins call each other's steps through `self`; none keeps
+state of its own.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..events import Exit, SupervisorConfig
+from .budget import RestartBudget
+from .model import (
+    ENGINE_ALIVE,
+    EngineState,
+    EngineStatus,
+    Failure,
+    Phase,
+    RankState,
+    RankStatus,
+    StandbyState,
+    StandbyStatus,
+    Stop,
+    SupervisorProtocolError,
+)
+
+
+class SupervisorState:
+    """Every field the decisions read and write; `phase` is derived from them."""
+
+    def __init__(self, config: SupervisorConfig) -> None:
+        """Loading, nothing spawned, no stop, no exit."""
+        self.config = config
+        self._ranks = {r: RankStatus(r) for r in config.ranks}
+        self._engine = EngineStatus() if config.has_engine else None
+        self._started = False
+        self._caches_loaded = False  # every rank was ready once: startup is past loading
+        self._ready_sent = False
+        self._reloading = False  # RELOADING=1 sent, READY=1 not yet again
+        self._first_failure: Failure | None = None
+        self._stop: Stop | None = None
+        self._exit: Exit | None = None
+        self._budget = RestartBudget(config)
+        self._respawn_due: float | None = None
+        self._ready_since: float | None = None
+        self._reload_deadline: float | None = None  # SIGHUP asked the engine to stop
+        self._next_extend = -math.inf
+        self._next_watchdog = -math.inf
+        self._pending_since: float | None = None  # not serving since then (start_timeout)
+        self._settle_due: float | None = None  # readiness "none": when the engine counts ready
+        self._standby = StandbyStatus() if config.standby else None
+        self._park_due: float | None = None  # the standby must park by then
+        self._now = 0.0  # the time of the event being handled
+        self._preloading = False  # the preload command runs (PreloadDone not yet)
+
+    @property
+    def phase(self) -> Phase:
+        """The launcher's phase (see `Phase` for the table)."""
+        if self._exit is not None:
+            return Phase.STOPPED
+        if self._stop is not None:
+            return Phase.STOPPING
+        if not self._caches_loaded:
+            return Phase.LOADING
+        if self._engine is None or self._engine.state is EngineState.READY:
+            return Phase.SERVING
+        return Phase.RESTARTING if self._ready_sent else Phase.STARTING_ENGINE
+
+    def _rank(self, rank: int | None) -> RankStatus:
+        """The status of `rank`; an unknown rank is an executor bug."""
+        if rank not in self._ranks:
+            raise SupervisorProtocolError(f"cache rank {rank!r} is not one of "
+                                          f"{self.config.ranks}")
+        return self._ranks[rank]
+
+    def _require_engine(self) -> EngineStatus:
+        """The engine's status; an engine event in the caches-only layout is a bug."""
+        if self._engine is None:
+            raise SupervisorProtocolError("engine event, but this launcher runs no engine")
+        return self._engine
+
+    def _engine_alive(self) -> bool:
+        """Whether an engine process may still exist."""
+        return self._engine is not None and self._engine.state in ENGINE_ALIVE
+
+    def _standby_alive(self) -> bool:
+        """Whether a standby process may still exist (not yet promoted)."""
+        return self._standby is not None and self._standby.state is not StandbyState.NONE
+
+    def _live_children(self) -> list[str]:
+        """Names of the children not yet reaped, for log lines."""
+        names = ["the engine"] if self._engine_alive() else []
+        names += ["the standby engine"] if self._standby_alive() else []
+        return names + [f"cache rank {r.rank}" for r in self._ranks.values()
+                        if r.state is not RankState.EXITED]
+
+
+def stale(known_pid: int | None, pid: int) -> bool:
+    """Whether an exit reports a pid other than the child's current one."""
+    return known_pid is not None and known_pid != pid

@@ -1,0 +1,154 @@
+"""The supervisor's entry: `Supervisor.handle` takes one event, dispatches it to the decisions
+of its concern (ranks, engine, standby, stop, timers) and returns the actions.
+
+Nothing in this package touches a process, a clock, a socket or a logger (the h11 shape). The asyncio
+executor feeds `Supervisor.handle` one event at a time (a child exited, a signal arrived, a
+tick) and executes the actions it returns, in order: spawn, signal, notify, log, exit. Time
+arrives inside the events (`now`, monotonic seconds), so a test replays a whole history in
+microseconds.
+
+Contract with the executor:
+
+- `Started` comes first, exactly once; any other event before it, or a second `Started`, or a
+  rank that is not in `SupervisorConfig.ranks`, raises `SupervisorProtocolError` (a bug).
+- Every `SpawnCache`/`SpawnEngine` is answered by `Spawned` (with the pid) and later by one
+  `ChildExited`. A spawn that fails outright (exec error) is reported as a `ChildExited` with
+  the status the executor chose (127 for a missing program, like a shell), no `Spawned` needed.
+- `SignalChild` and `KillAll` address a child's process group: children run in their own.
+- `Tick` arrives often (every 0.1-0.25 s is plenty): backoff, stop timeout, the SIGHUP kill
+  deadline, `WATCHDOG=1` and `EXTEND_TIMEOUT_USEC` all fire on the first tick at or after
+  their time.
+- Engine readiness, by `SupervisorConfig.engine_readiness`: "notify": the executor relays the
+  engine's own sd_notify `READY=1` as `EngineReady`; "http": it polls the health URL and sends
+  `EngineReady` when it first answers, then `EngineHealth` for each later probe; "none": the
+  engine counts as ready once it has stayed up `engine_settle` seconds after its `Spawned`
+  (at once when 0; an `EngineReady` sent anyway is ignored), so an engine that exits at once
+  is never reported ready.
+- `RunPreload` (only with `SupervisorConfig.preload`, once, when every rank is first ready) is
+  answered by exactly one `PreloadDone`, after the command ended, timed out or failed to
+  start; the engine is spawned (or READY=1 sent) only then. The executor kills a preload
+  still running at shutdown.
+- `Exit` is the last action ever returned; later events return nothing. The executor exits
+  with `Exit.status` after its sweep (psutil) of anything left.
+- `Notify` fields are sd_notify assignments in order; the executor adds `MONOTONIC_USEC` to
+  a message that carries `RELOADING=1`.
+- `Log.level` is a `logging` level name ("INFO", "WARNING", "ERROR").
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from ..events import (
+    Action,
+    CacheProgress,
+    CacheReady,
+    ChildExited,
+    EngineHealth,
+    EngineReady,
+    Event,
+    Log,
+    Notify,
+    PreloadDone,
+    SignalReceived,
+    SpawnCache,
+    Spawned,
+    StandbyParked,
+    Started,
+    SupervisorConfig,
+    Tick,
+)
+from .engine import EngineDecisions
+from .exits import signal_name
+from .model import SupervisorProtocolError
+from .ranks import RankDecisions
+from .standby import StandbyDecisions
+from .stop import StopDecisions
+from .timers import EXTEND_BY, EXTEND_EVERY, Timers, usec
+from .view import StatusView
+
+
+class Supervisor(RankDecisions, EngineDecisions, StandbyDecisions, StopDecisions, Timers,
+                 StatusView):
+    """The launcher's decisions: `handle(event)` returns the actions to execute, in order."""
+
+    def __init__(self, config: SupervisorConfig) -> None:
+        """Start in phase loading with nothing spawned; `Started` spawns the ranks."""
+        super().__init__(config)
+        self._handlers: dict[type, Callable[[Any], list[Action]]] = {
+            Started: self._on_started, CacheReady: self._on_cache_ready,
+            ChildExited: self._on_child_exited, EngineReady: self._on_engine_ready,
+            EngineHealth: self._on_engine_health, SignalReceived: self._on_signal,
+            Tick: self._on_tick, Spawned: self._on_spawned, PreloadDone: self._on_preload_done,
+            CacheProgress: self._on_cache_progress, StandbyParked: self._on_standby_parked,
+        }
+
+    def handle(self, event: Event) -> list[Action]:
+        """Consume one event; return the actions to execute, in order."""
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise TypeError(f"not a supervisor event: {event!r}")
+        if self._exit is not None:
+            return []
+        if isinstance(event, Started) == self._started:
+            raise SupervisorProtocolError(f"{event!r}: Started must come first, exactly once")
+        self._now = event.now
+        actions = handler(event)
+        if self.config.start_timeout is not None and self._pending_since is None \
+                and self._exit is None and self._stop is None and self._pending():
+            self._pending_since = event.now  # the start-up deadline runs from here
+        return actions
+
+    def _on_started(self, e: Started) -> list[Action]:
+        """Spawn every cache rank from disk and report loading."""
+        self._started = True
+        self._next_extend = e.now + EXTEND_EVERY
+        ranks = ", ".join(map(str, self.config.ranks))
+        return [Log("INFO", f"starting cache ranks {ranks}"),
+                *(SpawnCache(r, adopt=False) for r in self.config.ranks),
+                Notify({"STATUS": self._status_line(), "EXTEND_TIMEOUT_USEC": usec(EXTEND_BY)})]
+
+    def _on_spawned(self, e: Spawned) -> list[Action]:
+        """Record a child's pid; with readiness "none" a spawned engine is ready."""
+        if e.role == "cache":
+            rank = self._rank(e.rank)
+            self._ranks[rank.rank] = replace(rank, pid=e.pid)
+            return []
+        if e.role == "standby":
+            return self._standby_spawned(e)
+        engine = self._engine = replace(self._require_engine(), pid=e.pid)
+        actions: list[Action] = [Log("INFO", f"engine started (pid {e.pid}, attempt "
+                                             f"{engine.attempt})")]
+        if self.config.engine_readiness == "none":
+            self._settle_due = e.now + self.config.engine_settle
+            actions += self._settle_if_due(e.now)
+        return actions
+
+    def _on_signal(self, e: SignalReceived) -> list[Action]:
+        """Dispatch a signal: SIGTERM/SIGINT stop, SIGQUIT quits now, SIGHUP restarts the
+        engine."""
+        if e.sig in (signal.SIGTERM, signal.SIGINT):
+            return self._on_stop_signal(e)
+        if e.sig == signal.SIGQUIT:
+            return self._on_quit(e)
+        if e.sig == signal.SIGHUP:
+            return self._on_sighup(e)
+        return [Log("WARNING", f"{signal_name(e.sig)} ignored")]
+
+    def _on_tick(self, e: Tick) -> list[Action]:
+        """Fire whatever is due: watchdog, timeout extension, backoff, kill deadlines."""
+        return [*self._watchdog(e.now), *self._extend(e.now), *self._settle_if_due(e.now),
+                *self._respawn_if_due(e.now),
+                *self._reload_timeout(e.now), *self._stop_timeout(e.now),
+                *self._start_timeout(e.now), *self._park_timeout(e.now)]
+
+    def _on_child_exited(self, e: ChildExited) -> list[Action]:
+        """Dispatch a reaped child to the engine, the standby or the rank handler."""
+        if e.role == "standby" and not self._is_promoted(e.pid):
+            return self._on_standby_exited(e)
+        if e.role in ("engine", "standby"):
+            return self._on_engine_exited(e)
+        return self._on_rank_exited(e)

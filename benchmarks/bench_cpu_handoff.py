@@ -3,8 +3,12 @@
 On CPU, safetensors' load_file maps the file lazily: it returns before any byte is read, and
 the bytes arrive as page faults on first use. So the table compares the call alone and the
 call plus one read of every page (tensors really usable) on both sides; the second is the
-figure that counts (target >= 2x). The host's shmem huge-page policy decides how many page
-faults a memfd mapping costs, so it is printed with the table.
+figure that counts (target >= 2x). Pages are touched from one thread (numpy), so that waking
+torch's thread pool on a busy machine is not what is timed. What a touch costs is decided by
+the slab's page size, so the table says which backing the rank chose (memfd or an unnamed
+file: cache/store/cpubacking.py), how much of the client's mapping ended up in 2 MiB
+entries, and the host's shmem huge-page policy. VLAUNCH_CPU_SLABS=memfd|file in the
+environment forces a backing (the rank inherits it).
 
     python benchmarks/bench_cpu_handoff.py [--size-mb 512] [--repeats 7]
     python benchmarks/bench_cpu_handoff.py --size-mb 64 --repeats 3      # CI: a few seconds
@@ -50,13 +54,39 @@ def median_ms(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(times)
 
 
-def touch(tensors: dict) -> None:  # type: ignore[type-arg]
-    """Touch every page once, so lazily mapped pages are faulted in."""
+def touch(tensors: dict, pmd: list[int] | None = None) -> None:  # type: ignore[type-arg]
+    """Touch every page once, so lazily mapped pages are faulted in; note the PMD-mapped kB."""
     for t in tensors.values():
-        t.reshape(-1).view(torch.uint8)[::4096].sum()
+        t.reshape(-1).view(torch.uint8).numpy()[::4096].sum()
+    if pmd is not None:
+        pmd.append(pmd_mapped_kb())
     client = getattr(tensors, "client", None)
     if client is not None:
         client.close()
+
+
+def pmd_mapped_kb() -> int:
+    """kB of this process's shared file and shmem mappings mapped by 2 MiB entries."""
+    kb = 0
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith(("FilePmdMapped:", "ShmemPmdMapped:")):
+            kb += int(line.split()[1])
+    return kb
+
+
+def backing_of(pid: int) -> str:
+    """What a rank's slabs are, from the descriptors it holds: memfd or (unnamed) file."""
+    kinds = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:vlaunch-slab"):
+            kinds.add("memfd")
+        elif target.endswith("(deleted)") and "/#" in target:
+            kinds.add(f"file in {target.rsplit('/#', 1)[0]}")
+    return " + ".join(sorted(kinds)) or "unknown"
 
 
 def shmem_policy() -> str:
@@ -95,7 +125,10 @@ def main() -> None:
                   "device": "cpu"}
             share_ms = median_ms(lambda: load(str(model), **kw).client.close(), args.repeats)
             st_read_ms = median_ms(lambda: touch(load_file(str(model))), args.repeats)
+            pmd: list[int] = []
+            touch(load(str(model), **kw), pmd)  # untimed: reading smaps takes milliseconds
             share_read_ms = median_ms(lambda: touch(load(str(model), **kw)), args.repeats)
+            backing = backing_of(proc.pid)
             copy_ms = median_ms(lambda: load(str(model), mode="copy", **kw), args.repeats)
         finally:
             proc.terminate()
@@ -110,6 +143,8 @@ def main() -> None:
     print(f"\nshard {gb:.2f} GB, median of {args.repeats}, {time.strftime('%Y-%m-%d')}; "
           "baseline: safetensors.torch.load_file, page cache warm; shmem huge pages: "
           f"{shmem_policy()}")
+    print(f"slab backing: {backing}; client mapping in 2 MiB entries after the touch: "
+          f"{pmd[0] >> 10} of {ready['bytes'] >> 20} MiB")
     print(f"{'figure':<30} {'vlaunch':>12} {'baseline':>12} {'ratio':>8} {'target':>8}")
     for r in rows:
         print(f"{r[0]:<30} {r[1]:>12} {r[2]:>12} {r[3]:>8} {r[4]:>8}")

@@ -1,9 +1,10 @@
 """Slabs: few large allocations that hold a rank's tensors, exported as file descriptors.
 
-One interface, two backends. The CPU backend lives here (memfd_create + mmap); the CUDA
-backend (VMM allocations with the POSIX-fd handle type) lives in `slabs_cuda`. Either way a
-slab is a file descriptor: it crosses a Unix socket with SCM_RIGHTS, and an open fd or a live
-mapping keeps the memory alive after the process that allocated it has died.
+One interface, two backends. The CPU backend lives here (mmap of a memfd or of an unnamed
+file; `cpubacking` chooses per host); the CUDA backend (VMM allocations with the POSIX-fd
+handle type) lives in `slabs_cuda`. Either way a slab is a file descriptor: it crosses a Unix
+socket with SCM_RIGHTS, and an open fd or a live mapping keeps the memory alive after the
+process that allocated it has died.
 """
 
 from __future__ import annotations
@@ -57,26 +58,29 @@ class Backend(Protocol):
 
 
 class CpuSlab:
-    """A memfd with a shared mapping: the CPU backend's slab."""
+    """A memfd, or an unnamed file on a disk filesystem, with a shared mapping: the CPU
+    backend's slab (`cpubacking` says which backing and why)."""
 
     def __init__(self, size: int) -> None:
+        from vlaunch.cache.store.cpubacking import new_slab_fd
+
         self.size = size
-        self._fd = os.memfd_create("vlaunch-slab", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(self._fd, max(size, 1))
-        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        self._fd, self.backing = new_slab_fd(max(size, 1))
+        self._export = self._fd  # after seal(), a file slab exports a read-only descriptor
+        if self.backing == "memfd":
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         self._map: mmap.mmap | None = mmap.mmap(self._fd, max(size, 1))
-        # Huge pages where the host's shmem THP policy is "advise" (also "always" or
-        # "within_size"): a client then maps 2 MiB per page fault instead of 4 KiB. Hosts
-        # default to "never"; /sys/kernel/mm/transparent_hugepage/shmem_enabled says. Filling
-        # or importing with MAP_POPULATE / MADV_POPULATE_READ was measured and gained nothing
-        # with 4 KiB pages: the kernel's per-page work is the cost, not the faults.
+        # 2 MiB pages (or page-cache folios) for what the fill faults in: a client then maps
+        # 2 MiB per page fault instead of 4 KiB. For a memfd this takes effect only where the
+        # host's shmem THP policy allows it (cpubacking). Populating in one call
+        # (MAP_POPULATE / MADV_POPULATE_READ) was measured and gained nothing with 4 KiB pages.
         with contextlib.suppress(AttributeError, OSError):
             self._map.madvise(mmap.MADV_HUGEPAGE)
         self._tensor: torch.Tensor | None = None
 
     def export_fd(self) -> int:
-        """Return a duplicate of the memfd."""
-        return os.dup(self._fd)
+        """Return a new descriptor for the slab (read-only once a file slab is sealed)."""
+        return os.dup(self._export)
 
     def tensor(self) -> torch.Tensor:
         """A writable uint8 tensor over the mapping."""
@@ -86,31 +90,44 @@ class CpuSlab:
 
     def seal(self) -> None:
         """Forbid new writable mappings (clients map read-only in share mode)."""
+        if self.backing == "file":
+            self._seal_file()
+            return
         with contextlib.suppress(OSError):  # kernels before 5.1 lack FUTURE_WRITE
             fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
 
+    def _seal_file(self) -> None:
+        """A file cannot be sealed: export an O_RDONLY descriptor (no writable shared mapping
+        can be made from it) and drop the owner's write permission, so that reopening it
+        through /proc for writing fails too (except for root)."""
+        if self._export != self._fd:
+            return
+        os.fchmod(self._fd, 0o400)
+        with contextlib.suppress(OSError):  # no /proc: export the descriptor itself
+            self._export = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
+
     def release(self) -> None:
-        """Close the fd and drop the cache's own mapping reference."""
+        """Close the descriptors and drop the cache's own mapping reference."""
         self._tensor = None
         self._map = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        for fd in {self._fd, self._export} - {-1}:
+            os.close(fd)
+        self._fd = self._export = -1
 
 
 class CpuBackend:
-    """memfd_create + mmap: the same protocol as CUDA, on any Linux machine."""
+    """memfd (or unnamed file) + mmap: the same protocol as CUDA, on any Linux machine."""
 
     name = "cpu"
     device = "cpu"
     alignment = 256
 
     def allocate(self, size: int) -> CpuSlab:
-        """Allocate a sealed-size memfd slab."""
+        """Allocate a CPU slab (a size-sealed memfd, or a file where that maps faster)."""
         return CpuSlab(size)
 
     def import_fd(self, fd: int, size: int, *, readonly: bool) -> torch.Tensor:
-        """Map a memfd another process sent; refuses one smaller than announced."""
+        """Map a slab another process sent; refuses one smaller than announced."""
         actual = os.fstat(fd).st_size
         if actual < size:
             raise CacheBrokenError(f"slab fd holds {actual} bytes, manifest says {size}")

@@ -14,8 +14,13 @@ GPU. In one run, under `vlaunch run`:
 - bare: `python -c "import torch; torch.zeros(1, device='cuda')"`, spawn to allocation done;
 - kill -> serving: rank 0 of the engine SIGKILLed (its worker dies with it), until the
   restarted engine answers a /generate (and until its weights are ready, from its /stats),
-  median of --reps; the restarted engine must report layout "engine".
-Prints two tables with ratios; NVLink multicast stays off in every process.
+  median of --reps; the restarted engine must report layout "engine";
+- where each GPU's bytes go, after the first start and after the last restart (each once it
+  has answered a /generate): the engine rank's own breakdown from /stats `memory` (weights
+  mapped from the cache vs its own, torch allocated and reserved, KV cache, the process's
+  device bytes per NVML and the remainder: CUDA context, NCCL, workspaces) next to
+  nvidia-smi's used and per-process MiB.
+Prints three tables; NVLink multicast stays off in every process.
 """
 
 from __future__ import annotations
@@ -125,6 +130,7 @@ def main() -> None:
             wait(lambda: generate_ok(pf))
             time.sleep(1.0)  # the ranks free the raw slabs just after answering the commit
             layout = gpu_bytes()
+            first_memory = (engine_stats(pf) or {}).get("memory") or []
             kill_ready, kill_serving = [], []
             for _ in range(args.reps):
                 pf.unlink()
@@ -136,10 +142,13 @@ def main() -> None:
                 kill_serving.append(time.time() - t)
                 assert (stats["source"], stats["layout"]) == ("cache", "engine"), stats
             steady = gpu_bytes()
+            restart_memory = (engine_stats(pf) or {}).get("memory") or []
         finally:
             launcher.send_signal(signal.SIGTERM)
             status = launcher.wait(180)
     _print(args, devices, raw, layout, steady, bare, kill_ready, kill_serving, status)
+    _print_memory([("first start", layout, first_memory),
+                   ("after restarts", steady, restart_memory)])
 
 
 def _status_url(sock: Path) -> str | None:
@@ -168,6 +177,41 @@ def _print(args: Any, devices: str, raw: dict[str, Any], layout: dict[str, Any],
     print(f"{'figure':<52} {'seconds':>8} {'x bare':>7}")
     for name, sec in rows:
         print(f"{name:<52} {sec:>8.2f} {sec / b:>7.2f}")
+
+
+def _print_memory(phases: list[tuple[str, dict[str, Any], list[dict[str, Any]]]]) -> None:
+    """Per GPU (engine rank r on GPU r): nvidia-smi beside the engine rank's own breakdown.
+
+    engine MiB is the rank's device memory per NVML (nvidia-smi's per-process figure; the
+    mapped weights are the cache rank's and not in it); other = engine MiB - torch reserved;
+    cache MiB = the GPU's per-process sum less the engine's.
+    """
+    mib = 1 << 20
+
+    def fmt(v: Any) -> str:
+        return "-" if v is None else f"{v / mib:.0f}"
+
+    print("\nwhere the bytes go (MiB): engine rank r on GPU r; weights mapped = the cache's "
+          "slabs the engine maps (held by the cache rank)")
+    head = ("phase", "GPU", "smi used", "cache", "engine", "mapped", "own", "alloc",
+            "reserved", "KV", "other")
+    print(f"{head[0]:<15}" + "".join(f"{h:>9}" for h in head[1:]))
+    for name, smi_bytes, memory in phases:
+        for m in memory:
+            gpu = int(m["rank"])
+            used = smi_bytes["used_mib"].get(gpu)
+            procs = smi_bytes["per_process_mib"].get(gpu, {})
+            engine = m.get("device_bytes")
+            cache = (sum(procs.values()) - round(engine / mib)) if engine is not None and \
+                procs else None
+            cells = [gpu, used, cache, fmt(engine), fmt(m["weights_shared"]),
+                     fmt(m["weights_own"]), fmt(m["torch_allocated"]), fmt(m["torch_reserved"]),
+                     fmt(m["kv_cache"]), fmt(m.get("other"))]
+            print(f"{name:<15}" + "".join(f"{'-' if c is None else c:>9}" for c in cells))
+        if not memory:
+            print(f"{name:<15} (the engine reported no memory in /stats)")
+        print(f"{'':<15} nvidia-smi per process (pid: MiB): "
+              f"{json.dumps(smi_bytes['per_process_mib'])}")
 
 
 if __name__ == "__main__":

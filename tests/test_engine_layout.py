@@ -362,13 +362,14 @@ def test_first_start_keeps_one_copy_the_caches_mappings(
 
 
 def _mapped_spans(pid: int) -> list[tuple[int, int, int]]:
-    """(start, end, inode) of each vlaunch slab mapping of a process."""
+    """(start, end, inode) of each shared mapping of a process."""
     spans = []
     with open(f"/proc/{pid}/maps") as maps:
         for line in maps:
-            if "vlaunch-slab" in line:
-                lo, _, hi = line.split()[0].partition("-")
-                spans.append((int(lo, 16), int(hi, 16), int(line.split()[4])))
+            span, perms, _, _, inode = line.split()[:5]
+            if perms[3] == "s":
+                lo, _, hi = span.partition("-")
+                spans.append((int(lo, 16), int(hi, 16), int(inode)))
     return spans
 
 

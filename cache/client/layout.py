@@ -132,8 +132,8 @@ def hand_back(tensors: Mapping[str, torch.Tensor], *, model: str, fields: Mappin
     under the raw fingerprint extended by `fields`, and (release_raw) drops its raw layout.
     Returns the engine layout as `load(..., layout=fields)` would: rebind the parameters to
     these tensors, drop every reference to the originals, then `release_cached(device)`: one
-    copy on the device. `copy` names tensors the engine
-    writes into later: they come back (now and on every later start) as private copies.
+    copy on the device. `copy` names tensors the engine writes into later: they come back
+    (now and on every later start) as private copies.
     """
     import torch
 

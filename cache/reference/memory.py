@@ -1,17 +1,19 @@
 """Where a reference-engine rank's memory goes: its weights (mapped from the cache, or its own),
 torch's allocator, its KV cache, and on CUDA the rest of what the process holds on the device.
 
-    mem = rank_memory(rank, tensors, device)     # per rank, after its weights are in place
+    split = weight_split(tensors, device)       # once, after the weights are in place
+    mem = rank_memory(rank, split, device)      # now
     mem.line()  # 'rank 0: weights 8.68 GB mapped from the cache, 0.00 GB own; torch ...'
 
 `shared` and `own` come from where each tensor's memory is, not from bookkeeping: on CUDA a
 tensor inside one of torch's allocator segments is the engine's own, anything else is a
-mapping (the cache's VMM slabs); on CPU a tensor inside a `vlaunch-slab` memfd mapping is
-shared, anything else is the engine's own. `device_bytes` is the process's device memory as
-NVML reports it (the driver's per-process figure nvidia-smi shows; it leaves out the mapped
-slabs, which the cache rank owns); None on CPU or where NVML cannot say (no library, another
-PID namespace). `other` is what the process holds beyond torch's reserved memory: the CUDA
-context, NCCL's buffers, cuBLAS workspaces, kernels (docs/memory.md).
+mapping (the cache's VMM slabs); on CPU a tensor inside a shared mapping (the cache's memfd
+or file slabs) is shared, anything in private memory is the engine's own. `device_bytes` is
+the process's device memory as NVML reports it (the driver's per-process figure nvidia-smi
+shows; it leaves out the mapped slabs, which the cache rank owns); None on CPU or where NVML
+cannot say (no library, another PID namespace). `other` is what the process holds beyond
+torch's reserved memory: the CUDA context, NCCL's buffers, cuBLAS workspaces, kernels
+(docs/memory.md).
 """
 
 from __future__ import annotations
@@ -122,12 +124,14 @@ def _torch_segments(device: str) -> list[tuple[int, int]]:
 
 
 def _slab_mappings() -> list[tuple[int, int]]:
-    """Address ranges of this process's vlaunch slab mappings (memfd)."""
+    """Address ranges of this process's shared mappings: the cache's CPU slabs (a memfd or a
+    file, mapped MAP_SHARED); torch's own memory is private."""
     ranges = []
     with open("/proc/self/maps") as maps:
         for line in maps:
-            if "vlaunch-slab" in line:
-                lo, _, hi = line.split()[0].partition("-")
+            span, perms = line.split()[:2]
+            if perms[3] == "s":
+                lo, _, hi = span.partition("-")
                 ranges.append((int(lo, 16), int(hi, 16)))
     return ranges
 

@@ -14,6 +14,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vlaunch.cache.contract import fingerprint as fp
 from vlaunch.cache.contract import wire
 from vlaunch.cache.contract.errors import (
     CacheBrokenError,
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 
     import torch
 
-    from vlaunch.cache.contract import fingerprint as fp
     from vlaunch.cache.store.slabs import Backend
 
 log = logging.getLogger("vlaunch.cache.client.connection")
@@ -451,8 +451,6 @@ def import_slabs(fds: list[int], sizes: tuple[int, ...], device: str,
         if copies is None:
             return [backend.import_fd(fd, size, readonly=True)
                     for fd, size in zip(fds, sizes, strict=True)]
-        if device.startswith("cuda") and os.environ.get("VLAUNCH_COPY_ALLOC") != "torch":
-            return _copy_in_parts(backend, fds, sizes, copies)
         destination = _allocating(sizes, device)
         mapped = []
         for i, (fd, size) in enumerate(zip(fds, sizes, strict=True)):
@@ -462,27 +460,6 @@ def import_slabs(fds: list[int], sizes: tuple[int, ...], device: str,
     finally:
         for fd in fds:
             os.close(fd)
-
-
-COPY_PART = 512 << 20
-"""Bytes of a copy-mode destination mapped at a time (the copy of each part starts at once)."""
-
-
-def _copy_in_parts(backend: Any, fds: list[int], sizes: tuple[int, ...],
-                   copies: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copy mode on a GPU: map each slab, then its destination part by part, queueing each
-    part's copy as soon as that part is mapped, so allocating (about 0.2 ms a GB) overlaps the
-    copy instead of preceding it (VLAUNCH_COPY_ALLOC=torch: torch's allocator, whole)."""
-    mapped = []
-    for fd, size in zip(fds, sizes, strict=True):
-        mapped.append(backend.import_fd(fd, size, readonly=True))
-        dst, grow = backend.allocate_in_parts(size, COPY_PART)
-        done = 0
-        for ready in grow:
-            dst[done:ready].copy_(mapped[-1][done:ready], non_blocking=True)
-            done = ready
-        copies.append(dst)
-    return mapped
 
 
 def _allocating(sizes: tuple[int, ...], device: str) -> Callable[[int], torch.Tensor]:

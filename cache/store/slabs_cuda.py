@@ -56,16 +56,14 @@ def _granularity(prop: cu.MemAllocationProp, which: int) -> int:
     return int(cu.out("cuMemGetAllocationGranularity", c_size_t, byref(prop), which))
 
 
-def _unmap(ctx: int, ptr: int, length: int, parts: list[tuple[int, int]] | None = None) -> None:
-    """Finaliser of a mapping: wait for the device, then unmap (each of `parts`, (offset,
-    length) pairs, when the range was mapped in parts) and free the address range."""
+def _unmap(ctx: int, ptr: int, length: int) -> None:
+    """Finaliser of a mapping: wait for the device, then unmap and free the address range."""
     try:
         with _current(ctx):
             # torch frees from_blob memory without stream tracking: kernels queued on any stream
             # may still read this range, and unmapping under them is a fatal fault.
             cu.call("cuCtxSynchronize")
-            for offset, n in parts if parts is not None else [(0, length)]:
-                cu.call("cuMemUnmap", ptr + offset, n)
+            cu.call("cuMemUnmap", ptr, length)
             cu.call("cuMemAddressFree", ptr, length)
     except DeviceError as e:  # a finaliser must not raise; the range is lost, not corrupted
         log.warning("could not unmap slab mapping at %#x (%d bytes): %s", ptr, length, e)
@@ -74,10 +72,9 @@ def _unmap(ctx: int, ptr: int, length: int, parts: list[tuple[int, int]] | None 
 class _Mapping:
     """Owns one mapped address range; the tensors over it keep it, their last one unmaps it."""
 
-    def __init__(self, ctx: int, ptr: int, length: int, size: int,
-                 parts: list[tuple[int, int]] | None = None) -> None:
+    def __init__(self, ctx: int, ptr: int, length: int, size: int) -> None:
         self.ptr, self.length, self.size = ptr, length, size
-        self.finalizer = weakref.finalize(self, _unmap, ctx, ptr, length, parts)
+        self.finalizer = weakref.finalize(self, _unmap, ctx, ptr, length)
         # At exit the process's address space goes with it; no driver calls during teardown.
         self.finalizer.atexit = False
         _mappings[ptr] = self
@@ -221,42 +218,6 @@ class CudaBackend:
                 _quietly("cuMemRelease", handle)
                 raise
         return CudaSlab(self, handle, mapping)
-
-    def allocate_in_parts(self, size: int, part: int) -> tuple[torch.Tensor, Iterator[int]]:
-        """Device memory of this process's own (not exportable), mapped part by part.
-
-        Returns a uint8 tensor over the whole range at once and an iterator that maps the next
-        `part` bytes at each step and yields how many bytes from the start are mapped. A copy
-        into it can then start after the first part instead of after the whole allocation;
-        the memory goes with the tensor's last view, like a mapped slab.
-        """
-        length = _round_up(max(size, 1), self.granularity)
-        part = _round_up(max(part, 1), self.granularity)
-        parts: list[tuple[int, int]] = []
-        with _current(self.ctx):
-            ptr = int(cu.out("cuMemAddressReserve", c_ulonglong, length, self.granularity, 0, 0))
-        mapping = _Mapping(self.ctx, ptr, length, size, parts)  # unmaps the parts mapped
-
-        def grow() -> Iterator[int]:
-            for offset in range(0, length, part):
-                n = min(part, length - offset)
-                with _current(self.ctx):
-                    try:
-                        handle = int(cu.out("cuMemCreate", c_ulonglong, n, byref(self._prop), 0))
-                    except DriverError as e:
-                        raise DeviceError(f"cannot allocate {length} bytes on {self.device} "
-                                          f"for a copy of the cache's weights: {e}; free "
-                                          "memory on that GPU or load in share mode") from e
-                    try:
-                        cu.call("cuMemMap", ptr + offset, n, 0, handle, 0)
-                        parts.append((offset, n))
-                        cu.call("cuMemSetAccess", ptr + offset, n,
-                                byref(cu.access_desc(self.index, False)), 1)
-                    finally:
-                        _quietly("cuMemRelease", handle)  # the mapping keeps it alive
-                yield min(offset + n, size)
-
-        return mapping.tensor(self.device), grow()
 
     def import_fd(self, fd: int, size: int, *, readonly: bool) -> torch.Tensor:
         """Map a slab another process exported; the fd stays open (the caller closes it)."""

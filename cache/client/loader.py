@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vlaunch.cache.client.connection import CacheClient
 from vlaunch.cache.client.rewrites import check_rewrites
@@ -26,20 +25,14 @@ from vlaunch.cache.contract.errors import (
 )
 from vlaunch.cache.contract.protocol import MODES
 from vlaunch.cache.contract.sockdir import default_socket_dir, socket_path
-from vlaunch.cache.store import slabs as _slabs  # noqa: F401  (imported here, not during the first handoff)
-from vlaunch.cache.store import slabs_cuda as _slabs_cuda  # noqa: F401  (the same; it needs no torch to import)
-from vlaunch.cache.store.plan import Layout
-
-if TYPE_CHECKING:
-    pass
+from vlaunch.cache.store.ranks import Layout
 
 log = logging.getLogger("vlaunch.cache")
 
-# numpy, which torch.as_tensor needs to wrap a CUDA mapping, is imported here rather than in
-# the first handoff (torch has usually imported it already). CUDA driver calls go through
-# ctypes (store/cudadrv.py): nothing to import for them, and cuInit runs on first use.
-with contextlib.suppress(Exception):
-    import numpy  # noqa: F401
+# What this module imports is paid by every engine start (benchmarks/bench_import.py measures
+# it; tests/test_import_cost.py keeps it small): the shard plans, the checkpoint reader and the
+# CUDA slab backend are imported where they are used. CUDA driver calls go through ctypes
+# (store/cudadrv.py): nothing to import for them, and cuInit runs on first use.
 
 
 def load(model: str | None = None, *, rank: int = 0, tensor_parallel_size: int | None = None,

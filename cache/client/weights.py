@@ -15,7 +15,8 @@ from vlaunch.cache.contract import fingerprint as fp
 from vlaunch.cache.contract.engine_env import DEFAULT_PLAN, EngineEnv
 from vlaunch.cache.contract.errors import UsageError
 from vlaunch.cache.store import identity
-from vlaunch.cache.store.plan import Layout
+from vlaunch.cache.store.builtin_plans import builtin_identity
+from vlaunch.cache.store.ranks import Layout
 
 _DEVICE_INFO: dict[str, dict[str, str]] = {}  # device -> its fingerprint fields, per process
 
@@ -84,7 +85,6 @@ def expected_fingerprint(model: str, layout: Layout, device: str, plan: str = DE
     checkpoint's (header, data) identities when they are known already; `quantization`: the
     engine's method, else $VLAUNCH_QUANTIZATION, else config.json's)."""
     from vlaunch.cache.store import quant
-    from vlaunch.cache.store.plan import load_plan
 
     backend = backend_for(device)
     info = _DEVICE_INFO.get(device)
@@ -92,9 +92,20 @@ def expected_fingerprint(model: str, layout: Layout, device: str, plan: str = DE
         info = _DEVICE_INFO[device] = backend.device_info()
     header, data = identities or identity.identities(
         model, identity.memo_path(socket) if socket else None)
-    return fp.build(checkpoint=header, checkpoint_data=data, plan=load_plan(plan).identity,
+    return fp.build(checkpoint=header, checkpoint_data=data, plan=plan_identity(plan),
                     layout=layout.as_dict(), dtype="checkpoint", backend=backend.name,
                     device=info, kernel_backends=kernel_backends, loader=loader,
                     quantization=quant.fingerprint_fields(
                         model, quantization or os.environ.get("VLAUNCH_QUANTIZATION")),
                     role=role)
+
+
+def plan_identity(spec: str) -> str:
+    """The identity of plan `spec` as the fingerprint carries it; a built-in plan's is computed
+    from its rules' text (plan.py, which compiles them and reads plan files, is not imported)."""
+    found = builtin_identity(spec)
+    if found:
+        return found
+    from vlaunch.cache.store.plan import load_plan
+
+    return load_plan(spec).identity

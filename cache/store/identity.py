@@ -29,14 +29,17 @@ import os
 import stat as stat_mod
 import threading
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.contract.errors import VerifyError
-from vlaunch.cache.store.checkpoint import Checkpoint, open_checkpoint
-from vlaunch.cache.store.reader import pread_into
+
+if TYPE_CHECKING:
+    from vlaunch.cache.store.checkpoint import Checkpoint
+
+# The checkpoint and reader modules are imported where samples or digests are read: an
+# engine whose files match the rank's memo (the common restart) needs neither.
 
 SAMPLE_BUDGET = 1 << 20
 """Most bytes the sampled identity reads, whatever the checkpoint's size."""
@@ -110,6 +113,8 @@ def record(model: str | os.PathLike[str]) -> tuple[Record, Checkpoint]:
     that differs from the one the loader reads (`rank.integrity.checked_load` compares them);
     one replaced after the stat shows in a re-stat.
     """
+    from vlaunch.cache.store.checkpoint import open_checkpoint
+
     path = Path(model).absolute()
     ckpt = open_checkpoint(path)
     names = _names(ckpt)
@@ -168,6 +173,8 @@ def _h(seed: bytes, name: str) -> tuple[bytes, int]:
 
 def sample_identity(ckpt: Checkpoint) -> str:
     """The fingerprint's `checkpoint_data`: file names and sizes, then the sampled regions."""
+    from vlaunch.cache.store.reader import pread_into
+
     h = hashlib.blake2b(digest_size=16, person=_PERSON)
     for f in ckpt.files:
         h.update(f.relative_to(ckpt.root).as_posix().encode() + b"\0"
@@ -276,7 +283,9 @@ def _memo_hit(path: Path, memo: dict[str, Any] | None) -> tuple[str, str] | None
 def expected_digests(model: str, plan_spec: str, layout: Any, *, threads: int = 8
                      ) -> dict[str, str]:
     """blake2b of each tensor slice a rank with `layout` holds, read from the files."""
+    from vlaunch.cache.store.checkpoint import open_checkpoint
     from vlaunch.cache.store.plan import HookPlan, load_plan, plan_rank
+    from vlaunch.cache.store.reader import pread_into
 
     ckpt = open_checkpoint(model)
     plan = load_plan(plan_spec)
@@ -300,6 +309,8 @@ def expected_digests(model: str, plan_spec: str, layout: Any, *, threads: int = 
                     h.update(local.buf[:n])
                     offset, length = offset + n, length - n
             return spec.name, h.hexdigest()
+
+        from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="vlaunch-digest") as pool:
             return dict(pool.map(one, specs))

@@ -46,12 +46,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import tomllib
-
-from vlaunch.cache.contract.errors import PlanError, UsageError
+from vlaunch.cache.contract.errors import PlanError
+from vlaunch.cache.store.builtin_plans import BUILTIN, rules_identity
 from vlaunch.cache.store.checkpoint import Checkpoint, TensorEntry
 from vlaunch.cache.store.dtypes import DTYPES, shape_problem
 from vlaunch.cache.store.dtypes import nbytes as size_of
+from vlaunch.cache.store.ranks import Layout
 
 if TYPE_CHECKING:
     import torch
@@ -62,57 +62,6 @@ PlanHook = Callable[[Checkpoint, "Layout"], Mapping[str, "torch.Tensor"]]
 
 _LAYER = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.")
 _HOOK_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where a rank sits: its tensor-, pipeline- and data-parallel sizes and ranks.
-
-    Global ranks are ordered data, then pipeline, then tensor (tensor varies fastest):
-    global_rank = (dp_rank * pp_size + pp_rank) * tp_size + tp_rank.
-    """
-
-    tp_size: int
-    tp_rank: int
-    pp_size: int = 1
-    pp_rank: int = 0
-    dp_size: int = 1
-    dp_rank: int = 0
-
-    def __post_init__(self) -> None:
-        for kind in ("tp", "pp", "dp"):
-            size, rank = getattr(self, f"{kind}_size"), getattr(self, f"{kind}_rank")
-            if type(size) is not int or size < 1:
-                raise UsageError(f"{kind}_size must be an integer >= 1, got {size!r}")
-            if type(rank) is not int or not 0 <= rank < size:
-                raise UsageError(f"{kind}_rank must be an integer in 0..{size - 1} for "
-                                 f"{kind}_size {size}, got {rank!r}")
-
-    @property
-    def world_size(self) -> int:
-        """Number of ranks in all: tp_size * pp_size * dp_size."""
-        return self.tp_size * self.pp_size * self.dp_size
-
-    @property
-    def global_rank(self) -> int:
-        """This rank's index in data, pipeline, tensor order."""
-        return (self.dp_rank * self.pp_size + self.pp_rank) * self.tp_size + self.tp_rank
-
-    @classmethod
-    def from_global(cls, rank: int, tp_size: int, pp_size: int = 1, dp_size: int = 1) -> Layout:
-        """Return the layout of global rank `rank` in a world of the given sizes."""
-        world = tp_size * pp_size * dp_size
-        if type(rank) is not int or not 0 <= rank < world:
-            raise UsageError(f"rank must be an integer in 0..{world - 1} for tp_size "
-                             f"{tp_size}, pp_size {pp_size}, dp_size {dp_size}, got {rank!r}")
-        return cls(tp_size=tp_size, tp_rank=rank % tp_size,
-                   pp_size=pp_size, pp_rank=rank // tp_size % pp_size,
-                   dp_size=dp_size, dp_rank=rank // (tp_size * pp_size))
-
-    def as_dict(self) -> dict[str, int]:
-        """Return the six sizes and ranks by field name."""
-        return {"tp_size": self.tp_size, "tp_rank": self.tp_rank, "pp_size": self.pp_size,
-                "pp_rank": self.pp_rank, "dp_size": self.dp_size, "dp_rank": self.dp_rank}
 
 
 @dataclass(frozen=True)
@@ -263,12 +212,9 @@ class ShardPlan:
                             "'ep'; use 'tp' to split experts like dense layers or 'ep' to "
                             "place whole experts on ranks")
         if not self.identity:
-            text = json.dumps([[p.pattern, d] for p, d in rules])
-            if fused or self.experts != "tp":
-                text += json.dumps({"fused": [[p.pattern, g] for p, g in fused],
-                                    "experts": self.experts})
-            digest = hashlib.sha256(text.encode()).hexdigest()
-            object.__setattr__(self, "identity", f"builtin:{self.name}:sha256:{digest}")
+            object.__setattr__(self, "identity", rules_identity(
+                self.name, [(p.pattern, d) for p, d in rules],
+                [(p.pattern, g) for p, g in fused], self.experts))
 
     def blocks(self, name: str) -> int:
         """How many equal blocks (fused gate|up) tensor `name`'s split dim holds; 1 if not fused."""
@@ -315,52 +261,14 @@ class HookPlan:
 
 Plan = ShardPlan | HookPlan
 
-_COL = r"(?:^|\.)(?:q_proj|k_proj|v_proj|gate_proj|up_proj|w1|w3)\."  # w1/w3: Mixtral's gate/up
-_ROW = r"(?:^|\.)(?:o_proj|down_proj|w2)\."
-# weights laid out [out, in] (bf16, fp8, NVFP4/MXFP4 packed, compressed-tensors) and their
-# scales and zero points, which follow the weight's split (a dim of size 1 is replicated)
-_OUT_IN = r"(?:weight|weight_packed|weight_scale|weight_scale_inv|weight_zero_point)$"
-_IN_OUT = r"(?:qweight|qzeros|scales)$"  # GPTQ/AWQ int4: [in (packed), out (packed)]
-_LLAMA_RULES: tuple[tuple[str, int | None], ...] = (
-    (_COL + r"(?:bias|" + _OUT_IN + ")", 0),
-    (_COL + _IN_OUT, 1),
-    (r"(?:^|\.)(?:embed_tokens|lm_head)\.weight$", 0),
-    (_ROW + r"(?:weight_)?g_idx$", 0),
-    (_ROW + _OUT_IN, 1),
-    (_ROW + _IN_OUT, 0),
-    (r"(?:^|\.)experts\.gate_up_proj$", 2),  # fused experts [E, hidden, 2 * inter]: gate|up
-    (r"(?:^|\.)experts\.gate_up_proj_bias$", 1),
-    (r"(?:^|\.)experts\.down_proj$", 1),  # [E, inter, hidden]
-)
-_FUSED_GATE_UP = ((r"(?:^|\.)experts\.gate_up_proj(?:_bias)?$", 2),)
-LLAMA_PLAN = ShardPlan("llama", _LLAMA_RULES, fused=_FUSED_GATE_UP)
-"""Llama-style names (also Mistral, Mixtral, Qwen2/3 and their MoE, DeepSeek-style experts):
-q/k/v/gate/up (Mixtral w1/w3), their biases, the embedding and lm_head split rows; o_proj and
-down_proj (w2) split columns; quantized layers split with their weight (GPTQ/AWQ's transposed
-qweight/qzeros/scales along their own output or input dim, g_idx with its input rows);
-per-tensor scales, norms, routers and o_proj/down_proj biases are replicated. Fused expert
-tensors split the intermediate dimension, each half of a fused gate|up on its own."""
-
-LLAMA_EP_PLAN = ShardPlan("llama-ep", _LLAMA_RULES, fused=_FUSED_GATE_UP, experts="ep")
-"""As "llama", but experts are not split: each rank of tp x dp holds whole experts, a
-contiguous block of them (expert parallelism, as vLLM's --enable-expert-parallel places them)."""
-
-GPT_OSS_PLAN = ShardPlan("gpt-oss", (
-    *_LLAMA_RULES[:6],
-    (r"(?:^|\.)self_attn\.sinks$", 0),
-    (r"(?:^|\.)experts\.gate_up_proj$", 2),  # [E, hidden, 2 * inter], gate and up interleaved
-    (r"(?:^|\.)experts\.gate_up_proj_(?:bias|blocks|scales)$", 1),  # MXFP4: [E, 2 * inter, ..]
-    (r"(?:^|\.)experts\.down_proj$", 1),
-    (r"(?:^|\.)experts\.down_proj_(?:blocks|scales)$", 2),  # MXFP4: [E, hidden, inter / 32, ..]
-))
-"""gpt-oss: Llama-style attention plus sinks; experts whose gate and up rows interleave (a
-contiguous split keeps pairs together), in bf16 or MXFP4 (blocks and E8M0 scales)."""
-
-REPLICATE_PLAN = ShardPlan("replicate", ())
-"""Every tensor whole on every rank."""
-
-BUILTIN_PLANS: dict[str, ShardPlan] = {"llama": LLAMA_PLAN, "llama-ep": LLAMA_EP_PLAN,
-                                       "gpt-oss": GPT_OSS_PLAN, "replicate": REPLICATE_PLAN}
+BUILTIN_PLANS: dict[str, ShardPlan] = {
+    name: ShardPlan(name, rules, fused=fused, experts=experts)
+    for name, (rules, fused, experts) in BUILTIN.items()}
+"""The built-in plans by name (their rules, and what each fits: builtin_plans.py)."""
+LLAMA_PLAN = BUILTIN_PLANS["llama"]
+LLAMA_EP_PLAN = BUILTIN_PLANS["llama-ep"]
+GPT_OSS_PLAN = BUILTIN_PLANS["gpt-oss"]
+REPLICATE_PLAN = BUILTIN_PLANS["replicate"]
 
 
 def load_plan(spec: str) -> Plan:
@@ -513,6 +421,8 @@ def _load_plan_file(path: Path) -> ShardPlan:
                         "its permissions") from None
     try:
         if path.suffix == ".toml":
+            import tomllib
+
             obj: Any = tomllib.loads(data.decode("utf-8"))
         else:
             obj = json.loads(data)

@@ -26,6 +26,22 @@ settings.load_profile("vlaunch")
 T = TypeVar("T")
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_cmdline_main(config: pytest.Config) -> Iterator[object]:
+    """One worker per core (pytest-xdist, work stealing) unless `-n` was given.
+
+    Not an addopts line: the GPU machine and the FlashInfer venv have no pytest-xdist, and
+    there the suite runs in one process. `-n 0` runs it in one process anywhere.
+    """
+    option = config.option
+    if (config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput")
+            and option.numprocesses is None and not option.usepdb):
+        option.numprocesses = "auto"
+        if option.dist == "no":
+            option.dist = "worksteal"
+    return (yield)
+
+
 def eventually(check: Callable[[], T | None], timeout: float = 60.0, *,
                what: str | Callable[[], str] = "", interval: float = 0.02) -> T:
     """Poll `check` until it returns something truthy (returned) or `timeout` passes (fail).

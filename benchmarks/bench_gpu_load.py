@@ -307,9 +307,9 @@ def step_handoff(model: Path, device: str, tmp: Path) -> None:
 
 LAYOUTS = {"tp1": (1, 1, "llama"), "tp2": (2, 1, "llama"), "tp4": (4, 1, "llama"),
            "pp2": (1, 2, "llama"), "tp2pp2": (2, 2, "llama"), "tp2r": (2, 1, "replicate")}
-# NAME:MODE runs the layout with another reader: span (VLAUNCH_SPLIT_READ=span: whole spans
-# read and split on the device), gather (the default) or register (VLAUNCH_READER=register:
-# DMA from the registered page cache), e.g. tp2:span, tp4:register
+# NAME runs the layout with the default reader (VLAUNCH_READER unset: auto); NAME:MODE with
+# another: span (VLAUNCH_SPLIT_READ=span: whole spans read and split on the device), or
+# VLAUNCH_READER=staging, register or hybrid (reader.reader_mode), e.g. tp2:staging
 
 
 def gpu_count() -> int:
@@ -333,8 +333,10 @@ def step_layouts(model: Path, device: str, tmp: Path) -> None:
     for name in ARGS.layouts.split(","):
         kind, _, mode = name.partition(":")
         tp, pp, plan = LAYOUTS[kind]
-        env = {**os.environ, "VLAUNCH_SPLIT_READ": "span" if mode == "span" else "gather",
-               "VLAUNCH_READER": "register" if mode == "register" else "staging"}
+        env = {k: v for k, v in os.environ.items() if k != "VLAUNCH_READER"}  # the default
+        env["VLAUNCH_SPLIT_READ"] = "span" if mode == "span" else "gather"
+        if mode in ("staging", "register", "hybrid"):
+            env["VLAUNCH_READER"] = mode
         world = tp * pp
         devices = [f"cuda:{r * gpus // world}" if device.startswith("cuda") else device
                    for r in range(world)]

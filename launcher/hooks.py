@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -77,6 +78,29 @@ class _Proc:
         return await self.proc.wait()
 
 
+COALESCE_S = 0.005
+"""A signal repeated within this many seconds is one delivery. Standard signals do not queue
+(two SIGTERMs sent at once may arrive as one), and uvloop can dispatch one signal twice when it
+lands while the loop is running the handler of another (SIGHUP then SIGTERM became SIGHUP,
+SIGTERM, SIGTERM: a "second SIGTERM", exit 82)."""
+
+
+class Coalesced:
+    """Posts each signal's event, dropping a repeat of the same signal within COALESCE_S."""
+
+    def __init__(self, post: Callable[[events.Event], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.post, self.clock = post, clock
+        self.last: dict[int, float] = {}
+
+    def __call__(self, sig: int) -> None:
+        now = self.clock()
+        if now - self.last.get(sig, -COALESCE_S) < COALESCE_S:
+            return
+        self.last[sig] = now
+        self.post(events.SignalReceived(sig, 0.0))
+
+
 class OsHooks:
     """The real process operations."""
 
@@ -84,8 +108,9 @@ class OsHooks:
         become_subreaper()
         contain_children()
         loop = asyncio.get_running_loop()
+        deliver = Coalesced(post)
         for sig in SIGNALS:  # the handler only posts the event: the core decides
-            loop.add_signal_handler(sig, post, events.SignalReceived(sig, 0.0))
+            loop.add_signal_handler(sig, deliver, sig)
 
     async def spawn(self, argv: Sequence[str], env: Mapping[str, str],
                     pass_fds: Sequence[int] = ()) -> Child:

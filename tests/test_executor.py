@@ -349,3 +349,48 @@ def test_sighup_restarts_the_engine_with_reloading(start: Any, notify: socket.so
     assert any(m.get("RELOADING") == "1" for m in notified(notify))
     run.post(events.SignalReceived(signal.SIGINT, 0.0))
     assert run.wait() == 0
+
+
+def test_a_signal_repeated_within_the_coalescing_window_is_posted_once() -> None:
+    from vlaunch.launcher.hooks import COALESCE_S, Coalesced
+
+    now = [100.0]
+    posted: list[events.Event] = []
+    deliver = Coalesced(posted.append, clock=lambda: now[0])
+    deliver(signal.SIGHUP)
+    deliver(signal.SIGTERM)
+    deliver(signal.SIGTERM)  # uvloop's double dispatch: same tick
+    now[0] += 2 * COALESCE_S
+    deliver(signal.SIGTERM)  # a real second SIGTERM
+    assert [e.sig for e in posted] == [signal.SIGHUP, signal.SIGTERM, signal.SIGTERM]
+
+
+UVLOOP_DOUBLE = r"""
+import asyncio, os, signal, subprocess, uvloop
+from vlaunch.launcher.hooks import Coalesced
+async def main():
+    loop = asyncio.get_running_loop()
+    got = []
+    deliver = Coalesced(lambda e: got.append(signal.Signals(e.sig).name))
+    for s in (signal.SIGHUP, signal.SIGTERM):
+        loop.add_signal_handler(s, deliver, s)
+    inner = signal.getsignal(signal.SIGHUP)
+    def hup(signum, frame):  # SIGTERM lands while the loop handles SIGHUP
+        inner(signum, frame)
+        os.kill(os.getpid(), signal.SIGTERM)
+    signal.signal(signal.SIGHUP, hup)
+    # from outside, while the loop waits in epoll
+    subprocess.Popen(["sh", "-c", f"sleep 0.05; kill -HUP {os.getpid()}"])
+    await asyncio.sleep(0.3)
+    print(got)
+uvloop.run(main())
+"""
+
+
+def test_uvloops_double_dispatch_of_a_signal_reaches_the_core_once() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", UVLOOP_DOUBLE], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.strip() == "['SIGHUP', 'SIGTERM']"

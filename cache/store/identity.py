@@ -31,7 +31,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vlaunch.cache.contract.errors import VerifyError
 
@@ -53,9 +53,12 @@ DIGEST_CHUNK = 16 << 20
 _PERSON = b"vlaunch-sample1"
 
 
-@dataclass(frozen=True)
-class FileStat:
-    """What a stat says about one file: enough to notice it was rewritten or replaced."""
+class FileStat(NamedTuple):
+    """What a stat says about one file: enough to notice it was rewritten or replaced.
+
+    A NamedTuple rather than a frozen dataclass: every engine start imports this module, and
+    defining a frozen dataclass costs several times more. Its repr, which `stat_key` hashes,
+    has the same form either way."""
 
     dev: int
     ino: int

@@ -307,9 +307,9 @@ def step_handoff(model: Path, device: str, tmp: Path) -> None:
 
 LAYOUTS = {"tp1": (1, 1, "llama"), "tp2": (2, 1, "llama"), "tp4": (4, 1, "llama"),
            "pp2": (1, 2, "llama"), "tp2pp2": (2, 2, "llama"), "tp2r": (2, 1, "replicate")}
-# NAME runs the layout with the default reader (VLAUNCH_READER unset: auto); NAME:MODE with
-# another: span (VLAUNCH_SPLIT_READ=span: whole spans read and split on the device), or
-# VLAUNCH_READER=staging, register or hybrid (reader.reader_mode), e.g. tp2:staging
+# NAME runs the layout with the default reader (VLAUNCH_READER unset: staging); NAME:MODE
+# with another: span (VLAUNCH_SPLIT_READ=span: whole spans read and split on the device) or
+# register (VLAUNCH_READER=register: DMA from the registered page cache), e.g. tp2:register
 
 
 def gpu_count() -> int:
@@ -335,7 +335,7 @@ def step_layouts(model: Path, device: str, tmp: Path) -> None:
         tp, pp, plan = LAYOUTS[kind]
         env = {k: v for k, v in os.environ.items() if k != "VLAUNCH_READER"}  # the default
         env["VLAUNCH_SPLIT_READ"] = "span" if mode == "span" else "gather"
-        if mode in ("staging", "register", "hybrid"):
+        if mode in ("staging", "register"):
             env["VLAUNCH_READER"] = mode
         world = tp * pp
         devices = [f"cuda:{r * gpus // world}" if device.startswith("cuda") else device

@@ -71,91 +71,53 @@ def pread_into(fd: int, view: memoryview, offset: int, file: str) -> None:
 
 
 def fill(specs: list[SliceSpec], manifest: Manifest, slabs: list[torch.Tensor], *,
-         threads: int = 8, chunk: int | None = None, label: str = "loading",
-         peers: int = 1) -> None:
+         threads: int = 8, chunk: int | None = None, label: str = "loading") -> None:
     """Read every slice into its place in the slabs (`chunk`: the most bytes one read
-    spans; default CHUNK, or CUDA_CHUNK for CUDA slabs, whose staging it sizes; `peers`: how
-    many ranks load at once, this one included, which picks the CUDA reader: reader_mode)."""
+    spans; default CHUNK, or CUDA_CHUNK for CUDA slabs, whose staging it sizes)."""
     records = {t.name: t for t in manifest.tensors}
     cuda = bool(slabs) and slabs[0].is_cuda
     fds = {str(f): os.open(f, os.O_RDONLY | os.O_CLOEXEC)
            for f in {str(s.source.file) for s in specs}}
     progress = Progress(sum(s.nbytes for s in specs), label)
     try:
-        mode = reader_mode(fds, peers) if cuda else "staging"
-        direct = [s for s in specs if mode == "register" or (mode == "hybrid" and not narrow(s))]
-        if not direct:
-            _fill_staged(specs, records, slabs, fds, threads, chunk, progress)
+        if cuda and reader_mode() == "register" and _fill_registered(specs, records, slabs, fds,
+                                                                      progress):
             return
-        chosen = {id(s) for s in direct}
-        staged = [s for s in specs if id(s) not in chosen]
-        outcome: list[Any] = []
-        worker = threading.Thread(target=_fill_registered, name="vlaunch-register",
-                                  args=(direct, records, slabs, fds, progress, outcome))
-        worker.start()
-        try:
-            _fill_staged(staged, records, slabs, fds, threads, chunk, progress)
-        finally:
-            worker.join()
-        if isinstance(outcome[0], BaseException):
-            raise outcome[0]
-        if outcome[0] is False:  # the driver refused to register: stage those too
-            _fill_staged(direct, records, slabs, fds, threads, chunk, progress)
+        _fill_staged(specs, records, slabs, fds, threads, chunk, progress)
     finally:
         for fd in fds.values():
             os.close(fd)
 
 
-READERS = ("auto", "staging", "register", "hybrid")
-DEFAULT_READER = "auto"
-WARM = 0.9  # auto registers only files at least this much in the page cache
+READERS = ("staging", "register")
 
 
-def reader_mode(fds: dict[str, int], peers: int) -> str:
-    """The CUDA reader (VLAUNCH_READER): `staging` (pinned buffers), `register` (DMA out of the
-    registered page cache, registered.py), `hybrid` (register what is contiguous in the file,
-    stage the narrow splits), or `auto`: hybrid when several ranks load at once and every file
-    is warm, else staging.
+def reader_mode() -> str:
+    """The CUDA reader (VLAUNCH_READER): `staging` (the default: reader threads read into
+    pinned buffers, the copy engine moves them) or `register` (DMA out of the registered page
+    cache, no host copy: registered.py).
 
-    Measured on 2 H200s (2026-11-30): one rank alone stages faster (34-39 GB/s against 23-28
-    registered: registering and copying do not overlap); ranks loading together share the
-    host's memory bandwidth, which staging spends twice (a memcpy, then the DMA) and
-    registering once (PP 2: 32 GB/s a rank registered against 23-28 staged); narrow splits
-    move fastest gathered on the host (a 2-D DMA of 4-14 KiB rows crawls).
+    Measured on 2 H200s (2026-11-30/12-01, benchmarks/results/gpu_2026-11-30.md): staging
+    was faster or level in every layout (TP 1 34-39 GB/s against 23-28 registered; TP 2 19-21
+    against 12-15 a rank); registering only PP 2 came out ahead in one call of three.
     """
-    mode = os.environ.get("VLAUNCH_READER") or DEFAULT_READER
+    mode = os.environ.get("VLAUNCH_READER") or "staging"
     if mode not in READERS:
-        log.warning("VLAUNCH_READER=%s is not one of %s; using %s", mode, ", ".join(READERS),
-                    DEFAULT_READER)
-        mode = DEFAULT_READER
-    if mode != "auto":
-        return mode
-    if peers <= 1:
+        log.warning("VLAUNCH_READER=%s is not one of %s; using staging", mode,
+                    ", ".join(READERS))
         return "staging"
-    from vlaunch.cache.store.registered import resident
-
-    return "hybrid" if all(resident(fd) >= WARM for fd in fds.values()) else "staging"
-
-
-def narrow(spec: SliceSpec) -> bool:
-    """Whether the slice is a split whose part of each row is narrower than NARROW (pieces()
-    reads those as whole spans)."""
-    runs = spec.runs()
-    return len(runs) > 1 and runs[0][1] < NARROW
+    return mode
 
 
 def _fill_staged(specs: list[SliceSpec], records: dict[str, Any], slabs: list[torch.Tensor],
                  fds: dict[str, int], threads: int, chunk: int | None,
                  progress: Progress) -> None:
     """The pinned-staging reader (CUDA slabs) or direct reads (CPU slabs), on `threads`."""
-    if not specs:
-        return
-    cuda = slabs[0].is_cuda
+    cuda = slabs[0].is_cuda if slabs else False
     chunk = chunk or (CUDA_CHUNK if cuda else CHUNK)
     gather = os.environ.get("VLAUNCH_SPLIT_READ", "gather") == "gather"
     work = [(s, p) for s in specs for p in pieces(s, chunk, packed=gather)]
-    used = {str(s.source.file) for s in specs}
-    maps = {f: _file_bytes(fd) for f, fd in fds.items() if f in used} if gather else {}
+    maps = {f: _file_bytes(fd) for f, fd in fds.items()} if gather else {}
     mover = (_CudaMover(slabs[0].device, chunk, max(1, threads) + SPARE_BUFFERS) if cuda
              else _HostMover(chunk))
 
@@ -178,23 +140,19 @@ def _fill_staged(specs: list[SliceSpec], records: dict[str, Any], slabs: list[to
 
 
 def _fill_registered(specs: list[SliceSpec], records: dict[str, Any], slabs: list[torch.Tensor],
-                     fds: dict[str, int], progress: Progress, outcome: list[Any]) -> None:
-    """The registered-page-cache reader (registered.py) on this thread; appends True, False
-    (the driver refused to register: nothing was left registered) or the exception."""
-    try:
-        from vlaunch.cache.store import registered
+                     fds: dict[str, int], progress: Progress) -> bool:
+    """The registered-page-cache reader (registered.py); False when the driver refused to
+    register (nothing is left registered, and the staging reader reads it all)."""
+    from vlaunch.cache.store import registered
 
-        work = []
-        for spec in specs:
-            rec = records[spec.name]
-            for piece in pieces(spec, registered.CHUNK):
-                at = rec.offset + piece.at
-                work.append((str(spec.source.file), piece,
-                             slabs[rec.slab][at:at + piece.nbytes]))
-        outcome.append(registered.fill_registered(work, fds, slabs[0].device,
-                                                  registered.THREADS, progress.add))
-    except BaseException as e:  # re-raised by fill
-        outcome.append(e)
+    work = []
+    for spec in specs:
+        rec = records[spec.name]
+        for piece in pieces(spec, registered.CHUNK):
+            at = rec.offset + piece.at
+            work.append((str(spec.source.file), piece, slabs[rec.slab][at:at + piece.nbytes]))
+    return registered.fill_registered(work, fds, slabs[0].device, registered.THREADS,
+                                      progress.add)
 
 
 @dataclass(frozen=True)

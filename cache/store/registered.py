@@ -9,10 +9,10 @@ copy, no staging buffers. A split along dimension 1 is a 2-D copy (each row's pa
 pitch apart), so a rank moves only its own bytes. A copy may not span two registrations (the
 driver answers "invalid argument"), so copies are cut at window boundaries.
 
-Chosen by VLAUNCH_READER: `register` always, `auto` when every file the rank reads is at
-least 90% in the page cache (registering a cold file reads it from disk on one thread, where
-the staging reader's threads read in parallel), `staging` never. Any refusal to register
-falls back to the staging reader.
+Opt-in (VLAUNCH_READER=register, reader.reader_mode): on two H200s it was not faster than the
+staging reader (registering and copying do not overlap: ~25 GB/s a process; 8 registering
+threads were slower than 1; a 2-D DMA of 4-14 KiB rows crawls). Registering a cold file reads
+it from disk on one thread. Any refusal to register falls back to the staging reader.
 """
 
 from __future__ import annotations
@@ -59,36 +59,6 @@ def windows(spans: Sequence[tuple[int, int]], size: int, window: int = WINDOW
         needed[last].append(i)
     return [(k * window, min(window, size - k * window), sorted(needed[k]))
             for k in sorted(needed)]
-
-
-def resident(fd: int) -> float:
-    """The fraction of a file's pages in the page cache (mincore over a fresh mapping); 0.0
-    when it cannot be told. Registering a cold file reads it from disk on one thread, so the
-    reader chooses this path only for a warm one."""
-    import ctypes
-
-    import numpy as np
-
-    size = os.fstat(fd).st_size
-    if size == 0:
-        return 1.0
-    pages = -(-size // mmap.PAGESIZE)
-    try:
-        mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-    except (OSError, ValueError):
-        return 0.0
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-        vec = ctypes.create_string_buffer(pages)
-        view = np.frombuffer(mapping, dtype=np.uint8)  # a read-only mapping's address
-        ok = libc.mincore(view.ctypes.data, size, vec) == 0
-        del view
-        if not ok:
-            return 0.0
-        return int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8)[:pages] & 1)) / pages
-    finally:
-        mapping.close()
 
 
 def segments(offset: int, length: int, window: int | None = None) -> list[tuple[int, int]]:

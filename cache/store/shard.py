@@ -45,8 +45,7 @@ def load_shard(model: str, plan_spec: str, layout: Layout, backend: Backend, *,
     if isinstance(plan, HookPlan):
         return _from_hook(ckpt, plan, layout, backend, start)
     shard, specs = _allocate(ckpt, plan, layout, backend, start)
-    fill(specs, shard.manifest, shard.tensors, threads=threads, label=label,
-         peers=layout.tp_size * layout.pp_size * layout.dp_size)  # ranks loading at once
+    fill(specs, shard.manifest, shard.tensors, threads=threads, label=label)
     shard.seconds = time.perf_counter() - start
     return shard
 

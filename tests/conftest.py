@@ -42,6 +42,28 @@ def pytest_cmdline_main(config: pytest.Config) -> Iterator[object]:
     return (yield)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_intra_op_thread(request: pytest.FixtureRequest) -> Iterator[None]:
+    """One torch intra-op thread here and in every child (OMP_NUM_THREADS=1).
+
+    The suite runs several torch processes at once on a few cores; each one's default pool
+    (a thread per core) spins against the others: a tiny model's forward pass took 144 ms with
+    two threads on a busy 2-core machine, 6 ms with one. The vLLM suite keeps its own setting.
+    """
+    if any(item.get_closest_marker("vllm") for item in request.session.items):
+        yield
+        return
+    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    yield
+    torch.set_num_threads(threads)
+    if env is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = env
+
+
 def eventually(check: Callable[[], T | None], timeout: float = 60.0, *,
                what: str | Callable[[], str] = "", interval: float = 0.02) -> T:
     """Poll `check` until it returns something truthy (returned) or `timeout` passes (fail).

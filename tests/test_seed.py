@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,16 +41,23 @@ def _env(token: str = TOKEN) -> dict[str, str]:
     return {**os.environ, "VLAUNCH_SEED_TOKEN": token}
 
 
-@pytest.fixture
-def source(llama_ckpt: Path, tmp_path: Path, caches) -> tuple[CacheProc, int]:
+def _source(llama_ckpt: Path, tmp: Path) -> tuple[CacheProc, int]:
     """A running replica (rank 0 of tp 1) that serves seeding on a TCP port, with an artifact."""
     port = _free_port()
-    src = spawn_cache(llama_ckpt, _dir(tmp_path, "src"), "--seed-listen-port", str(port),
+    src = spawn_cache(llama_ckpt, _dir(tmp, "src"), "--seed-listen-port", str(port),
                       "--seed-timeout", "1", env=_env())
-    caches.append(src)
     assert src.proc.poll() is None
     assert E.hand_back(socket_path(src.socket_dir, 0), "flashinfer-autotune", KEY, b"tab")
     return src, port
+
+
+@pytest.fixture(scope="module")
+def source(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[CacheProc, int]]:
+    """One source for the tests that only refuse or drop peers: it must keep serving."""
+    src, port = _source(llama_ckpt, tmp_path_factory.mktemp("source"))
+    yield src, port
+    src.stop()
 
 
 def _tensors(model: Path, sockdir: Path) -> dict:
@@ -65,21 +73,25 @@ def _serving(src: CacheProc) -> bool:
         client.close()
 
 
-@pytest.mark.parametrize("how", ["unix", "tcp"])
-def test_seeded_replica_is_bit_exact_and_independent(llama_ckpt: Path, tmp_path: Path, caches,
-                                                     source, how: str) -> None:
-    src, port = source
-    spec = f"unix:{src.socket_dir}" if how == "unix" else f"tcp://127.0.0.1:{port}"
-    new = spawn_cache(llama_ckpt, _dir(tmp_path, "new"), "--seed", spec, env=_env())
-    caches.append(new)
-    assert new.proc.poll() is None, new.proc.stderr.read().decode() if new.proc.stderr else ""
+def test_seeded_replicas_are_bit_exact_and_independent(llama_ckpt: Path, tmp_path: Path,
+                                                       caches) -> None:
+    """One replica seeded over the slab fds (unix:), one over TCP, from one source."""
+    src, port = _source(llama_ckpt, tmp_path)
+    caches.append(src)
+    new = {}
+    for how, spec in (("unix", f"unix:{src.socket_dir}"), ("tcp", f"tcp://127.0.0.1:{port}")):
+        new[how] = spawn_cache(llama_ckpt, _dir(tmp_path, how), "--seed", spec, env=_env())
+        caches.append(new[how])
+        assert new[how].proc.poll() is None, (
+            how, new[how].proc.stderr.read().decode() if new[how].proc.stderr else "")
     want = _tensors(llama_ckpt, src.socket_dir)
-    src.stop()  # the new replica no longer depends on the source
-    got = _tensors(llama_ckpt, new.socket_dir)
-    assert set(got) == set(want)
-    for name, ref in want.items():
-        assert got[name].view(-1).view(dtype=ref.dtype).equal(ref.view(-1)), name
-    assert E.fetch(socket_path(new.socket_dir, 0), "flashinfer-autotune", KEY) == b"tab"
+    src.stop()  # the new replicas no longer depend on the source
+    for how, replica in new.items():
+        got = _tensors(llama_ckpt, replica.socket_dir)
+        assert set(got) == set(want), how
+        for name, ref in want.items():
+            assert got[name].view(-1).view(dtype=ref.dtype).equal(ref.view(-1)), (how, name)
+        assert E.fetch(socket_path(replica.socket_dir, 0), "flashinfer-autotune", KEY) == b"tab"
 
 
 def _refused(llama_ckpt: Path, tmp_path: Path, caches, *args: str, token: str = TOKEN

@@ -63,3 +63,14 @@ def test_a_share_handoff_from_a_cpu_rank_stays_on_the_light_path(
     mods = imported_after(code)
     assert "vlaunch.cache.store.identity" in mods  # the memo was checked
     assert not set(mods) & set(NOT_ON_THE_SHARE_PATH), mods
+
+
+def test_the_light_plan_identity_is_the_plans_own() -> None:
+    """The engine's fingerprint takes a built-in plan's identity from builtin_plans.py without
+    building the plan; the cache's comes from the plan: they must agree for every plan."""
+    from vlaunch.cache.client.weights import plan_identity
+    from vlaunch.cache.store.plan import BUILTIN_PLANS
+
+    for name, plan in BUILTIN_PLANS.items():
+        assert plan_identity(name) == plan.identity, name
+    assert len({p.identity for p in BUILTIN_PLANS.values()}) == len(BUILTIN_PLANS)

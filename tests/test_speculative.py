@@ -68,9 +68,12 @@ def _ready(snap: dict, n: int) -> bool:
     return snap["phase"] == "serving" and len(snap["ranks"]) == n
 
 
-def test_target_and_draft_at_tp2_survive_an_engine_restart(
+def test_target_and_draft_at_tp2_survive_an_engine_restart_seed_a_replica_and_exit_on_a_rank(
         launch: Callable[..., Launcher], llama_ckpt: Path, draft_ckpt: Path,
         tmp_path: Path) -> None:
+    """One launcher with both groups at TP 2: an engine restart maps the same caches, each
+    group refuses the other role, a new replica seeds both groups from it, and a draft rank's
+    exit ends it (one launcher's start-up, not three)."""
     la = launch(llama_ckpt, "--draft-model", str(draft_ckpt), "--engine-ready", "notify",
                 engine=_engine(tmp_path))
     snap = la.wait_for(lambda s: _ready(s, 4))
@@ -89,8 +92,31 @@ def test_target_and_draft_at_tp2_survive_an_engine_restart(
     snap = la.wait_for(lambda s: _ready(s, 4))
     assert {k: r["pid"] for k, r in snap["ranks"].items()} == pids  # no rank reloaded
     _role_mismatch_both_ways(la.sockdir, llama_ckpt, draft_ckpt)
-    la.proc.terminate()
-    assert la.wait_exit() == 0
+    _a_new_replica_seeds_both_groups_from(la, launch, llama_ckpt, draft_ckpt)
+    _a_draft_rank_that_exits_is_a_rank_exit(la, snap)
+
+
+def _a_new_replica_seeds_both_groups_from(source: Launcher, launch: Callable[..., Launcher],
+                                          target: Path, draft: Path) -> None:
+    """A new replica (caches only) fills both groups from the running one's sockets."""
+    seeded = launch(target, "--draft-model", str(draft), "--seed", f"unix:{source.sockdir}")
+    seeded.wait_for(lambda s: _ready(s, 4))
+    assert seeded.text().count("seeded ") == 4  # two target and two draft ranks
+    client = CacheClient(socket_path(seeded.sockdir, 1, "draft"))
+    try:
+        assert client.status()["fingerprint"]["role"] == "draft"
+    finally:
+        client.close()
+    seeded.proc.terminate()
+    assert seeded.wait_exit() == 0
+
+
+def _a_draft_rank_that_exits_is_a_rank_exit(la: Launcher, snap: dict) -> None:
+    """SIGKILL of draft rank 1 ends the launcher with RANK_EXITED, its socket gone."""
+    (draft,) = [r for r in snap["ranks"].values() if r["role"] == "draft" and r["group_rank"]]
+    os.kill(draft["pid"], signal.SIGKILL)
+    assert la.wait_exit() == ExitStatus.RANK_EXITED
+    assert not socket_path(la.sockdir, 1, "draft").exists()
 
 
 def _role_mismatch_both_ways(sockdir: Path, target: Path, draft: Path) -> None:
@@ -105,18 +131,6 @@ def _role_mismatch_both_ways(sockdir: Path, target: Path, draft: Path) -> None:
                 client.hello(expected_fingerprint(str(model), layout, "cpu", plan, role=role))
         finally:
             client.close()
-
-
-def test_a_draft_rank_that_exits_is_a_rank_exit(
-        launch: Callable[..., Launcher], llama_ckpt: Path, draft_ckpt: Path,
-        tmp_path: Path) -> None:
-    la = launch(llama_ckpt, "--draft-model", str(draft_ckpt), "--engine-ready", "notify",
-                engine=_engine(tmp_path))
-    snap = la.wait_for(lambda s: _ready(s, 4))
-    (draft,) = [r for r in snap["ranks"].values() if r["role"] == "draft" and r["group_rank"]]
-    os.kill(draft["pid"], signal.SIGKILL)
-    assert la.wait_exit() == ExitStatus.RANK_EXITED
-    assert not socket_path(la.sockdir, 1, "draft").exists()
 
 
 def test_a_draft_that_is_the_targets_checkpoint_is_held_once(
@@ -244,24 +258,6 @@ def test_vllm_draft_loads_go_to_the_draft_group() -> None:
     mtp = NS(model_config=target, speculative_config=NS(draft_model_config=NS(model="/m/big")))
     assert draft_role(mtp, NS(model="/m/big")) == "target"  # the target's own checkpoint
     assert draft_role(NS(model_config=target, speculative_config=None), draft) == "target"
-
-
-def test_a_new_replica_seeds_both_groups_from_a_running_one(
-        launch: Callable[..., Launcher], llama_ckpt: Path, draft_ckpt: Path) -> None:
-    source = launch(llama_ckpt, "--draft-model", str(draft_ckpt))  # caches only
-    source.wait_for(lambda s: _ready(s, 4))
-    seeded = launch(llama_ckpt, "--draft-model", str(draft_ckpt), "--seed",
-                    f"unix:{source.sockdir}")
-    seeded.wait_for(lambda s: _ready(s, 4))
-    assert seeded.text().count("seeded ") == 4  # two target and two draft ranks
-    client = CacheClient(socket_path(seeded.sockdir, 1, "draft"))
-    try:
-        assert client.status()["fingerprint"]["role"] == "draft"
-    finally:
-        client.close()
-    for la in (seeded, source):
-        la.proc.terminate()
-        assert la.wait_exit() == 0
 
 
 def test_copy_release_of_the_draft_drops_the_draft_groups_copy(

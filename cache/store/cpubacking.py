@@ -109,7 +109,10 @@ def chosen() -> str:
 
 def gets_huge_pages(backing: str, make: Callable[[int], int]) -> bool:
     """Whether a slab of this backing, filled as the cache fills one, gets a 2 MiB folio and a
-    2 MiB-aligned mapping (False where it cannot even be made)."""
+    2 MiB-aligned mapping (False where it cannot even be made).
+
+    The counter is host-wide: huge pages that another process gains or frees in the same
+    microseconds could mislead the probe, and a wrong answer costs handoff speed only."""
     try:
         fd = make(PROBE_BYTES)
     except OSError:

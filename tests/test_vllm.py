@@ -328,3 +328,37 @@ def test_standby_at_tp2_every_rank_parks_and_one_promotion_reaches_both(
     # a later load in a promoted process (a draft model after the target) does not park again
     text = "".join(out + err for out, err in outs)
     assert text.count("parked as a standby") == 1 and text.count("promoted after") == 2
+
+
+def test_vllm_standby_under_vlaunch_run_takes_over_after_a_kill(tiny: Path,
+                                                                tmp_path: Path) -> None:
+    """`vlaunch run --standby` with vLLM (its LLM behind a front that binds after the engine is
+    up): the standby parks in the load format; SIGKILL the serving engine and the launcher
+    promotes it: the same process serves the same generations on the same port."""
+    import signal
+
+    from tests.test_launcher import Launcher
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
+                       "GLOO_SOCKET_IFNAME": "lo", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    engine = [PYTHON, CHILD, "serve", str(tiny), "--load-format", "vlaunch", "--port",
+              str(port)]
+    la = Launcher(tmp_path, tiny, "--plan", "replicate", "--standby", "--engine-health-url",
+                  f"http://127.0.0.1:{port}/health", tp=1, engine=engine)
+    try:
+        snap = la.wait_for(lambda s: s["engine_ready"]
+                           and (s.get("standby") or {}).get("state") == "parked", timeout=500)
+        before = _generations(port)
+        standby_pid = snap["standby"]["pid"]
+        os.kill(snap["engine"]["pid"], signal.SIGKILL)
+        snap = la.wait_for(lambda s: s["engine"]["restarts"] >= 1 and s["engine_ready"],
+                           timeout=300)
+        assert snap["engine"]["pid"] == standby_pid and snap["standby"]["promotions"] == 1
+        assert _generations(port) == before
+        la.proc.send_signal(signal.SIGTERM)
+        assert la.wait_exit(120) == 0
+    finally:
+        la.close()

@@ -260,6 +260,7 @@ def engine(tmp_path: Path, name: str, model: Path, *args: str,
 
 def test_engine_tp1_and_tp2_serve_the_same_tokens_and_stop_cleanly(
         tiny: Path, sockdir: Path, tmp_path: Path) -> None:
+    """Same tokens at TP 1 and 2, stats, bad requests refused, SIGINT / SIGTERM stop cleanly."""
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(tmp_path / "notify"))
     notify.settimeout(30)
@@ -286,9 +287,11 @@ def test_engine_tp1_and_tp2_serve_the_same_tokens_and_stop_cleanly(
         assert stats["bytes"] == split + 2 * replicated
         assert stats["started_at"] <= stats["ready_at"] <= time.time()
 
+        _refuses_bad_requests(tp1)
+
         children = psutil.Process(tp2.proc.pid).children(recursive=True)
         assert len(children) == 1
-        tp1.proc.send_signal(signal.SIGTERM)
+        tp1.proc.send_signal(signal.SIGINT)  # Ctrl-C stops it as SIGTERM does
         tp2.proc.send_signal(signal.SIGTERM)
         assert tp1.wait() == 0, tp1.log.read_text()
         assert tp2.wait() == 0, tp2.log.read_text()
@@ -302,24 +305,21 @@ def test_engine_tp1_and_tp2_serve_the_same_tokens_and_stop_cleanly(
     assert "received SIGTERM; stopping" in log2 and log2.rstrip().endswith("INFO stopped")
 
 
-def test_engine_refuses_bad_requests(tiny: Path, sockdir: Path, tmp_path: Path) -> None:
-    with engine(tmp_path, "e", tiny, "--socket-dir", str(sockdir)) as e:
-        e.wait_healthy()
-        assert e.request("GET", "/health") == (200, {"status": "ok"})
-        cases = [([256], 1, "integers in 0..255"), ([], 1, "1..256 integers"),
-                 (list(range(257)), 1, "1..256"), ([True], 1, "integers"),
-                 ([1], 65, "0..64"), ([1], "8", "0..64")]
-        for tokens, max_new, message in cases:
-            status, body = e.generate(tokens, max_new)
-            assert status == 400 and message in body["error"], (tokens, max_new, body)
-        assert e.request("POST", "/generate", b"{")[0] == 400
-        assert e.request("POST", "/generate", b'{"tokens": [1], "n": 2}')[1] == {
-            "error": "unknown field(s) n"}
-        assert e.request("POST", "/generate", b" " * ((64 << 10) + 1))[0] == 413
-        assert e.request("GET", "/nope")[0] == 404
-        assert e.generate([1], 0) == (200, {"tokens": []})
-        e.proc.send_signal(signal.SIGINT)
-        assert e.wait() == 0
+def _refuses_bad_requests(e: Engine) -> None:
+    """A serving engine answers bad requests with 400/404/413 and keeps serving."""
+    assert e.request("GET", "/health") == (200, {"status": "ok"})
+    cases = [([256], 1, "integers in 0..255"), ([], 1, "1..256 integers"),
+             (list(range(257)), 1, "1..256"), ([True], 1, "integers"),
+             ([1], 65, "0..64"), ([1], "8", "0..64")]
+    for tokens, max_new, message in cases:
+        status, body = e.generate(tokens, max_new)
+        assert status == 400 and message in body["error"], (tokens, max_new, body)
+    assert e.request("POST", "/generate", b"{")[0] == 400
+    assert e.request("POST", "/generate", b'{"tokens": [1], "n": 2}')[1] == {
+        "error": "unknown field(s) n"}
+    assert e.request("POST", "/generate", b" " * ((64 << 10) + 1))[0] == 413
+    assert e.request("GET", "/nope")[0] == 404
+    assert e.generate([1], 0) == (200, {"tokens": []})
 
 
 def test_engine_exits_78_on_configuration_errors(tiny: Path, sockdir: Path,

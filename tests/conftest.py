@@ -115,6 +115,16 @@ def llama_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def demo_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The `vlaunch demo` checkpoint, made once as the demo makes it (a child process)."""
+    root = tmp_path_factory.mktemp("demo-cache")
+    subprocess.run([sys.executable, "-c", "from vlaunch.launcher.demo import "
+                    "ensure_demo_checkpoint as e; e()"], check=True, timeout=120,
+                   env={**os.environ, "VLAUNCH_CACHE_DIR": str(root)})
+    return root / "demo-llama"
+
+
 @dataclass
 class CacheProc:
     """A running cache rank started by a test."""

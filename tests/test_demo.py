@@ -11,8 +11,10 @@ from pathlib import Path
 from vlaunch.cache.contract.exitcodes import ExitStatus
 
 
-def test_vlaunch_demo_restarts_the_engine_from_the_cache(tmp_path: Path) -> None:
-    env = {**os.environ, "VLAUNCH_CACHE_DIR": str(tmp_path / "cache")}
+def test_vlaunch_demo_restarts_the_engine_from_the_cache(demo_ckpt: Path) -> None:
+    # the checkpoint the demo would write first (made by the same function, shared with the
+    # quick start's test); tests/test_operator.py covers the demo failing to write it
+    env = {**os.environ, "VLAUNCH_CACHE_DIR": str(demo_ckpt.parent)}
     r = subprocess.run([sys.executable, "-m", "vlaunch.launcher.cli", "demo"], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == ExitStatus.OK, r.stderr[-3000:]

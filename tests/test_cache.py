@@ -68,14 +68,25 @@ def test_every_dtype_round_trips_bit_exactly(tmp_path: Path, sockdir: Path, cach
             assert _same_bits(got[key], ref), (mode, key)
 
 
+@pytest.fixture(scope="module")
+def one_cache(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
+    d = tmp_path_factory.mktemp("one") / "s"
+    d.mkdir(mode=0o700)
+    c = spawn_cache(llama_ckpt, d)
+    yield c
+    c.stop()
+
+
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_llama_plan_parity_with_safetensors(llama_ckpt: Path, sockdir: Path, caches,
-                                            tp: int) -> None:
+                                            one_cache, tp: int) -> None:
     full = {}
     for f in sorted(llama_ckpt.glob("*.safetensors")):
         full.update(load_file(str(f)))
-    for rank in range(tp):
-        caches.append(spawn_cache(llama_ckpt, sockdir, rank=rank, tp=tp))
+    if tp == 1:  # the module's rank is rank 0 of TP 1 on this checkpoint
+        sockdir = one_cache.socket_dir
+    else:
+        caches.extend(spawn_cache(llama_ckpt, sockdir, rank=rank, tp=tp) for rank in range(tp))
     for rank in range(tp):
         got = load(str(llama_ckpt), rank=rank, tensor_parallel_size=tp,
                    socket_dir=str(sockdir), fallback=False, timeout=10)
@@ -86,12 +97,10 @@ def test_llama_plan_parity_with_safetensors(llama_ckpt: Path, sockdir: Path, cac
             assert _same_bits(got[name], want), (tp, rank, name)
 
 
-def test_manifest_checksums_match_the_file_bytes(llama_ckpt: Path, sockdir: Path,
-                                                 caches) -> None:
+def test_manifest_checksums_match_the_file_bytes(llama_ckpt: Path, one_cache) -> None:
     import zlib
 
-    caches.append(spawn_cache(llama_ckpt, sockdir))
-    client = CacheClient(socket_path(sockdir, 0))
+    client = CacheClient(socket_path(one_cache.socket_dir, 0))
     manifest = client.manifest()
     full = {}
     for f in sorted(llama_ckpt.glob("*.safetensors")):
@@ -100,15 +109,6 @@ def test_manifest_checksums_match_the_file_bytes(llama_ckpt: Path, sockdir: Path
         data = full[rec.name].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
         assert rec.checksum == zlib.crc32(data)
     client.close()
-
-
-@pytest.fixture(scope="module")
-def one_cache(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
-    d = tmp_path_factory.mktemp("one") / "s"
-    d.mkdir(mode=0o700)
-    c = spawn_cache(llama_ckpt, d)
-    yield c
-    c.stop()
 
 
 def test_every_fingerprint_field_mismatch_is_reported(llama_ckpt: Path, one_cache) -> None:

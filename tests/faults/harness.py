@@ -22,17 +22,7 @@ from safetensors.torch import load_file
 from vlaunch.cache.contract.progress import recv_ready
 from vlaunch.cache.contract.sockdir import socket_path
 
-
-def wait_until(cond: Callable[[], Any], timeout: float = 30.0, what: str = "") -> Any:
-    """Poll `cond` until it returns something true; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what or cond}")
-        time.sleep(0.02)
+from ..conftest import eventually
 
 
 def open_fds(pid: int | str = "self") -> int:
@@ -154,7 +144,7 @@ def assert_gone(pids: list[int], sockdir: Path | None = None) -> None:
             except psutil.NoSuchProcess:
                 pass
         return True
-    wait_until(gone, 20, f"processes {pids} to go")
+    eventually(gone, 20, what=f"processes {pids} to go")
     if sockdir is not None and sockdir.exists():
         left = [p.name for p in sockdir.iterdir() if p.name.endswith((".sock", ".lock"))]
         assert not left, left

@@ -15,7 +15,8 @@ import pytest
 from tests.test_launcher import Launcher, engine, serving
 from vlaunch.cache.contract.exitcodes import ExitStatus
 
-from .harness import assert_gone, descendants, wait_until
+from ..conftest import eventually
+from .harness import assert_gone, descendants
 
 STUBBORN = [sys.executable, "-c", """
 import os, signal, socket, time
@@ -77,7 +78,7 @@ def test_a_rank_frozen_or_killed_in_its_first_load(launch, tmp_path: Path, llama
     nothing is left."""
     deadline = ["--start-timeout", "2"] if sig == signal.SIGSTOP else []
     la = _start(launch, tmp_path, llama_ckpt, *deadline, engine_cmd=NEVER_READY)
-    ranks = wait_until(lambda: [p for p in descendants(la.proc.pid) if _is_rank(p)],
+    ranks = eventually(lambda: [p for p in descendants(la.proc.pid) if _is_rank(p)],
                        what="the rank to start")
     for pid in ranks:
         os.kill(pid, sig)
@@ -108,7 +109,7 @@ def test_a_killed_launcher_leaves_no_child(launch, tmp_path: Path, llama_ckpt: P
     la = _start(launch, tmp_path, llama_ckpt, engine_cmd=WITH_WORKER)
     snap = la.wait_for(serving)
     children = la.pids(snap)
-    wait_until(lambda: len(descendants(la.proc.pid)) > len(children), what="the worker")
+    eventually(lambda: len(descendants(la.proc.pid)) > len(children), what="the worker")
     everything = descendants(la.proc.pid)
     la.proc.kill()
     la.proc.wait(10)

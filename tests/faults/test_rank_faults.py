@@ -23,6 +23,7 @@ from vlaunch.cache.contract import protocol, wire
 from vlaunch.cache.contract.errors import CacheUnavailableError
 from vlaunch.cache.contract.exitcodes import ExitStatus
 
+from ..conftest import eventually
 from .harness import (
     Rank,
     assert_bit_exact,
@@ -31,7 +32,6 @@ from .harness import (
     open_fds,
     start_rank,
     threads,
-    wait_until,
 )
 
 
@@ -78,16 +78,16 @@ def test_share_loads_that_drop_their_tensors_leak_nothing(llama_ckpt: Path, rank
     first = _load(llama_ckpt, rank)
     del first
     gc.collect()
-    wait_until(lambda: _leases(rank) == 0, what="the first lease to end")
+    eventually(lambda: _leases(rank) == 0, what="the first lease to end")
     mine, tasks, theirs = open_fds(), threads(), open_fds(rank.pid)
     for _ in range(100):
         w = _load(llama_ckpt, rank)
         t = w["model.norm.weight"]
         del w, t
     gc.collect()
-    wait_until(lambda: _leases(rank) == 0, what="every lease to end")
+    eventually(lambda: _leases(rank) == 0, what="every lease to end")
     assert open_fds() <= mine + 1 and threads() <= tasks
-    wait_until(lambda: open_fds(rank.pid) <= theirs, what="the rank's fds to come back")
+    eventually(lambda: open_fds(rank.pid) <= theirs, what="the rank's fds to come back")
     assert_bit_exact(_load(llama_ckpt, rank), llama_ckpt)
 
 
@@ -99,7 +99,7 @@ def test_a_lease_lasts_while_any_tensor_of_it_lives(llama_ckpt: Path, rank: Rank
     assert _leases(rank) == 1
     del kept
     gc.collect()
-    wait_until(lambda: _leases(rank) == 0, what="the lease to end")
+    eventually(lambda: _leases(rank) == 0, what="the lease to end")
 
 
 # ---------------------------------------------------------------------- stalls
@@ -191,7 +191,7 @@ def test_a_bad_client_harms_only_itself(llama_ckpt: Path, rank: Rank, bad: str) 
     evil.setblocking(True)
     assert_bit_exact(_load(llama_ckpt, rank, mode="copy"), llama_ckpt)
     evil.close()
-    wait_until(lambda: open_fds(rank.pid) <= base, what="the rank to drop the bad client")
+    eventually(lambda: open_fds(rank.pid) <= base, what="the rank to drop the bad client")
     assert rank.proc.poll() is None
 
 
@@ -216,7 +216,7 @@ def test_an_engine_killed_mid_handoff_leaves_nothing_in_the_rank(llama_ckpt: Pat
     base = open_fds(rank.pid)
     engine = subprocess.run([sys.executable, "-c", ENGINE_DIES, str(rank.socket), when])
     assert engine.returncode == -signal.SIGKILL
-    wait_until(lambda: open_fds(rank.pid) <= base and _leases(rank) == 0,
+    eventually(lambda: open_fds(rank.pid) <= base and _leases(rank) == 0,
                what="the rank to forget the dead engine")
     assert_bit_exact(_load(llama_ckpt, rank, mode="copy"), llama_ckpt)
 
@@ -257,11 +257,11 @@ def test_an_idle_connection_flood_is_shed(llama_ckpt: Path, sockdir: Path, ranks
     base = open_fds(r.pid)
     conns = _flood(r, 160)
     try:
-        wait_until(lambda: _try_load(llama_ckpt, r), 30, "a load during the flood")
+        eventually(lambda: _try_load(llama_ckpt, r), 30, what="a load during the flood")
     finally:
         for s in conns:
             s.close()
-    wait_until(lambda: open_fds(r.pid) <= base, what="the rank's fds to come back")
+    eventually(lambda: open_fds(r.pid) <= base, what="the rank's fds to come back")
     assert r.proc.poll() is None
     text = r.text()
     assert "shed" in text

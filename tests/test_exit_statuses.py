@@ -74,7 +74,7 @@ def test_final_sweep_leaves_no_grandchild(tmp_path: Path, llama_ckpt: Path) -> N
               "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
               "time.sleep(600)\n")
     la = Launcher(tmp_path, llama_ckpt, "--engine-ready", "notify",
-                  engine=[sys.executable, "-c", engine])
+                  engine=[sys.executable, "-c", engine], tp=1)
     try:
         la.wait_for(serving)
         grandchild = int(marker.read_text())

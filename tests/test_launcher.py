@@ -163,7 +163,7 @@ def test_start_serve_and_sigterm(launch, llama_ckpt: Path) -> None:
                                      for r in s["ranks"].values()))
     with urllib.request.urlopen(la.url + "/metrics", timeout=5) as r:
         metrics = r.read().decode()
-    assert 'vlaunch_rank_ready{rank="1"} 1.0' in metrics
+    assert 'vlaunch_rank_ready{rank="1",role="target"} 1.0' in metrics
     pids = la.pids(snap)
     la.proc.send_signal(signal.SIGTERM)
     assert la.wait_exit() == ExitStatus.OK
@@ -190,7 +190,7 @@ def test_rank_sigkill_shuts_down_with_69(launch, llama_ckpt: Path) -> None:
 def test_rank_that_fails_to_load_ends_startup_with_its_status(launch, tmp_path: Path) -> None:
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes((10**6).to_bytes(8, "little") + b"{}")
-    la = launch(bad, engine=engine())
+    la = launch(bad, engine=engine(), tp=1)
     assert la.wait_exit() == ExitStatus.BAD_CHECKPOINT
     assert "bad checkpoint" in la.text() and "engine started" not in la.text()
 
@@ -281,7 +281,7 @@ def test_engine_readiness_from_its_health_url(launch, llama_ckpt: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     la = launch(llama_ckpt, "--engine-health-url", f"http://127.0.0.1:{port}/health",
-                engine=[sys.executable, "-c", HTTP_ENGINE, str(port)])
+                engine=[sys.executable, "-c", HTTP_ENGINE, str(port)], tp=1)
     snap = la.wait_for(serving)
     assert snap["engine"]["healthy"] is True and la.probe("/readyz") == 200
     assert any("READY=1" in m for m in la.drain())
@@ -331,7 +331,8 @@ def test_caches_only_copy_release_returns_the_memory(launch, llama_ckpt: Path,
     eventually(lambda: not memfd_holders(inodes), 30, what="the slabs freed everywhere")
     la.wait_for(lambda s: s["ranks"]["0"]["bytes"] == 0 and s["ranks"]["0"]["state"] == "ready")
     with urllib.request.urlopen(la.url + "/metrics", timeout=5) as resp:
-        assert 'vlaunch_rank_bytes{device="cpu",rank="0"} 0.0' in resp.read().decode()
+        assert 'vlaunch_rank_bytes{device="cpu",rank="0",role="target"} 0.0' in \
+            resp.read().decode()
     assert "released its checkpoint slabs: closed 1 escrowed fd(s)" in la.text()
     la.proc.send_signal(signal.SIGTERM)
     assert la.wait_exit() == 0
@@ -361,3 +362,19 @@ def test_an_engine_under_run_needs_no_flags(launch, tmp_path: Path) -> None:
     assert la.wait_exit() == 0
     log = la.text()
     assert log.count("sd_notify to") == 1 and "Traceback" not in log, log
+
+
+def test_metrics_name_a_draft_rank_by_its_group_and_role() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from vlaunch.launcher.health import _Collector
+
+    status = {"ranks": {
+        0: {"state": "ready", "bytes": 10, "device": "cpu", "role": "target", "group_rank": 0},
+        1: {"state": "ready", "bytes": 4, "device": "cpu", "role": "draft", "group_rank": 0}}}
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(lambda: status))  # type: ignore[arg-type]
+    text = generate_latest(registry).decode()
+    assert 'vlaunch_rank_bytes{device="cpu",rank="0",role="target"} 10.0' in text
+    assert 'vlaunch_rank_bytes{device="cpu",rank="0",role="draft"} 4.0' in text
+    assert 'rank="1"' not in text

@@ -29,7 +29,7 @@ PROBES = {
 }
 
 
-class _Collector:
+class MetricsCollector:
     """Turns the latest status into Prometheus gauges at scrape time."""
 
     def __init__(self, status: Callable[[], dict[str, Any]]) -> None:
@@ -42,26 +42,28 @@ class _Collector:
                                ("vlaunch_engine_ready", "engine_ready", "Engine ready.")):
             yield GaugeMetricFamily(name, doc, value=float(bool(s.get(key))))
         ranks = s.get("ranks", {})
-        up = GaugeMetricFamily("vlaunch_rank_ready", "Cache rank ready.", labels=["rank"])
+        up = GaugeMetricFamily("vlaunch_rank_ready", "Cache rank ready.", labels=["rank", "role"])
         held = GaugeMetricFamily("vlaunch_rank_bytes", "Bytes held by a cache rank.",
-                                 labels=["rank", "device"])
+                                 labels=["rank", "role", "device"])
         leases = GaugeMetricFamily("vlaunch_rank_leases", "Clients holding a lease.",
-                                   labels=["rank"])
+                                   labels=["rank", "role"])
         loaded = GaugeMetricFamily("vlaunch_rank_loaded_bytes", "Bytes a cache rank has loaded "
                                    "of its shard (equal to the total once ready).",
-                                   labels=["rank"])
+                                   labels=["rank", "role"])
         total = GaugeMetricFamily("vlaunch_rank_total_bytes", "Bytes of a cache rank's shard "
-                                  "(0 until its load begins).", labels=["rank"])
+                                  "(0 until its load begins).", labels=["rank", "role"])
         changed = GaugeMetricFamily("vlaunch_checkpoint_changed", "A checkpoint file changed "
-                                    "on disk since the cache rank read it.", labels=["rank"])
+                                    "on disk since the cache rank read it.",
+                                    labels=["rank", "role"])
         for rank, r in ranks.items():
-            up.add_metric([str(rank)], float(r.get("state") == "ready"))
-            held.add_metric([str(rank), str(r.get("device", ""))], float(r.get("bytes", 0)))
-            leases.add_metric([str(rank)], float(len(r.get("leases", []))))
-            loaded.add_metric([str(rank)], float(r.get("loaded_bytes", 0)))
-            total.add_metric([str(rank)], float(r.get("total_bytes", 0)))
-            changed.add_metric([str(rank)], float(bool((r.get("checkpoint") or {}).get(
-                "changed"))))
+            # a draft rank is named in its own group (rank 0 of the draft group), like its socket
+            who = [str(r.get("group_rank", rank)), str(r.get("role", "target"))]
+            up.add_metric(who, float(r.get("state") == "ready"))
+            held.add_metric([*who, str(r.get("device", ""))], float(r.get("bytes", 0)))
+            leases.add_metric(who, float(len(r.get("leases", []))))
+            loaded.add_metric(who, float(r.get("loaded_bytes", 0)))
+            total.add_metric(who, float(r.get("total_bytes", 0)))
+            changed.add_metric(who, float(bool((r.get("checkpoint") or {}).get("changed"))))
         yield from (up, held, leases, changed, loaded, total)
         yield GaugeMetricFamily("vlaunch_loaded_bytes", "Bytes loaded by every cache rank of "
                                 "this launcher.", value=float(s.get("loaded_bytes", 0)))
@@ -76,7 +78,7 @@ class HealthServer:
     def __init__(self, host: str, port: int) -> None:
         self._status: dict[str, Any] = {}
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Collector(lambda: self._status))  # type: ignore[arg-type]
+        registry.register(MetricsCollector(lambda: self._status))  # type: ignore[arg-type]
         owner = self
 
         class Handler(BaseHTTPRequestHandler):

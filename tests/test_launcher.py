@@ -367,13 +367,13 @@ def test_an_engine_under_run_needs_no_flags(launch, tmp_path: Path) -> None:
 def test_metrics_name_a_draft_rank_by_its_group_and_role() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from vlaunch.launcher.health import _Collector
+    from vlaunch.launcher.health import MetricsCollector
 
     status = {"ranks": {
         0: {"state": "ready", "bytes": 10, "device": "cpu", "role": "target", "group_rank": 0},
         1: {"state": "ready", "bytes": 4, "device": "cpu", "role": "draft", "group_rank": 0}}}
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(lambda: status))  # type: ignore[arg-type]
+    registry.register(MetricsCollector(lambda: status))  # type: ignore[arg-type]
     text = generate_latest(registry).decode()
     assert 'vlaunch_rank_bytes{device="cpu",rank="0",role="target"} 10.0' in text
     assert 'vlaunch_rank_bytes{device="cpu",rank="0",role="draft"} 4.0' in text

@@ -8,7 +8,6 @@ it imports neither of them.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 from vlaunch.cache.client.connection import CacheClient, backend_for
 from vlaunch.cache.contract import fingerprint as fp
@@ -54,7 +53,7 @@ def engine_args(model: str | None, tensor_parallel_size: int | None,
     if role != "target":
         # a draft named by the caller alone (no vlaunch run): the draft plan's default
         env = env.for_role(role) if not model or env.draft_model else \
-            replace(env, plan=env.draft_plan or "replicate")
+            env._replace(plan=env.draft_plan or "replicate")
     if not (model or env.model):
         raise UsageError("load() has no model: pass it, or start the engine under vlaunch run "
                          "(which sets VLAUNCH_MODEL)")

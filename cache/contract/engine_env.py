@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from vlaunch.cache.contract.errors import UsageError
 from vlaunch.cache.contract.roles import check_role
@@ -25,9 +24,11 @@ def env_name(name: str) -> str:
     return PREFIX + name.upper()
 
 
-@dataclass(frozen=True)
-class EngineEnv:
-    """What `vlaunch run` tells its engine; an unset field is "" / None / () (not given)."""
+class EngineEnv(NamedTuple):
+    """What `vlaunch run` tells its engine; an unset field is "" / None / () (not given).
+
+    A NamedTuple rather than a frozen dataclass: every engine start defines it, and a frozen
+    dataclass costs several times more to define (the same fields, repr and equality)."""
 
     model: str = ""
     socket_dir: str = ""
@@ -47,7 +48,7 @@ class EngineEnv:
     def to_env(self) -> dict[str, str]:
         """The VLAUNCH_* variables of the fields that are set."""
         out = {}
-        for name, value in asdict(self).items():
+        for name, value in self._asdict().items():
             if value in ("", None, (), False):
                 continue
             if isinstance(value, tuple):
@@ -60,10 +61,10 @@ class EngineEnv:
         """The fields from VLAUNCH_* variables; a malformed one raises UsageError naming it."""
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = env.get(env_name(f.name), "").strip()
+        for name in cls._fields:
+            raw = env.get(env_name(name), "").strip()
             if raw:
-                values[f.name] = _parse(f.name, raw)
+                values[name] = _parse(name, raw)
         return cls(**values)
 
     def for_role(self, role: str) -> EngineEnv:
@@ -76,7 +77,7 @@ class EngineEnv:
                              "--draft-model PATH, or pass model= to load()")
         if self.model and os.path.realpath(self.draft_model) == os.path.realpath(self.model):
             return self  # the target's own checkpoint (MTP): its group serves the draft
-        return replace(self, model=self.draft_model, plan=self.draft_plan or "replicate")
+        return self._replace(model=self.draft_model, plan=self.draft_plan or "replicate")
 
     @property
     def plan_or_default(self) -> str:

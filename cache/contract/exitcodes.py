@@ -9,7 +9,7 @@ Where a sysexits.h code fits, it is used.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class ExitStatus(enum.IntEnum):
@@ -39,9 +39,9 @@ class ExitStatus(enum.IntEnum):
     QUIT = 131
 
 
-@dataclass(frozen=True)
-class ExitInfo:
-    """One row of the exit-status table."""
+class ExitInfo(NamedTuple):
+    """One row of the exit-status table (a NamedTuple: every process that can fail imports
+    this module, and a frozen dataclass costs several times more to define)."""
 
     status: ExitStatus
     who: str

@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from importlib import metadata
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     import torch
 
 
-@dataclass(frozen=True)
-class DType:
-    """A safetensors dtype: its name in headers, its size in bits and its torch dtype's name."""
+class DType(NamedTuple):
+    """A safetensors dtype: its name in headers, its size in bits and its torch dtype's name.
+
+    A NamedTuple rather than a frozen dataclass: an engine's handoff imports this module, and
+    a frozen dataclass costs several times more to define (same fields, repr and equality)."""
 
     name: str
     bits: int

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vlaunch.cache.contract.errors import CacheBrokenError
 
@@ -15,8 +14,12 @@ MAX_NAME = 1024
 MAX_DIMS = 16
 
 
-@dataclass(frozen=True)
-class TensorRecord:
+# NamedTuples rather than frozen dataclasses: every engine's handoff imports this module and
+# builds a record per tensor; a frozen dataclass costs several times more to define and to
+# instantiate (the same fields, repr, equality, hashing and immutability).
+
+
+class TensorRecord(NamedTuple):
     """One tensor: its dtype, shape and stride, and the byte range in its slab."""
 
     name: str
@@ -29,8 +32,7 @@ class TensorRecord:
     checksum: int | None = None
 
 
-@dataclass(frozen=True)
-class Manifest:
+class Manifest(NamedTuple):
     """A rank's slabs (their sizes) and every tensor in them."""
 
     backend: str
@@ -97,16 +99,12 @@ def _parse(obj: Any) -> Manifest:
             raise ValueError(f"{name}: extends past the end of slab {slab}")
         if checksum is not None:
             checked_int(checksum, "checksum")
-        # TensorRecord(...) without the frozen dataclass's per-field object.__setattr__ calls
-        # (they cost ~2 µs a record); the same fields, equality and immutability.
-        rec = _new(TensorRecord)
-        rec.__dict__.update(name=name, dtype=dtype, shape=shape_t, stride=stride_t, slab=slab,
-                            offset=offset, nbytes=nbytes, checksum=checksum)
-        tensors.append(rec)
+        tensors.append(_record((name, dtype, shape_t, stride_t, slab, offset, nbytes,
+                                checksum)))
     return Manifest(str(obj["backend"]), sizes, tuple(tensors))
 
 
-_new = object.__new__
+_record = TensorRecord._make
 
 
 _LIMIT = 1 << 50
@@ -198,6 +196,5 @@ def _packed_view(slab: torch.Tensor, t: TensorRecord) -> torch.Tensor:
 
 def with_checksums(manifest: Manifest, checksums: dict[str, int]) -> Manifest:
     """The same manifest with each tensor's checksum filled in."""
-    tensors = tuple(TensorRecord(**{**asdict(t), "checksum": checksums.get(t.name)})
-                    for t in manifest.tensors)
+    tensors = tuple(t._replace(checksum=checksums.get(t.name)) for t in manifest.tensors)
     return Manifest(manifest.backend, manifest.slab_sizes, tensors)

@@ -6,19 +6,12 @@ nothing else of them; plan.py re-exports it. Light: nothing beyond the contract'
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from vlaunch.cache.contract.errors import UsageError
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where a rank sits: its tensor-, pipeline- and data-parallel sizes and ranks.
-
-    Global ranks are ordered data, then pipeline, then tensor (tensor varies fastest):
-    global_rank = (dp_rank * pp_size + pp_rank) * tp_size + tp_rank.
-    """
-
+class _LayoutFields(NamedTuple):
     tp_size: int
     tp_rank: int
     pp_size: int = 1
@@ -26,14 +19,30 @@ class Layout:
     dp_size: int = 1
     dp_rank: int = 0
 
-    def __post_init__(self) -> None:
-        for kind in ("tp", "pp", "dp"):
-            size, rank = getattr(self, f"{kind}_size"), getattr(self, f"{kind}_rank")
+
+class Layout(_LayoutFields):
+    """Where a rank sits: its tensor-, pipeline- and data-parallel sizes and ranks.
+
+    Global ranks are ordered data, then pipeline, then tensor (tensor varies fastest):
+    global_rank = (dp_rank * pp_size + pp_rank) * tp_size + tp_rank.
+
+    Immutable, compared and hashed by its fields, validated when made. A NamedTuple rather
+    than a frozen dataclass: every engine start defines it, and a frozen dataclass costs
+    several times more to define (its repr has the same form).
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, tp_size: int, tp_rank: int, pp_size: int = 1, pp_rank: int = 0,
+                dp_size: int = 1, dp_rank: int = 0) -> Layout:
+        for kind, size, rank in (("tp", tp_size, tp_rank), ("pp", pp_size, pp_rank),
+                                 ("dp", dp_size, dp_rank)):
             if type(size) is not int or size < 1:
                 raise UsageError(f"{kind}_size must be an integer >= 1, got {size!r}")
             if type(rank) is not int or not 0 <= rank < size:
                 raise UsageError(f"{kind}_rank must be an integer in 0..{size - 1} for "
                                  f"{kind}_size {size}, got {rank!r}")
+        return super().__new__(cls, tp_size, tp_rank, pp_size, pp_rank, dp_size, dp_rank)
 
     @property
     def world_size(self) -> int:

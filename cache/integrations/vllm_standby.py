@@ -36,6 +36,7 @@ from vlaunch.cache.contract.notify import SdNotify
 from vlaunch.cache.contract.standby import (
     PARKED_FIELD,
     PROMOTE_FD_ENV,
+    STANDBY_ENV,
     StandbyError,
     is_standby,
     promote_fd,
@@ -141,6 +142,7 @@ def park(mode: str) -> float:
                  "this standby; exiting without serving")
         raise SystemExit(0)
     _promoted.set()
+    os.environ.pop(STANDBY_ENV, None)  # what this process starts from now on serves at once
     parked = time.perf_counter() - start
     log.info("vlaunch load format: promoted after %.3f s parked: taking over", parked)
     return parked

@@ -80,7 +80,7 @@ def test_engine_reuses_the_memo_only_while_every_stat_matches(tmp_path: Path) ->
     rec, _ = identity.record(root)
     memo = tmp_path / "rank-0.identity.json"
     identity.write_memo(memo, rec)
-    rec.data = "from-the-memo"  # a memo hit returns the memo's value, not a fresh read
+    rec = rec._replace(data="from-the-memo")  # a memo hit returns the memo's value
     identity.write_memo(memo, rec)
     identity._SEEN.clear()
     assert identity.identities(root, memo) == (rec.header, "from-the-memo")

@@ -29,7 +29,6 @@ import os
 import stat as stat_mod
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -78,9 +77,9 @@ class FileStat(NamedTuple):
             other.dev, other.ino, other.size, other.mtime_ns)
 
 
-@dataclass
-class Record:
-    """The identity of a checkpoint as a cache read it: its files' stats and its two hashes."""
+class Record(NamedTuple):
+    """The identity of a checkpoint as a cache read it: its files' stats and its two hashes
+    (a NamedTuple, as FileStat is: a dataclass costs several times more to define)."""
 
     model: str  # absolute path as given (a file or a directory)
     root: Path

@@ -72,7 +72,10 @@ def _parse(obj: Any) -> Manifest:
     # One pass per row with the checks inlined: this runs on every handoff, for every tensor.
     for row in rows:
         name, dtype, shape, stride, slab, offset, nbytes, checksum = row
-        if dtype not in bitsizes or tensor_name_problem(name):
+        # an ASCII name's length is its UTF-8 size: tensor_name_problem only for the others
+        ascii_ok = type(name) is str and name.isascii() and 0 < len(name) <= MAX_NAME and \
+            name.isprintable()
+        if dtype not in bitsizes or (not ascii_ok and tensor_name_problem(name)):
             raise ValueError(f"bad tensor name or dtype in row {str(row[:2])[:200]}: "
                              f"{tensor_name_problem(name) or 'unknown dtype'}")
         if len(shape) > MAX_DIMS or len(stride) != len(shape):
@@ -86,8 +89,9 @@ def _parse(obj: Any) -> Manifest:
                 checked_int(st, "stride")
             count *= d
             span += (d - 1) * st
-        for value, what in ((slab, "slab"), (offset, "offset"), (nbytes, "nbytes")):
-            if type(value) is not int or not 0 <= value <= _LIMIT:
+        if type(slab) is not int or type(offset) is not int or type(nbytes) is not int or \
+                not (0 <= slab <= _LIMIT and 0 <= offset <= _LIMIT and 0 <= nbytes <= _LIMIT):
+            for value, what in ((slab, "slab"), (offset, "offset"), (nbytes, "nbytes")):
                 checked_int(value, what)
         bits = bitsizes[dtype]
         if nbytes * 8 != count * bits or slab >= nslabs or offset % (bits >> 3 or 1):
@@ -97,7 +101,7 @@ def _parse(obj: Any) -> Manifest:
         # nbytes > 0 means every dim is > 0, so `span` is the strided view's extent
         if nbytes and offset * 8 + span * bits > sizes[slab] * 8:
             raise ValueError(f"{name}: extends past the end of slab {slab}")
-        if checksum is not None:
+        if checksum is not None and (type(checksum) is not int or not 0 <= checksum <= _LIMIT):
             checked_int(checksum, "checksum")
         tensors.append(_record((name, dtype, shape_t, stride_t, slab, offset, nbytes,
                                 checksum)))
@@ -168,18 +172,19 @@ def views(manifest: Manifest, slabs: list[torch.Tensor]) -> dict[str, torch.Tens
 
     from vlaunch.cache.store.dtypes import is_plain, to_torch
 
-    typed: dict[tuple[int, str], torch.Tensor] = {}
+    typed: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}  # (slab, dtype) -> view, size
     out = {}
+    strided = torch.as_strided
     for t in manifest.tensors:
-        if not is_plain(t.dtype):  # packed or raw-byte dtypes: contiguous by construction
-            out[t.name] = _packed_view(slabs[t.slab], t)
-            continue
-        base = typed.get((t.slab, t.dtype))
-        if base is None:
+        found = typed.get((t.slab, t.dtype))
+        if found is None:
+            if not is_plain(t.dtype):  # packed or raw-byte dtypes: contiguous by construction
+                out[t.name] = _packed_view(slabs[t.slab], t)
+                continue
             base = slabs[t.slab].view(to_torch(t.dtype))
-            typed[(t.slab, t.dtype)] = base
-        item = base.element_size()
-        out[t.name] = torch.as_strided(base, t.shape, t.stride, t.offset // item)
+            found = typed[(t.slab, t.dtype)] = (base, base.element_size())
+        base, item = found
+        out[t.name] = strided(base, t.shape, t.stride, t.offset // item)
     return out
 
 

@@ -40,8 +40,8 @@ IO_TIMEOUT = 30.0
 
 _BACKENDS: dict[str, Backend] = {}
 TRACE: dict[str, float] = {}
-"""The last handoff's steps (time.perf_counter() at start, replies, imported, hello, copied,
-done), for benchmarks."""
+"""The last handoff's steps (time.perf_counter() at start, asked (every request sent: in share
+mode, the fingerprint computed), replies, imported, hello, copied, done), for benchmarks."""
 
 
 def backend_for(device: str) -> Backend:
@@ -178,6 +178,8 @@ class CacheClient:
                 if mode == "share":
                     self._send(self._hello(fingerprint()))
                     owed += 1
+                TRACE["asked"] = time.perf_counter()
+                _while_the_cache_answers(mode)
                 mrep, mfds = self._recv()
                 owed -= 1
                 orep, ofds = self._recv()
@@ -350,6 +352,11 @@ class _Watcher:
         """Leases being watched."""
         return len(self._clients)
 
+    def start(self) -> None:
+        """Start the thread now, if it is not running (`add` starts it otherwise)."""
+        with self._lock:
+            self._start()
+
     def _start(self) -> None:
         """Start the thread once per process (lock held)."""
         if self._thread:
@@ -401,6 +408,16 @@ class _Watcher:
 
 _WATCHER = _Watcher()
 os.register_at_fork(after_in_child=_WATCHER.after_fork)
+
+
+def _while_the_cache_answers(mode: str) -> None:
+    """What a handoff needs later and can do before the cache's replies arrive, in time it
+    would otherwise spend waiting for them: the dtype table the manifest's parse reads and,
+    for a share lease, the watcher thread."""
+    from vlaunch.cache.store import dtypes  # noqa: F401
+
+    if mode == "share":
+        _WATCHER.start()
 
 
 def io_timeout_default() -> float:

@@ -2,8 +2,9 @@
 
 Every engine start pays `import vlaunch.cache` + `load()` (benchmarks/bench_import.py times
 it). The shard-plan machinery, the checkpoint reader, the CUDA slab backend and the rank's
-command line are imported where they are used, never on the share path; a fresh interpreter
-shows whether that still holds, so the gain cannot regress unnoticed.
+command line are imported where they are used, never on the share path, and the share path
+defines no dataclass; a fresh interpreter shows whether that still holds, so the gain cannot
+regress unnoticed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,20 @@ NOT_ON_THE_SHARE_PATH = (
     "click",
     "tomllib",
 )
+
+
+# Records every dataclass a vlaunch module defines from here on (`@dataclass` in either form).
+NO_DATACLASS = """
+import dataclasses
+_dataclass, DEFINED = dataclasses.dataclass, []
+def _spy(cls=None, /, **kw):
+    def wrap(c):
+        if c.__module__.startswith("vlaunch"):
+            DEFINED.append(f"{c.__module__}.{c.__qualname__}")
+        return _dataclass(c, **kw)
+    return wrap if cls is None else wrap(cls)
+dataclasses.dataclass = _spy
+"""
 
 
 def imported_after(code: str) -> list[str]:
@@ -56,10 +71,13 @@ def test_the_loader_imports_nothing_the_share_path_does_not_need() -> None:
 def test_a_share_handoff_from_a_cpu_rank_stays_on_the_light_path(
         llama_ckpt: Path, sockdir: Path, caches: list[CacheProc]) -> None:
     caches.append(spawn_cache(llama_ckpt, sockdir))
-    code = ("import vlaunch.cache\n"
+    # Defining a (frozen) dataclass costs several times what a NamedTuple does: the share
+    # path defines none (its records, layout and headers are NamedTuples).
+    code = (NO_DATACLASS + "import vlaunch.cache\n"
             f"w = vlaunch.cache.load({str(llama_ckpt)!r}, socket_dir={str(sockdir)!r}, "
             "fallback=False, device='cpu')\n"
-            "assert w.source == 'cache' and len(w) > 10, (w.source, w.reason)")
+            "assert w.source == 'cache' and len(w) > 10, (w.source, w.reason)\n"
+            "assert not DEFINED, f'dataclasses defined on the share path: {DEFINED}'")
     mods = imported_after(code)
     assert "vlaunch.cache.store.identity" in mods  # the memo was checked
     assert not set(mods) & set(NOT_ON_THE_SHARE_PATH), mods

@@ -28,14 +28,17 @@ T = TypeVar("T")
 
 @pytest.hookimpl(wrapper=True)
 def pytest_cmdline_main(config: pytest.Config) -> Iterator[object]:
-    """One worker per core (pytest-xdist, work stealing) unless `-n` was given.
+    """One worker per core (pytest-xdist, work stealing) for a run of whole directories (the
+    suite, `tests/faults`) unless `-n` was given; files and single tests run in one process,
+    where workers' start-up (each imports torch) costs more than they save.
 
     Not an addopts line: the GPU machine and the FlashInfer venv have no pytest-xdist, and
     there the suite runs in one process. `-n 0` runs it in one process anywhere.
     """
     option = config.option
     if (config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput")
-            and option.numprocesses is None and not option.usepdb):
+            and option.numprocesses is None and not option.usepdb
+            and all(Path(arg).is_dir() for arg in config.args)):
         option.numprocesses = "auto"
         if option.dist == "no":
             option.dist = "worksteal"

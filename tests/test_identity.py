@@ -254,7 +254,7 @@ def test_run_verifies_then_reports_a_changed_checkpoint_in_status_and_metrics(
         snap = la.wait_for(lambda s: (s["ranks"]["0"].get("checkpoint") or {}).get("changed"))
         assert snap["ranks"]["0"]["checkpoint"]["changed"] == [NAME]
         with urllib.request.urlopen(la.url + "/metrics", timeout=5) as r:
-            assert 'vlaunch_checkpoint_changed{rank="0"} 1.0' in r.read().decode()
+            assert 'vlaunch_checkpoint_changed{rank="0",role="target"} 1.0' in r.read().decode()
         shown = subprocess.run([sys.executable, "-m", "vlaunch.launcher.cli", "status",
                                 "--socket-dir", str(la.sockdir)], capture_output=True,
                                text=True, timeout=30)

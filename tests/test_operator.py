@@ -460,7 +460,7 @@ def test_loaded_bytes_reach_status_metrics_and_sd_notify(tmp_path: Path,
             metrics = r.read().decode()
         gauges = dict(line.rsplit(" ", 1) for line in metrics.splitlines()
                       if line and not line.startswith("#"))
-        assert float(gauges['vlaunch_rank_loaded_bytes{rank="0"}']) == \
+        assert float(gauges['vlaunch_rank_loaded_bytes{rank="0",role="target"}']) == \
             snap["ranks"]["0"]["loaded_bytes"]
         assert float(gauges["vlaunch_loaded_bytes"]) == snap["loaded_bytes"]
         loading = [m for m in la.drain() if "GB loaded" in m]

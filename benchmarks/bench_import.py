@@ -6,7 +6,9 @@ clock starts, then times `import vlaunch.cache`, the import `vlaunch.cache.load`
 and the share `load()` against a running cache rank. The baseline, in the same run and the
 same kind of fresh process, is `import safetensors.torch` + `safe_open` of every shard of the
 same checkpoint with its tensor names listed: the least an engine that loads from disk pays
-before its first byte. A second table gives the per-module import breakdown (`-X importtime`,
+before its first byte. Each figure is given in wall time and in CPU time (every thread of the
+process: the steadier figure on a busy host), with the load average over the run. Then the
+share load()'s steps (`connection.TRACE`) and the per-module import breakdown (`-X importtime`,
 median self and cumulative time of each module imported after torch).
 
     python benchmarks/bench_import.py                       # CPU, a small generated shard
@@ -41,28 +43,33 @@ if dev.startswith("cuda"):
     torch.zeros(1, device=dev); torch.cuda.synchronize(dev)
 before = set(sys.modules)
 sys.stderr.write("CLOCK STARTS\n"); sys.stderr.flush()
+cpu = time.process_time  # every thread of the process: steadier than wall on a busy host
 if spec["what"] == "baseline":
-    t0 = time.perf_counter()
+    c0, t0 = cpu(), time.perf_counter()
     from safetensors import safe_open
-    t1 = time.perf_counter()
+    c1, t1 = cpu(), time.perf_counter()
     names = []
     for f in spec["files"]:
         with safe_open(f, "pt", device=dev) as h:
             names += h.keys()
-    t2 = time.perf_counter()
-    out = {"import_s": t1 - t0, "load_s": t2 - t1, "total_s": t2 - t0, "tensors": len(names)}
+    c2, t2 = cpu(), time.perf_counter()
+    out = {"import_s": t1 - t0, "load_s": t2 - t1, "total_s": t2 - t0, "tensors": len(names),
+           "cpu_import_s": c1 - c0, "cpu_load_s": c2 - c1, "cpu_total_s": c2 - c0}
 else:
-    t0 = time.perf_counter()
+    c0, t0 = cpu(), time.perf_counter()
     import vlaunch.cache as V  # what an engine writes
-    t1 = time.perf_counter()
+    c1, t1 = cpu(), time.perf_counter()
     load = V.load  # imports the loader (load() would)
-    t2 = time.perf_counter()
+    c2, t2 = cpu(), time.perf_counter()
     w = load(spec["model"], socket_dir=spec["sock"], mode="share", fallback=False, device=dev,
              plan=spec["plan"])
     if dev.startswith("cuda"):
         torch.cuda.synchronize(dev)
-    t3 = time.perf_counter()
+    c3, t3 = cpu(), time.perf_counter()
+    from vlaunch.cache.client.connection import TRACE
     out = {"package_s": t1 - t0, "import_s": t2 - t0, "load_s": t3 - t2, "total_s": t3 - t0,
+           "cpu_package_s": c1 - c0, "cpu_import_s": c2 - c0, "cpu_load_s": c3 - c2,
+           "cpu_total_s": c3 - c0, "steps": {k: v - t2 for k, v in TRACE.items()},
            "tensors": len(w), "source": w.source,
            "modules": sorted(m for m in set(sys.modules) - before if m.startswith("vlaunch"))}
 print("RESULT " + json.dumps(out))
@@ -139,27 +146,37 @@ def start_rank(model: Path, sock: Path, device: str, plan: str) -> subprocess.Po
 
 
 def report(ours: list[dict[str, Any]], base: list[dict[str, Any]],
-           stderrs: list[str], device: str) -> None:
-    """Print the two tables."""
+           stderrs: list[str], device: str, loadavg: tuple[float, float]) -> None:
+    """Print the tables."""
     def ms(runs: list[dict[str, Any]], key: str) -> float:
         return statistics.median(r[key] for r in runs) * 1e3
 
     total, b_total = ms(ours, "total_s"), ms(base, "total_s")
     print(f"\n{ours[0]['tensors']} tensors, device {device}, median of {len(ours)} fresh "
           f"processes each (torch imported{', CUDA up' if device != 'cpu' else ''} before the "
-          f"clock), {time.strftime('%Y-%m-%d')}; baseline: import safetensors + safe_open of "
-          "every shard, names listed")
+          f"clock), {time.strftime('%Y-%m-%d')}, load average {loadavg[0]:.2f} -> "
+          f"{loadavg[1]:.2f} on {os.cpu_count()} CPUs; baseline: import safetensors + safe_open "
+          "of every shard, names listed")
     print(f"{'figure':<44} {'vlaunch':>10} {'baseline':>10} {'ratio':>7} {'target':>8}")
     rows = [("import vlaunch.cache (package alone)", ms(ours, "package_s"), None, "-"),
             ("import of what load() needs", ms(ours, "import_s"), ms(base, "import_s"), "-"),
             ("share load() / safe_open, once imported", ms(ours, "load_s"), ms(base, "load_s"),
              "-"),
             ("import vlaunch.cache + share load(), all in", total, b_total,
-             "<=15 ms" if device != "cpu" else "GPU")]
+             "<=15 ms" if device != "cpu" else "GPU"),
+            ("CPU time: import of what load() needs", ms(ours, "cpu_import_s"),
+             ms(base, "cpu_import_s"), "-"),
+            ("CPU time: share load() / safe_open", ms(ours, "cpu_load_s"), ms(base, "cpu_load_s"),
+             "-"),
+            ("CPU time: all in", ms(ours, "cpu_total_s"), ms(base, "cpu_total_s"), "-")]
     for name, v, b, target in rows:
         ratio = f"{v / b:.2f}x" if b else "-"
         bt = f"{b:.2f} ms" if b is not None else "-"
         print(f"{name:<44} {f'{v:.2f} ms':>10} {bt:>10} {ratio:>7} {target:>8}")
+    steps = {k: statistics.median(r["steps"][k] for r in ours if k in r["steps"]) * 1e3
+             for k in ours[0]["steps"]}
+    print("\nshare load() steps, ms after the call (median; connection.TRACE): " +
+          ", ".join(f"{k} {v:.2f}" for k, v in steps.items()))
     mods = ours[0]["modules"]
     print(f"\nmodules imported after torch, -X importtime, median of {len(stderrs)} "
           f"(ms; adds its own overhead); {len(mods)} vlaunch modules loaded:")
@@ -178,6 +195,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--importtime-runs", type=int, default=3)
     args = ap.parse_args()
+    load_before = os.getloadavg()[0]
     # As installed packages are: byte-compiled (a process that must compile the modules it
     # imports, e.g. under PYTHONDONTWRITEBYTECODE with stale caches, pays several times more)
     compileall.compile_dir(Path(vlaunch.cache.__file__).parent, quiet=1)
@@ -204,7 +222,7 @@ def main() -> None:
             proc.wait()
     if any(r["source"] != "cache" for r in ours):
         raise SystemExit("a load() did not come from the cache")
-    report(ours, base, stderrs, args.device)
+    report(ours, base, stderrs, args.device, (load_before, os.getloadavg()[0]))
 
 
 if __name__ == "__main__":

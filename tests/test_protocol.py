@@ -161,3 +161,24 @@ def test_daemon_refuses_oversized_and_fd_carrying_requests(live: Path) -> None:
     garbage = struct.pack("!16s", b"GET / HTTP/1.1\r\n")
     assert "bad magic" in _raw(live, garbage)["message"]  # type: ignore[index]
     assert CacheClient(live).status()["state"] == "serving"
+
+
+def test_a_pre_encoded_reply_goes_out_as_the_same_frame() -> None:
+    import asyncio
+
+    reply = {"ok": True, "manifest": {"backend": "cpu", "slab_sizes": [1], "tensors": []}}
+    a, b = socket.socketpair()
+    try:
+        a.setblocking(False)
+
+        async def send() -> None:
+            loop = asyncio.get_running_loop()
+            await wire.write_frame(loop, a, protocol.encode(reply))
+            with pytest.raises(ProtocolError, match="carries no fds"):
+                await wire.write_frame(loop, a, protocol.encode(reply), [b.fileno()])
+
+        asyncio.run(send())
+        assert wire.recv_frame(b) == (reply, [])
+    finally:
+        a.close()
+        b.close()

@@ -119,9 +119,16 @@ async def _read_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: i
 
 
 async def write_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                      message: dict[str, Any], fds: list[int] = ()) -> None:  # type: ignore[assignment]
-    """Send one frame (with fds) on a non-blocking socket."""
-    data = protocol.encode(message, len(fds))
+                      message: dict[str, Any] | bytes,
+                      fds: list[int] = ()) -> None:  # type: ignore[assignment]
+    """Send one frame (with fds) on a non-blocking socket; `message` may be a frame that
+    protocol.encode already made (without fds), for a reply sent many times."""
+    if isinstance(message, bytes):
+        if fds:
+            raise ProtocolError("a pre-encoded frame carries no fds")
+        data = message
+    else:
+        data = protocol.encode(message, len(fds))
     while True:
         try:
             sent = sock.sendmsg([data], _ancillary(list(fds)))

@@ -53,6 +53,7 @@ class CacheServer:
                  artifacts: ArtifactStore | None = None, layouts: LayoutStore | None = None,
                  raw_released: bool = False) -> None:
         self.rank, self.fingerprint, self.manifest = rank, fingerprint, manifest
+        self._manifest_frame: bytes | None = None
         self.fds, self.device = fds, device
         self.allowed_uids = allowed_uids
         self.artifacts = artifacts if artifacts is not None else ArtifactStore()
@@ -165,9 +166,13 @@ class CacheServer:
                                   mismatch=[list(d) for d in diff]), []
         return {"ok": True, "fingerprint": self.fingerprint, "rank": self.rank}, []
 
-    def handle_manifest(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        """manifest: every tensor's place in the slabs."""
-        return {"ok": True, "manifest": self.manifest.to_wire()}, []
+    def handle_manifest(self, lease: Lease, f: dict[str, Any]) -> tuple[bytes, list[int]]:
+        """manifest: every tensor's place in the slabs; encoded once (the manifest never
+        changes), since every handoff waits for this reply."""
+        if self._manifest_frame is None:
+            self._manifest_frame = protocol.encode({"ok": True,
+                                                    "manifest": self.manifest.to_wire()})
+        return self._manifest_frame, []
 
     def handle_open(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """open: send the slab fds (SCM_RIGHTS)."""

@@ -182,7 +182,6 @@ class CacheClient:
                 _while_the_cache_answers(mode)
                 mrep, mfds = self._recv()
                 owed -= 1
-                early = _destinations_now(mrep, mode, device)  # while the open reply comes
                 orep, ofds = self._recv()
                 owed -= 1
                 if mrep.get("ok") is not True or orep.get("ok") is not True or mfds:
@@ -209,7 +208,7 @@ class CacheClient:
                 try:
                     # the copies start as each slab is mapped
                     mapped.extend(import_slabs(ofds, sizes, device, copies if mode != "share"
-                                               else None, early))
+                                          else None))
                     TRACE["imported"] = time.perf_counter()
                     if mode != "share":
                         self._send(self._hello(fingerprint()))
@@ -458,12 +457,10 @@ def _slab_sizes(obj: Any) -> tuple[int, ...]:
 
 
 def import_slabs(fds: list[int], sizes: tuple[int, ...], device: str,
-                 copies: list[torch.Tensor] | None = None,
-                 destinations: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+            copies: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Map each slab fd read-only; closes every fd. With `copies`, also copy each slab into
     memory of our own as soon as it is mapped (appended to `copies` in order): one copy per
-    slab on the current stream, into `destinations` (one per slab, already allocated) or
-    into destinations allocated while the fds are imported."""
+    slab on the current stream, into destinations allocated while the fds are imported."""
     try:
         if len(fds) != len(sizes):
             raise CacheBrokenError(f"cache sent {len(fds)} fds for {len(sizes)} slabs")
@@ -471,10 +468,7 @@ def import_slabs(fds: list[int], sizes: tuple[int, ...], device: str,
         if copies is None:
             return [backend.import_fd(fd, size, readonly=True)
                     for fd, size in zip(fds, sizes, strict=True)]
-        if destinations is not None and [d.numel() for d in destinations] == list(sizes):
-            destination = destinations.__getitem__
-        else:
-            destination = _allocating(sizes, device)
+        destination = _allocating(sizes, device)
         mapped = []
         for i, (fd, size) in enumerate(zip(fds, sizes, strict=True)):
             mapped.append(backend.import_fd(fd, size, readonly=True))
@@ -483,21 +477,6 @@ def import_slabs(fds: list[int], sizes: tuple[int, ...], device: str,
     finally:
         for fd in fds:
             os.close(fd)
-
-
-def _destinations_now(mrep: dict[str, Any], mode: str, device: str) -> list[torch.Tensor] | None:
-    """Copy modes on a GPU: the copies' destinations, allocated as soon as the manifest reply
-    gives the slab sizes (before the open reply is read and the slabs are mapped), so that the
-    first copy starts once its slab is mapped; None where there is nothing to allocate yet."""
-    if mode == "share" or not device.startswith("cuda") or mrep.get("ok") is not True:
-        return None
-    try:
-        sizes = _slab_sizes(mrep.get("manifest"))
-    except CacheBrokenError:
-        return None  # reported once both replies are read
-    import torch
-
-    return [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
 
 
 def _allocating(sizes: tuple[int, ...], device: str) -> Callable[[int], torch.Tensor]:

@@ -1,9 +1,9 @@
 """The supervisor's entry: `Supervisor.handle` takes one event, dispatches it to the decisions
 of its concern (ranks, engine, standby, stop, timers) and returns the actions.
 
-Nothing in this package touches a process, a clock, a socket or a logger (the h11 shape). The asyncio
-executor feeds `Supervisor.handle` one event at a time (a child exited, a signal arrived, a
-tick) and executes the actions it returns, in order: spawn, signal, notify, log, exit. Time
+Nothing in this package touches a process, a clock, a socket or a logger (the h11 shape). The
+asyncio executor feeds `Supervisor.handle` one event at a time (a child exited, a signal arrived,
+a tick) and executes the actions it returns, in order: spawn, signal, notify, log, exit. Time
 arrives inside the events (`now`, monotonic seconds), so a test replays a whole history in
 microseconds.
 

@@ -520,6 +520,7 @@ INTERNAL = {
     "cannot split shape": "cache.plan: an invariant of SliceSpec, after plan validation",
     "max_bytes must be >= 1, got": "cache.plan: an internal argument",
     "slab size must be >= 0, got": "cache.slabs_cuda: an internal argument",
+    "a pre-encoded frame carries no fds": "contract.wire: a rank handler bug",
 }
 
 

@@ -2,7 +2,8 @@
 
     GET  /health    200 {"status": "ok"} once the weights are loaded; 503 before and while
                     stopping
-    GET  /stats     {weights_ms, source, layout, tp_size, bytes, pid, started_at, ready_at}
+    GET  /stats     {weights_ms, source, layout, tp_size, bytes, pid, started_at, ready_at,
+                    memory} (memory: each rank's bytes, docs/memory.md)
     POST /generate  {"tokens": [int, ...], "max_new_tokens": int} -> {"tokens": [int, ...]}
 
 Requests are served from threads; each generation is queued for the engine's main thread.

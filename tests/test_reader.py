@@ -15,7 +15,7 @@ from vlaunch.cache.store.checkpoint import open_checkpoint
 from vlaunch.cache.store.manifest import pack, views
 from vlaunch.cache.store.plan import LLAMA_PLAN, Layout, plan_rank
 from vlaunch.cache.store.reader import NARROW, fill, pieces
-from vlaunch.cache.store.registered import segments, window_copies, windows
+from vlaunch.cache.store.registered import window_copies, windows
 from vlaunch.cache.store.shard import PlainBackend
 from vlaunch.cache.store.slabs import CpuBackend
 
@@ -153,17 +153,6 @@ def test_registration_windows_cover_every_piece_once_in_order() -> None:
         for i in ready:  # every window a piece touches is registered by the time it is ready
             offset, length = spans[i]
             assert {k * 32 for k in range(offset // 32, (offset + length - 1) // 32 + 1)} <= seen
-
-
-@pytest.mark.parametrize(("offset", "length", "window"),
-                         [(0, 10, 4), (5, 3, 4), (4, 8, 4), (3, 0, 4), (1, 100, 7), (0, 4, 4)])
-def test_registered_copies_never_cross_a_window(offset: int, length: int, window: int) -> None:
-    got = segments(offset, length, window)
-    assert sum(hi - lo for lo, hi in got) == length
-    assert all(lo // window == (hi - 1) // window for lo, hi in got)  # one window each
-    assert [lo for lo, _ in got[1:]] == [hi for _, hi in got[:-1]]  # contiguous, in order
-    if got:
-        assert got[0][0] == offset and got[-1][1] == offset + length
 
 
 @pytest.mark.parametrize("window", [8, 24, 64, 4096])

@@ -151,8 +151,7 @@ def _fill_registered(specs: list[SliceSpec], records: dict[str, Any], slabs: lis
         for piece in pieces(spec, registered.CHUNK):
             at = rec.offset + piece.at
             work.append((str(spec.source.file), piece, slabs[rec.slab][at:at + piece.nbytes]))
-    return registered.fill_registered(work, fds, slabs[0].device, registered.THREADS,
-                                      progress.add)
+    return registered.fill_registered(work, fds, slabs[0].device, progress.add)
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,10 @@
 
 The staging reader copies every byte twice on the host (page cache to pinned buffer, then the
 copy engine reads the buffer): when several ranks load at once, the host's memory bandwidth
-is the limit (TP 2 ranks at 54% of a lone TP 1 rank, H200 x2, 2026-11-30). Here each file is
+may be the limit (TP 2 ranks at 52-56% of a lone TP 1 rank, H200 x2). Here each file is
 mapped read-only and registered with the driver (`cuMemHostRegister`, read-only) window by
-window on several threads, and every piece moves by DMA out of the page cache itself: no host
-copy, no staging buffers. A split along dimension 1 is a 2-D copy (each row's part, the row
+window, and every piece moves by DMA out of the page cache itself: no host copy, no staging
+buffers. A split along dimension 1 is a 2-D copy (each row's part, the row
 pitch apart), so a rank moves only its own bytes. A copy may not span two registrations (the
 driver answers "invalid argument"), so copies are cut at window boundaries.
 
@@ -18,7 +18,6 @@ it from disk on one thread. Any refusal to register falls back to the staging re
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import mmap
 import os
@@ -36,7 +35,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("vlaunch.cache.store.registered")
 WINDOW = 32 << 20  # bytes registered at once; a multiple of the page size
 CHUNK = 64 << 20  # the most file bytes one piece spans
-THREADS = 1  # registering threads a rank: 8 ran at 22.6 GB/s against 28.2 for one (H200, TP 1)
 LAST: dict[str, Any] = {}  # the last fill's outcome: windows registered, refused (benchmarks)
 
 
@@ -59,15 +57,6 @@ def windows(spans: Sequence[tuple[int, int]], size: int, window: int = WINDOW
         needed[last].append(i)
     return [(k * window, min(window, size - k * window), sorted(needed[k]))
             for k in sorted(needed)]
-
-
-def segments(offset: int, length: int, window: int | None = None) -> list[tuple[int, int]]:
-    """The byte range [offset, offset + length) cut at `window` boundaries: (lo, hi) pairs,
-    each inside one registered window."""
-    window = window or WINDOW  # read at call time: tests shrink WINDOW
-    cuts = range((offset // window + 1) * window, offset + length, window)
-    bounds = [offset, *cuts, offset + length]
-    return [(lo, hi) for lo, hi in itertools.pairwise(bounds) if hi > lo]
 
 
 @dataclass(frozen=True)
@@ -122,15 +111,14 @@ class _Job:
 
 
 def fill_registered(work: Sequence[tuple[str, Piece, torch.Tensor]], fds: dict[str, int],
-                    device: torch.device, threads: int, progress: Callable[[int], None]) -> bool:
+                    device: torch.device, progress: Callable[[int], None]) -> bool:
     """Copy every (file, piece, destination) out of the registered page cache; False, with
     nothing registered left behind and no copy in flight, when the driver refuses to register.
 
-    The windows are dealt round robin to `threads` threads. Each registers its windows in
-    file order and queues a window's copies on its own stream as soon as it is registered:
-    registering (which faults the pages in; ctypes drops the GIL) runs on every thread while
-    the copy engine drains the queues. Split rows go by 2-D copies straight from the page
-    cache: only the rank's own bytes cross the bus.
+    Each window is registered in file order and its copies queued on one stream as soon as it
+    is, so the copy engine drains the queue while the next window is registered (one thread:
+    eight ran at 22.6 GB/s against 28.2 for one, H200, TP 1). Split rows go by 2-D copies
+    straight from the page cache: only the rank's own bytes cross the bus.
     """
     import numpy as np
 
@@ -154,68 +142,45 @@ def fill_registered(work: Sequence[tuple[str, Piece, torch.Tensor]], fds: dict[s
             jobs.append(job)
     LAST.clear()
     held: list[int] = []
-    failed: list[BaseException] = []
-    lock = threading.Lock()
-    n = max(1, min(threads, len(jobs)))
-    workers = [threading.Thread(target=_worker, name=f"vlaunch-register-{i}",
-                                args=(jobs[i::n], device, held, lock, failed, progress))
-               for i in range(n)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()  # each thread waits for its own stream before it ends
-    _release_later(device, held, keep)
-    LAST.update(windows=len(held), threads=n)
-    refused = [e for e in failed if isinstance(e, _Refused)]
-    if refused:
+    try:
+        refused = _register_and_copy(jobs, device, held, progress)
+    finally:
+        _release_later(device, held, keep)
+        LAST.update(windows=len(held))
+    if refused is not None:
+        file, error = refused
         log.warning("cannot register %s with the CUDA driver (%s); reading it through pinned "
-                    "staging buffers instead", refused[0].file, refused[0].error)
-        LAST.update(refused=str(refused[0].error))
+                    "staging buffers instead", file, error)
+        LAST.update(refused=str(error))
         return False
-    if failed:
-        raise failed[0]
     return True
 
 
-class _Refused(Exception):
-    """The driver would not register a window (the caller falls back to staging)."""
-
-    def __init__(self, file: str, error: Exception) -> None:
-        super().__init__(str(error))
-        self.file, self.error = file, error
-
-
-def _worker(jobs: list[_Job], device: torch.device, held: list[int], lock: threading.Lock,
-            failed: list[BaseException], progress: Callable[[int], None]) -> None:
-    """Register each job's window and queue its copies on this thread's stream."""
+def _register_and_copy(jobs: list[_Job], device: torch.device, held: list[int],
+                       progress: Callable[[int], None]) -> tuple[str, Exception] | None:
+    """Register each job's window (its address appended to `held`) and queue its copies on
+    one stream, then wait for them; (file, error) when the driver refuses a registration."""
     import torch
 
     from vlaunch.cache.store import cudadrv as cu
 
-    stream = None
+    stream = torch.cuda.Stream(device)
     try:
-        torch.cuda.set_device(device)  # the driver calls below act in its primary context
-        stream = torch.cuda.Stream(device)
-        handle = c_void_p(stream.cuda_stream)
-        for job in jobs:
-            if failed:
-                return
-            try:
-                cu.call("cuMemHostRegister_v2", c_void_p(job.address), job.length,
-                        cu.MEMHOSTREGISTER_READ_ONLY)
-            except cu.DriverError as e:
-                failed.append(_Refused(job.file, e))
-                return
-            with lock:
+        with torch.cuda.device(device):  # the driver calls act in its primary context
+            handle = c_void_p(stream.cuda_stream)
+            for job in jobs:
+                try:
+                    cu.call("cuMemHostRegister_v2", c_void_p(job.address), job.length,
+                            cu.MEMHOSTREGISTER_READ_ONLY)
+                except cu.DriverError as e:
+                    return job.file, e
                 held.append(job.address)
-            for c, base, dst in job.copies:
-                cu.call("cuMemcpy2DAsync_v2", byref(_desc(c, base, dst)), handle)
-                progress(c.width * c.height)
-    except BaseException as e:  # re-raised by fill_registered
-        failed.append(e)
+                for c, base, dst in job.copies:
+                    cu.call("cuMemcpy2DAsync_v2", byref(_desc(c, base, dst)), handle)
+                    progress(c.width * c.height)
+        return None
     finally:
-        if stream is not None:
-            stream.synchronize()
+        stream.synchronize()
 
 
 def _desc(c: Copy, base: int, dst: int) -> Any:

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from vlaunch.cache.store.cpubacking import huge_kb
+
 HUGE = 2 << 20
 MFD_HUGETLB = 0x0004
 
@@ -148,11 +150,7 @@ def tmpfile(size: int, src: Path, directory: str, *, advise: bool, sync: bool = 
 
 def file_folios_kb() -> int:
     """FileHugePages + ShmemHugePages from /proc/meminfo (memory in PMD-sized folios)."""
-    kb = 0
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith(("FileHugePages:", "ShmemHugePages:")):
-            kb += int(line.split()[1])
-    return kb
+    return huge_kb("file") + huge_kb("memfd")
 
 
 def main() -> None:

@@ -16,9 +16,7 @@ mkdir -p "$OUT"
 source benchmarks/gpu_lib.sh
 use_checkout
 nvidia-smi -L
-NGPU=$(nvidia-smi -L | wc -l)
-DEVICES=""
-((NGPU < 2)) && DEVICES="--devices 0,0"
+DEVICES=$(tp2_devices)
 CK=${CK:-/tmp/vlaunch-ckpt}
 timeout -k 5 240 "$PY" -m vlaunch.cache.reference.refmodel "$CK/target" --llama-8b \
     --target-gib 16 --shards 4 --device cuda

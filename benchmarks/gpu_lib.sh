@@ -37,3 +37,7 @@ use_checkout() {  # make this checkout's vlaunch importable without installing a
     ln -sfn "$PWD/launcher" /tmp/vl/vlaunch/launcher
     export PYTHONPATH=/tmp/site:/tmp/vl${PYTHONPATH:+:$PYTHONPATH}
 }
+
+tp2_devices() {  # --devices for two ranks: none with two GPUs or more, else both on GPU 0
+    if (($(nvidia-smi -L | wc -l) < 2)); then echo "--devices 0,0"; fi
+}

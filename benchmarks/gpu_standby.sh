@@ -17,9 +17,7 @@ mkdir -p "$OUT"
 source benchmarks/gpu_lib.sh
 use_checkout
 nvidia-smi -L
-NGPU=$(nvidia-smi -L | wc -l)
-DEVICES=""
-((NGPU < 2)) && DEVICES="--devices 0,0"
+DEVICES=$(tp2_devices)
 echo "=== TP 1"
 timeout -k 5 240 "$PY" benchmarks/bench_standby.py --device cuda --tp 1 --reps "$REPS" \
     --out "$OUT/standby_tp1.json" 2>&1 | tee "$OUT/standby_tp1.log"

@@ -145,7 +145,8 @@ class CacheServer:
         lease = self.leases.get(cid)
         return f"pid {lease.pid}" if lease else f"#{cid}"
 
-    def _dispatch(self, cid: int, op: str, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    def _dispatch(self, cid: int, op: str,
+                  f: dict[str, Any]) -> tuple[dict[str, Any] | bytes, list[int]]:
         if self.state == "released" and op in ("hello", "manifest", "open"):
             return protocol.error("released", "the cache released its copy after a copy-release "
                                   "handoff; restart the cache to serve again"), []
@@ -203,7 +204,7 @@ class CacheServer:
         return {"ok": True, "status": self.status(exclude=lease)}, []
 
     def _layout_request(self, op: str, lease: Lease, f: dict[str, Any]
-                        ) -> tuple[dict[str, Any], list[int]]:
+                        ) -> tuple[dict[str, Any] | bytes, list[int]]:
         """hello, manifest or open for an engine layout, named by its key."""
         layout = self.layouts.get(f["layout"])
         if layout is None:
@@ -223,8 +224,7 @@ class CacheServer:
                                       mismatch=[list(d) for d in diff]), []
             return {"ok": True, "fingerprint": layout.fingerprint, "rank": self.rank}, []
         if op == "manifest":
-            return {"ok": True, "manifest": layout.manifest.to_wire(),
-                    "copy": list(layout.copy)}, []
+            return layout.manifest_frame, []
         if op == "open":
             lease.mode = f["mode"]
             return {"ok": True, "slabs": len(layout.fds)}, list(layout.fds)

@@ -9,6 +9,7 @@ older one (an engine upgrade), so steady state holds one copy of the weights.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -17,6 +18,7 @@ from typing import Any
 
 from vlaunch.cache.contract import engine_layout as el
 from vlaunch.cache.contract import fingerprint as fp
+from vlaunch.cache.contract import protocol
 from vlaunch.cache.store.manifest import MAX_NAME, MAX_TENSORS, Manifest
 
 log = logging.getLogger("vlaunch.cache")
@@ -51,6 +53,13 @@ class EngineLayout:
                 "shared": len(self.manifest.tensors) - len(self.copy),
                 "copied": len(self.copy), "copied_names": list(self.copy[:SHOWN_COPIED]),
                 "from_pid": self.pid, "at": self.at, "fingerprint": self.fingerprint}
+
+    @functools.cached_property
+    def manifest_frame(self) -> bytes:
+        """The reply to `manifest`, encoded once: every engine start that maps this layout
+        waits for it."""
+        return protocol.encode({"ok": True, "manifest": self.manifest.to_wire(),
+                                "copy": list(self.copy)})
 
     def escrow(self) -> dict[str, Any]:
         """The frame that lets the launcher hold (and a respawned rank adopt) this layout."""

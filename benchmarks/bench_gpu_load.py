@@ -42,9 +42,8 @@ CHUNK = 64 << 20
 RESULTS: dict[str, Any] = {}
 ARGS: argparse.Namespace
 CHILD = r"""
-import gc, json, os, sys, time
+import gc, json, sys, time
 spec = json.loads(sys.argv[1])
-os.environ.update(spec.get("env", {}))
 import torch
 dev = spec["device"]
 torch.zeros(1, device=dev); torch.cuda.synchronize(dev)

@@ -97,7 +97,7 @@ def reader_mode() -> str:
     pinned buffers, the copy engine moves them) or `register` (DMA out of the registered page
     cache, no host copy: registered.py).
 
-    Measured on 2 H200s (2026-11-30/12-01, benchmarks/results/gpu_2026-11-30.md): staging
+    Measured on 2 H200s (2026-11-30/12-01, benchmarks/results/gpu_2026-12-01.md): staging
     was faster or level in every layout (TP 1 34-39 GB/s against 23-28 registered; TP 2 19-21
     against 12-15 a rank); registering only PP 2 came out ahead in one call of three.
     """

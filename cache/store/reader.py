@@ -99,7 +99,8 @@ def reader_mode() -> str:
 
     Measured on 2 H200s (2026-11-30/12-01, benchmarks/results/gpu_2026-12-01.md): staging
     was faster or level in every layout (TP 1 34-39 GB/s against 23-28 registered; TP 2 19-21
-    against 12-15 a rank); registering only PP 2 came out ahead in one call of three.
+    against 10-15 a rank); at PP 2 registering was ahead in two calls of three (32.0 against
+    23.2, 22.8 against 20.2 GB/s a rank) and behind in one (18.7 against 27.9).
     """
     mode = os.environ.get("VLAUNCH_READER") or "staging"
     if mode not in READERS:

@@ -62,6 +62,27 @@ elif spec["what"] == "alloc_d2d":  # what any copy in a fresh process pays: allo
     a = torch.empty(n, dtype=torch.uint8, device=dev); torch.cuda.synchronize(dev)
     t = time.perf_counter(); b = torch.empty_like(a); b.copy_(a); torch.cuda.synchronize(dev)
     out = {"seconds": time.perf_counter() - t, "bytes": n}
+elif spec["what"] == "parts":  # copy mode taken apart: allocation, first and second copy
+    def timed(fn):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter(); e0.record(); r = fn(); e1.record()
+        launch = time.perf_counter() - t; torch.cuda.synchronize(dev)
+        return r, {"launch_ms": launch * 1e3, "gpu_ms": e0.elapsed_time(e1),
+                   "wall_ms": (time.perf_counter() - t) * 1e3}
+    import vlaunch.cache as V
+    w = V.load(spec["model"], socket_dir=spec["sock"], fallback=False, device=dev)
+    slabs = {id(s): s for s in (x.untyped_storage() for x in w.values())}.values()
+    src = [torch.empty(0, dtype=torch.uint8, device=dev).set_(s) for s in slabs]
+    n = sum(s.numel() for s in src)
+    dst, out["alloc"] = timed(lambda: [torch.empty_like(s) for s in src])
+    _, out["first_copy_from_slabs"] = timed(lambda: [d.copy_(s, non_blocking=True)
+                                                     for d, s in zip(dst, src)])
+    _, out["second_copy_from_slabs"] = timed(lambda: [d.copy_(s, non_blocking=True)
+                                                      for d, s in zip(dst, src)])
+    own = [torch.empty_like(s) for s in src]; torch.cuda.synchronize(dev)
+    _, out["copy_between_own"] = timed(lambda: [o.copy_(d, non_blocking=True)
+                                                for o, d in zip(own, dst)])
+    out.update(slabs=len(src), bytes=n)
 else:
     free0, total = torch.cuda.mem_get_info(dev); alloc0 = torch.cuda.memory_allocated(dev)
     t0 = time.perf_counter()
@@ -262,6 +283,7 @@ def step_handoff(model: Path, device: str, tmp: Path) -> None:
         spec = {"device": device, "model": str(model), "sock": str(tmp / "h")}
         share = [child({**spec, "what": "share"}) for _ in range(5)]
         copy = [child({**spec, "what": "copy"}) for _ in range(3)]
+        parts = [child({**spec, "what": "parts"}) for _ in range(3)]
     finally:
         stop(proc)
     d2d = child({"device": device, "what": "d2d"})
@@ -294,6 +316,13 @@ def step_handoff(model: Path, device: str, tmp: Path) -> None:
         steps = runs[len(runs) // 2].get("steps_ms", {})
         print(f"{label} load() steps, ms after load() was called (one run): "
               + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()))
+    RESULTS["handoff"]["parts"] = parts
+    print(f"copy mode taken apart (fresh process, after a share load; {parts[0]['slabs']} slab(s), "
+          "ms, median 3: CPU launch / GPU events / wall):")
+    for key in ("alloc", "first_copy_from_slabs", "second_copy_from_slabs", "copy_between_own"):
+        cells = [statistics.median(p[key][k] for p in parts)
+                 for k in ("launch_ms", "gpu_ms", "wall_ms")]
+        print(f"  {key}: " + " / ".join(f"{c:.2f}" for c in cells))
     print("memory accounting around one share handoff (engine process):")
     print(f"  mem_get_info free: {s0['free_before'] / 2**30:.2f} GiB -> "
           f"{s0['free_after'] / 2**30:.2f} GiB (the cache's slab is already counted as used)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,9 +28,7 @@ def build(*, checkpoint: str, checkpoint_data: str, plan: str, layout: Mapping[s
           quantization: Mapping[str, str] | None = None, role: str = "target") -> Fingerprint:
     """Assemble a fingerprint from its parts (all values as strings)."""
     if torch_version is None:
-        import torch
-
-        torch_version = torch.__version__
+        torch_version = installed_torch_version()
     fields: dict[str, Any] = {
         "protocol": VERSION, "vlaunch": __version__, "checkpoint": checkpoint,
         "checkpoint_data": checkpoint_data, "plan": plan,
@@ -51,3 +51,33 @@ def compare(cache: Mapping[str, Any], engine: Mapping[str, Any]) -> list[tuple[s
     """Every field whose values differ, as (field, cache value, engine value)."""
     keys = list(FIELDS) + sorted((set(cache) | set(engine)) - set(FIELDS))
     return [(k, cache.get(k), engine.get(k)) for k in keys if cache.get(k) != engine.get(k)]
+
+
+def installed_torch_version() -> str:
+    """torch.__version__, without importing torch where no one has (a CPU cache rank never
+    does: the import costs it 2 s and 250 MB): read from torch's own version.py."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return str(torch.__version__)
+    return _version_file() or str(__import__("torch").__version__)
+
+
+@functools.cache
+def _version_file() -> str:
+    """The `__version__ = '...'` literal of the installed torch/version.py ("" if none)."""
+    import ast
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("torch")  # finds the package; runs none of it
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        try:
+            with open(os.path.join(root, "version.py"), encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and [
+                    getattr(t, "id", "") for t in node.targets] == ["__version__"]:
+                return str(node.value.value)
+    return ""

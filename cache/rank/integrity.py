@@ -31,9 +31,8 @@ from vlaunch.cache.contract.errors import CheckpointChangedError, VerifyError, V
 from vlaunch.cache.store import identity
 
 if TYPE_CHECKING:
-    import torch
-
     from vlaunch.cache.store.manifest import Manifest
+    from vlaunch.cache.store.slabs import SlabBytes
 
 log = logging.getLogger("vlaunch.cache")
 
@@ -74,7 +73,7 @@ def release(shard: Any) -> None:
         slab.release()
 
 
-def remember(rec: identity.Record, slabs: list[torch.Tensor]) -> None:
+def remember(rec: identity.Record, slabs: list[SlabBytes]) -> None:
     """Keep the record and slabs of this process's load for the server."""
     _LAST.update(record=rec, slabs=slabs)
 
@@ -96,7 +95,7 @@ class Integrity:
         self.plan = os.path.abspath(plan) if os.path.isfile(plan) else plan  # for verify
         self.model = str(Path(model).absolute())
         self.record: identity.Record | None = _LAST.get("record")
-        self.slabs: list[torch.Tensor] | None = _LAST.get("slabs")
+        self.slabs: list[SlabBytes] | None = _LAST.get("slabs")
         self.changed: list[str] = []
         self.changed_at: float | None = None
         self._digests: dict[str, str] | None = None
@@ -174,11 +173,11 @@ class Integrity:
         slabs = self.slabs if self.slabs else self._import(manifest)
         return slab_digests(manifest, slabs, threads)
 
-    def _import(self, manifest: Manifest) -> list[torch.Tensor]:
+    def _import(self, manifest: Manifest) -> list[SlabBytes]:
         from vlaunch.cache.store.slabs import get_backend
 
         backend = get_backend(self.server.device)
-        return [backend.import_fd(fd, size, readonly=True)
+        return [backend.map_fd(fd, size, readonly=True)
                 for fd, size in zip(self.server.fds, manifest.slab_sizes, strict=True)]
 
     async def digest_reply(self, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -195,7 +194,7 @@ class Integrity:
                 "digests": [[n, self._digests[n]] for n in page]}, []
 
 
-def slab_digests(manifest: Manifest, slabs: list[torch.Tensor], threads: int = 8
+def slab_digests(manifest: Manifest, slabs: list[SlabBytes], threads: int = 8
                  ) -> dict[str, str]:
     """blake2b of each tensor's bytes, in manifest order (the same hash as expected_digests)."""
     from vlaunch.cache.store.reader import chunks
@@ -211,7 +210,7 @@ def slab_digests(manifest: Manifest, slabs: list[torch.Tensor], threads: int = 8
 
 
 def verify_loaded(model: str, plan: str, layout: Any, manifest: Manifest,
-                  slabs: list[torch.Tensor], rank: int, threads: int = 8) -> None:
+                  slabs: list[SlabBytes], rank: int, threads: int = 8) -> None:
     """`--verify`: compare every tensor's bytes with the files; VerifyError (79) on a mismatch."""
     from vlaunch.cache.store.plan import HookPlan, load_plan
 

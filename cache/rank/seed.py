@@ -8,7 +8,8 @@ token; the first request must carry it (compared in constant time), then the cli
 the manifest and each slab, whose bytes follow a JSON header as a raw, length-announced
 stream. Every read has a timeout, every size is capped, nothing is unpickled. Artifacts travel
 with the weights. Either way the fingerprint is checked first, and the tensors' checksums,
-when the source's manifest has them, are verified after the copy.
+when the source's manifest has them, are verified after the copy. On CPU slabs (numpy arrays:
+`slabs.SlabBytes`) neither side imports torch.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from vlaunch.cache.contract import fingerprint as fp
 from vlaunch.cache.contract import protocol, wire
 from vlaunch.cache.contract.errors import ArtifactError, ProtocolError, SeedError, VlaunchError
 from vlaunch.cache.store.manifest import Manifest
+from vlaunch.cache.store.slabs import on_device
 
 if TYPE_CHECKING:
-    import torch
+    from vlaunch.cache.store.slabs import SlabBytes
 
 log = logging.getLogger("vlaunch.cache.rank.seed")
 CHUNK = 16 << 20
@@ -99,10 +101,10 @@ def check_layout(source: Manifest, ours: Manifest) -> None:
 
 
 def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifest,
-              slabs: list[torch.Tensor], device: str, *, timeout: float = TIMEOUT,
+              slabs: list[SlabBytes], device: str, *, timeout: float = TIMEOUT,
               role: str = "target") -> Seeded:
     """Copy the source rank's slabs (mapped from its fds) into `slabs`."""
-    from vlaunch.cache.client.connection import CacheClient, import_slabs
+    from vlaunch.cache.client.connection import CacheClient
     from vlaunch.cache.contract.sockdir import socket_path
 
     start = time.perf_counter()
@@ -119,7 +121,7 @@ def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifes
         check_layout(source, manifest)
         _, fds = client.request({"op": "open", "mode": "copy"})
         laps.lap("ask")
-        mapped = import_slabs(fds, source.slab_sizes, device)
+        mapped = _map_source(fds, source.slab_sizes, device)
         laps.lap("map")
         for dst, src in zip(slabs, mapped, strict=True):
             _copy(dst, src)
@@ -143,39 +145,64 @@ def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifes
                   laps.phases)
 
 
-def _synchronize(slabs: list[torch.Tensor]) -> None:
+def _map_source(fds: list[int], sizes: tuple[int, ...], device: str) -> list[SlabBytes]:
+    """Map the source's slab fds read-only, as our own slabs' bytes are; closes every fd."""
+    from vlaunch.cache.client.connection import backend_for
+
+    try:
+        if len(fds) != len(sizes):
+            raise SeedError(f"seed source sent {len(fds)} fds for {len(sizes)} slabs")
+        backend = backend_for(device)
+        return [backend.map_fd(fd, size, readonly=True) for fd, size in zip(fds, sizes,
+                                                                            strict=True)]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _synchronize(slabs: list[SlabBytes]) -> None:
     """Wait for the copies queued on the CUDA slabs' device (nothing to wait for on CPU)."""
-    if slabs and slabs[0].is_cuda:
+    if slabs and on_device(slabs[0]):
         import torch
 
         torch.cuda.synchronize(slabs[0].device)
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, threads: int = 8) -> None:
+def _copy(dst: SlabBytes, src: SlabBytes, threads: int = 8) -> None:
     """Copy a slab: on CUDA one device-to-device copy (both sides are device memory: the
-    source's slab is mapped from its fd on our device, no host round trip); on CPU in chunks on
-    several threads, so that the page faults of the fresh destination (and of the source
-    mapping) are taken in parallel."""
-    if dst.is_cuda != src.is_cuda:
-        raise SeedError(f"seeding maps the source on {src.device} but our slabs are on "
-                        f"{dst.device}; start both replicas with the same --device")
-    if dst.is_cuda or dst.numel() <= CHUNK:
+    source's slab is mapped from its fd on our device, no host round trip); on CPU (numpy,
+    which copies without the GIL) in chunks on several threads, so that the page faults of the
+    fresh destination (and of the source mapping) are taken in parallel."""
+    if on_device(dst) != on_device(src):
+        raise SeedError(f"seeding maps the source on {_where(src)} but our slabs are on "
+                        f"{_where(dst)}; start both replicas with the same --device")
+    if on_device(dst):
         dst.copy_(src)
+        return
+    import numpy as np
+
+    if len(dst) <= CHUNK:
+        np.copyto(dst, src)
         return
     from concurrent.futures import ThreadPoolExecutor
 
     def one(at: int) -> None:
-        dst[at:at + CHUNK].copy_(src[at:at + CHUNK])
+        np.copyto(dst[at:at + CHUNK], src[at:at + CHUNK])
 
     with ThreadPoolExecutor(threads, thread_name_prefix="vlaunch-seed") as pool:
-        list(pool.map(one, range(0, dst.numel(), CHUNK)))
+        list(pool.map(one, range(0, len(dst), CHUNK)))
+
+
+def _where(b: SlabBytes) -> str:
+    """The device slab bytes live on, for a message."""
+    return str(b.device) if on_device(b) else "cpu"
 
 
 # ----------------------------------------------------------------------- over TCP
 
 
 def seed_tcp(host: str, port: int, token: str, ours: fp.Fingerprint, manifest: Manifest,
-             slabs: list[torch.Tensor], *, timeout: float = TIMEOUT) -> Seeded:
+             slabs: list[SlabBytes], *, timeout: float = TIMEOUT) -> Seeded:
     """Stream the source rank's slabs over TCP into `slabs`."""
     start = time.perf_counter()
     try:
@@ -229,17 +256,17 @@ class _Staging:
     """Receives raw slab bytes: straight into CPU slabs; into CUDA slabs through two pinned
     host buffers, one filling from the socket while the other is copied to the device."""
 
-    def __init__(self, slabs: list[torch.Tensor]) -> None:
-        self.buffers: list[torch.Tensor] = []
+    def __init__(self, slabs: list[SlabBytes]) -> None:
+        self.buffers: list[Any] = []  # pinned torch tensors
         self.events: list[Any] = []
-        if slabs and slabs[0].is_cuda:
+        if slabs and on_device(slabs[0]):
             import torch
 
             self.buffers = [torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True)
                             for _ in range(2)]
             self.events = [None, None]
 
-    def receive(self, sock: socket.socket, slab: torch.Tensor, n: int) -> None:
+    def receive(self, sock: socket.socket, slab: SlabBytes, n: int) -> None:
         """Read exactly n bytes from `sock` into the start of `slab`."""
         from vlaunch.cache.store.reader import host_view
 
@@ -268,7 +295,7 @@ def _recv_exact(sock: socket.socket, view: memoryview, at: int, n: int) -> None:
         got += k
 
 
-def _verify(source: Manifest, slabs: list[torch.Tensor]) -> None:
+def _verify(source: Manifest, slabs: list[SlabBytes]) -> None:
     """Check the copied bytes against the source manifest's checksums, when it has them."""
     if not source.tensors or any(t.checksum is None for t in source.tensors):
         return
@@ -292,7 +319,7 @@ class SeedSource:
             raise SeedError("the seed token is shorter than 16 characters; use a long random "
                             "one (openssl rand -hex 32)")
         self.server, self.token, self.timeout = server, token.encode(), timeout
-        self._mapped: list[torch.Tensor] | None = None
+        self._mapped: list[SlabBytes] | None = None
 
     async def start(self, host: str, port: int) -> asyncio.AbstractServer:
         """Listen on host:port (the caller closes the returned server)."""
@@ -373,13 +400,13 @@ class SeedSource:
                 writer.write(part[at:at + CHUNK])
                 await asyncio.wait_for(writer.drain(), self.timeout)
 
-    def _slabs(self) -> list[torch.Tensor]:
+    def _slabs(self) -> list[SlabBytes]:
         """The cache's own slabs, mapped read-only once (from its fds)."""
         if self._mapped is None:
             from vlaunch.cache.client.connection import backend_for
 
             backend = backend_for(self.server.device)
-            self._mapped = [backend.import_fd(fd, size, readonly=True) for fd, size in
+            self._mapped = [backend.map_fd(fd, size, readonly=True) for fd, size in
                             zip(self.server.fds, self.server.manifest.slab_sizes, strict=True)]
         return self._mapped
 
@@ -394,7 +421,7 @@ def source_port(base: int, rank: int) -> int:
 
 
 def seed_into(spec: str, token: str, rank: int, ours: fp.Fingerprint, manifest: Manifest,
-              slabs: list[torch.Tensor], device: str, *, timeout: float = TIMEOUT,
+              slabs: list[SlabBytes], device: str, *, timeout: float = TIMEOUT,
               role: str = "target", world: int = 0) -> Seeded:
     """Seed `slabs` from the source named by --seed (a draft rank from the source's draft
     group: its socket, or its port after the target's block of `world`)."""

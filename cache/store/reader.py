@@ -6,7 +6,8 @@ others are being copied to the device on the threads' streams (VLAUNCH_READER=re
 from the registered page cache instead: registered.py). A slice that is not contiguous in the
 file (a split along dimension 1) has its rows' parts gathered from the file's mapping, one
 strided copy per span (VLAUNCH_SPLIT_READ=span: whole spans read and split after the read, on
-the device for CUDA slabs); never row by row.
+the device for CUDA slabs); never row by row. On the host every copy is numpy's or the
+kernel's: reading into CPU slabs imports no torch (`slabs.SlabBytes`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from vlaunch.cache.contract.errors import CheckpointError, VlaunchError
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.store.progress import Progress
+from vlaunch.cache.store.slabs import host_array, on_device
 
 if TYPE_CHECKING:
     import numpy as np
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 
     from vlaunch.cache.store.manifest import Manifest
     from vlaunch.cache.store.plan import SliceSpec
+    from vlaunch.cache.store.slabs import SlabBytes
 
 log = logging.getLogger("vlaunch.cache.store.reader")
 CHUNK = 64 << 20
@@ -50,8 +53,11 @@ class ReadError(VlaunchError):
     status = ExitStatus.IO_ERROR
 
 
-def host_view(t: torch.Tensor) -> memoryview:
-    """A writable memoryview over a CPU tensor's bytes (the tensor must outlive it)."""
+def host_view(t: SlabBytes) -> memoryview:
+    """A memoryview over host bytes: a numpy array's (writable where it is), or a CPU
+    tensor's (writable; the tensor must outlive it)."""
+    if not hasattr(t, "data_ptr"):
+        return memoryview(t).cast("B")
     n = t.numel() * t.element_size()
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else \
         memoryview(bytearray())
@@ -70,12 +76,15 @@ def pread_into(fd: int, view: memoryview, offset: int, file: str) -> None:
         got += n
 
 
-def fill(specs: list[SliceSpec], manifest: Manifest, slabs: list[torch.Tensor], *,
+def fill(specs: list[SliceSpec], manifest: Manifest, slabs: list[SlabBytes], *,
          threads: int = 8, chunk: int | None = None, label: str = "loading") -> None:
     """Read every slice into its place in the slabs (`chunk`: the most bytes one read
-    spans; default CHUNK, or CUDA_CHUNK for CUDA slabs, whose staging it sizes)."""
+    spans; default CHUNK, or CUDA_CHUNK for CUDA slabs, whose staging it sizes). Host slabs
+    may be numpy arrays or CPU tensors (the disk fallback's)."""
     records = {t.name: t for t in manifest.tensors}
-    cuda = bool(slabs) and slabs[0].is_cuda
+    cuda = bool(slabs) and on_device(slabs[0])
+    if not cuda:
+        slabs = [host_array(s) for s in slabs]
     fds = {str(f): os.open(f, os.O_RDONLY | os.O_CLOEXEC)
            for f in {str(s.source.file) for s in specs}}
     progress = Progress(sum(s.nbytes for s in specs), label)
@@ -110,11 +119,12 @@ def reader_mode() -> str:
     return mode
 
 
-def _fill_staged(specs: list[SliceSpec], records: dict[str, Any], slabs: list[torch.Tensor],
+def _fill_staged(specs: list[SliceSpec], records: dict[str, Any], slabs: list[SlabBytes],
                  fds: dict[str, int], threads: int, chunk: int | None,
                  progress: Progress) -> None:
-    """The pinned-staging reader (CUDA slabs) or direct reads (CPU slabs), on `threads`."""
-    cuda = slabs[0].is_cuda if slabs else False
+    """The pinned-staging reader (CUDA slabs) or direct reads (host slabs: numpy arrays), on
+    `threads`."""
+    cuda = on_device(slabs[0]) if slabs else False
     chunk = chunk or (CUDA_CHUNK if cuda else CHUNK)
     gather = os.environ.get("VLAUNCH_SPLIT_READ", "gather") == "gather"
     work = [(s, p) for s in specs for p in pieces(s, chunk, packed=gather)]
@@ -264,14 +274,14 @@ class _HostMover:
         self.chunk = chunk
         self._local = threading.local()
 
-    def move(self, fd: int, file: str, piece: Piece, dst: torch.Tensor,
+    def move(self, fd: int, file: str, piece: Piece, dst: np.ndarray,
              mapped: np.ndarray | None = None) -> None:
         """Read one piece into `dst` (`mapped`: the file's bytes, to gather split rows from)."""
         if piece.contiguous:
             pread_into(fd, host_view(dst), piece.offset, file)
             return
         if mapped is not None:
-            _gather(dst.numpy(), mapped[piece.offset:piece.offset + piece.span], piece)
+            _gather(dst, mapped[piece.offset:piece.offset + piece.span], piece)
             return
         stage = getattr(self._local, "stage", None)
         if stage is None:
@@ -279,7 +289,7 @@ class _HostMover:
 
             stage = self._local.stage = np.empty(self.chunk, dtype=np.uint8)
         pread_into(fd, memoryview(stage)[:piece.span], piece.offset, file)
-        _gather(dst.numpy(), stage, piece)
+        _gather(dst, stage, piece)
 
     def finish(self) -> None:
         """Nothing is in flight on the CPU."""
@@ -409,7 +419,7 @@ class _CudaMover:
             empty_host()
 
 
-def checksums(manifest: Manifest, slabs: list[torch.Tensor], threads: int = 8) -> dict[str, int]:
+def checksums(manifest: Manifest, slabs: list[SlabBytes], threads: int = 8) -> dict[str, int]:
     """crc32 of every tensor's bytes (CPU slabs; CUDA slabs are copied to host in chunks)."""
     def one(rec: object) -> tuple[str, int]:
         crc = 0
@@ -421,9 +431,11 @@ def checksums(manifest: Manifest, slabs: list[torch.Tensor], threads: int = 8) -
         return dict(pool.map(one, manifest.tensors))
 
 
-def chunks(t: torch.Tensor) -> Iterator[memoryview]:
-    for start in range(0, t.numel(), CHUNK):
+def chunks(t: SlabBytes) -> Iterator[memoryview]:
+    """A 1-D slab range's bytes as host memoryviews of at most CHUNK bytes (device bytes are
+    copied to the host a chunk at a time)."""
+    for start in range(0, len(t), CHUNK):
         part = t[start:start + CHUNK]
-        if part.is_cuda:
+        if on_device(part):
             part = part.cpu()
         yield host_view(part)

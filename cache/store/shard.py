@@ -1,4 +1,9 @@
-"""A rank's shard: plan it, pack it into slabs, read it; shared by the cache and the fallback."""
+"""A rank's shard: plan it, pack it into slabs, read it; shared by the cache and the fallback.
+
+Loading a built-in or file plan moves bytes only and imports no torch on a CPU backend (the
+slabs' bytes are numpy arrays there: `slabs.SlabBytes`); a hook plan's tensors, and `named()`,
+are torch's.
+"""
 
 from __future__ import annotations
 
@@ -13,25 +18,26 @@ from vlaunch.cache.store.plan import HookPlan, Layout, load_plan, plan_rank
 if TYPE_CHECKING:
     import torch
 
-    from vlaunch.cache.store.slabs import Backend
+    from vlaunch.cache.store.slabs import Backend, SlabBytes
 
 MAX_SLAB = 64 << 30
 
 
 @dataclass
 class Shard:
-    """What a rank holds: manifest, slab tensors and the objects that own the memory."""
+    """What a rank holds: manifest, each slab's bytes (`tensors`: `Slab.buffer()`) and the
+    objects that own the memory."""
 
     manifest: Manifest
     slabs: list[Any]
-    tensors: list[torch.Tensor]
+    tensors: list[SlabBytes]
     checkpoint: Checkpoint
     plan_identity: str
     seconds: float
 
     def named(self) -> dict[str, torch.Tensor]:
-        """Named zero-copy views over the slabs."""
-        return views(self.manifest, self.tensors)
+        """Named zero-copy torch views over the slabs (imports torch)."""
+        return views(self.manifest, _as_torch(self.tensors))
 
 
 def load_shard(model: str, plan_spec: str, layout: Layout, backend: Backend, *,
@@ -68,7 +74,7 @@ def _allocate(ckpt: Checkpoint, plan: Any, layout: Layout, backend: Backend,
     manifest = pack([(s.name, s.dtype, s.shape) for s in specs], backend=backend.name,
                     alignment=backend.alignment, max_slab=MAX_SLAB)
     slabs = [backend.allocate(size) for size in manifest.slab_sizes]
-    tensors = [s.tensor() for s in slabs]
+    tensors = [s.buffer() for s in slabs]
     return Shard(manifest, slabs, tensors, ckpt, plan.identity,
                  time.perf_counter() - start), specs
 
@@ -84,10 +90,18 @@ def _from_hook(ckpt: Checkpoint, plan: HookPlan, layout: Layout, backend: Backen
     manifest = pack(items, backend=backend.name, alignment=backend.alignment,
                     max_slab=MAX_SLAB)
     slabs = [backend.allocate(size) for size in manifest.slab_sizes]
-    tensors = [s.tensor() for s in slabs]
-    for name, view in views(manifest, tensors).items():
+    tensors = [s.buffer() for s in slabs]
+    for name, view in views(manifest, _as_torch(tensors)).items():
         view.copy_(built[name].view(view.dtype))  # packed dtypes (F4) copy as they are
     return Shard(manifest, slabs, tensors, ckpt, plan.identity, time.perf_counter() - start)
+
+
+def _as_torch(buffers: list[SlabBytes]) -> list[torch.Tensor]:
+    """Torch tensors over slab bytes (numpy arrays are wrapped, zero-copy)."""
+    import numpy as np
+    import torch
+
+    return [torch.from_numpy(b) if isinstance(b, np.ndarray) else b for b in buffers]
 
 
 class PlainBackend:
@@ -112,4 +126,7 @@ class _PlainSlab:
         self._t = torch.empty(size, dtype=torch.uint8, device=device)
 
     def tensor(self) -> torch.Tensor:
+        return self._t
+
+    def buffer(self) -> torch.Tensor:
         return self._t

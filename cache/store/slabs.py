@@ -5,6 +5,11 @@ file; `cpubacking` chooses per host); the CUDA backend (VMM allocations with the
 handle type) lives in `slabs_cuda`. Either way a slab is a file descriptor: it crosses a Unix
 socket with SCM_RIGHTS, and an open fd or a live mapping keeps the memory alive after the
 process that allocated it has died.
+
+The rank handles a slab's bytes as a `SlabBytes`: a uint8 numpy array over the mapping on the
+CPU backend (a CPU rank never imports torch: it moves bytes, and numpy's strided copies do
+that), a uint8 torch tensor on a CUDA device. Engines get torch tensors either way
+(`import_fd`, `Slab.tensor`).
 """
 
 from __future__ import annotations
@@ -14,12 +19,16 @@ import fcntl
 import mmap
 import os
 import warnings
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vlaunch.cache.contract.errors import CacheBrokenError, DeviceError
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
+
+SlabBytes = Any
+"""A slab's bytes as the rank handles them: np.ndarray (CPU) or torch.Tensor (CUDA), uint8."""
 
 # F_SEAL_FUTURE_WRITE (Linux 5.1): no new writable mapping, while the cache's own stays.
 F_SEAL_FUTURE_WRITE = 0x0010
@@ -32,6 +41,10 @@ class Slab(Protocol):
 
     def export_fd(self) -> int:
         """Return a new file descriptor for the slab; the caller closes it."""
+
+    def buffer(self) -> SlabBytes:
+        """The slab's bytes for the rank: a uint8 array (CPU) or tensor (CUDA), the same one
+        each call."""
 
     def tensor(self) -> torch.Tensor:
         """A uint8 tensor over the whole slab (the mapping lives as long as it does)."""
@@ -56,6 +69,9 @@ class Backend(Protocol):
     def import_fd(self, fd: int, size: int, *, readonly: bool) -> torch.Tensor:
         """Map an exported slab; returns a uint8 tensor that owns the mapping."""
 
+    def map_fd(self, fd: int, size: int, *, readonly: bool) -> SlabBytes:
+        """Map an exported slab for the rank (as `Slab.buffer`); the fd stays open."""
+
 
 class CpuSlab:
     """A memfd, or an unnamed file on a disk filesystem, with a shared mapping: the CPU
@@ -76,14 +92,21 @@ class CpuSlab:
         # (MAP_POPULATE / MADV_POPULATE_READ) was measured and gained nothing with 4 KiB pages.
         with contextlib.suppress(AttributeError, OSError):
             self._map.madvise(mmap.MADV_HUGEPAGE)
+        self._array: np.ndarray | None = None
         self._tensor: torch.Tensor | None = None
 
     def export_fd(self) -> int:
         """Return a new descriptor for the slab (read-only once a file slab is sealed)."""
         return os.dup(self._export)
 
+    def buffer(self) -> np.ndarray:
+        """A writable uint8 numpy array over the mapping (no torch)."""
+        if self._array is None:
+            self._array = _array_over(self._map, self.size)
+        return self._array
+
     def tensor(self) -> torch.Tensor:
-        """A writable uint8 tensor over the mapping."""
+        """A writable uint8 tensor over the mapping (imports torch)."""
         if self._tensor is None:
             self._tensor = _tensor_over(self._map, self.size)
         return self._tensor
@@ -108,7 +131,7 @@ class CpuSlab:
 
     def release(self) -> None:
         """Close the descriptors and drop the cache's own mapping reference."""
-        self._tensor = None
+        self._array = self._tensor = None
         self._map = None
         for fd in {self._fd, self._export} - {-1}:
             os.close(fd)
@@ -128,15 +151,44 @@ class CpuBackend:
 
     def import_fd(self, fd: int, size: int, *, readonly: bool) -> torch.Tensor:
         """Map a slab another process sent; refuses one smaller than announced."""
-        actual = os.fstat(fd).st_size
-        if actual < size:
-            raise CacheBrokenError(f"slab fd holds {actual} bytes, manifest says {size}")
-        prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
-        return _tensor_over(mmap.mmap(fd, max(size, 1), prot=prot), size)
+        return _tensor_over(_mapping(fd, size, readonly), size)
+
+    def map_fd(self, fd: int, size: int, *, readonly: bool) -> np.ndarray:
+        """The same as a uint8 numpy array (the rank's own use: no torch)."""
+        return _array_over(_mapping(fd, size, readonly), size)
 
     def device_info(self) -> dict[str, str]:
         """Fingerprint fields of the device."""
         return {"device_uuid": "cpu", "compute_capability": "", "driver": ""}
+
+
+def _mapping(fd: int, size: int, readonly: bool) -> mmap.mmap:
+    """Map a slab fd; refuses one smaller than announced."""
+    actual = os.fstat(fd).st_size
+    if actual < size:
+        raise CacheBrokenError(f"slab fd holds {actual} bytes, manifest says {size}")
+    prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
+    return mmap.mmap(fd, max(size, 1), prot=prot)
+
+
+def _array_over(buf: mmap.mmap | None, size: int) -> np.ndarray:
+    """A uint8 numpy array over a mapping (read-only where the mapping is); it holds the
+    mapping alive."""
+    import numpy as np
+
+    if buf is None:
+        raise CacheBrokenError("slab was released")
+    return np.frombuffer(buf, dtype=np.uint8, count=max(size, 1))[:size]
+
+
+def on_device(b: SlabBytes) -> bool:
+    """Whether slab bytes live on a CUDA device (else in host memory)."""
+    return bool(getattr(b, "is_cuda", False))
+
+
+def host_array(b: SlabBytes) -> np.ndarray:
+    """Host slab bytes as a numpy array (a CPU tensor, the disk fallback's, is wrapped)."""
+    return b.numpy() if hasattr(b, "numpy") else b
 
 
 def _tensor_over(buf: mmap.mmap | None, size: int) -> torch.Tensor:

@@ -130,6 +130,10 @@ class CudaSlab:
             self._tensor = self._mapping.tensor(self._backend.device)
         return self._tensor
 
+    def buffer(self) -> torch.Tensor:
+        """The slab's bytes for the rank: its tensor (`Slab.buffer`)."""
+        return self.tensor()
+
     def seal(self) -> None:
         """No-op: a VMM export cannot be made read-only for importers."""
         # The fd grants whatever access the importer asks cuMemSetAccess for; share-mode
@@ -218,6 +222,10 @@ class CudaBackend:
                 _quietly("cuMemRelease", handle)
                 raise
         return CudaSlab(self, handle, mapping)
+
+    def map_fd(self, fd: int, size: int, *, readonly: bool) -> torch.Tensor:
+        """Map a slab for the rank's own use (`Backend.map_fd`): the same as import_fd."""
+        return self.import_fd(fd, size, readonly=readonly)
 
     def import_fd(self, fd: int, size: int, *, readonly: bool) -> torch.Tensor:
         """Map a slab another process exported; the fd stays open (the caller closes it)."""

@@ -49,16 +49,24 @@ def main(opts: RankArgs) -> int:
 def _failed(exc: Exception, opts: RankArgs) -> int:
     """Log an unexpected failure of the rank in one line where it is the operator's to fix."""
     if out_of_memory(exc):
-        log.error("out of memory: %s; rank %d needs room for its shard's slabs, torch and %d "
-                  "reader threads: raise the memory limit (ulimit -v, the container's or the "
-                  "unit's MemoryMax) or lower --threads", exc or "MemoryError", opts.rank,
-                  opts.threads)
+        log.error("out of memory: %s; rank %d needs room for its shard's slabs, its libraries "
+                  "(torch on a GPU) and %d reader threads: raise the memory limit (ulimit -v, "
+                  "the container's or the unit's MemoryMax) or lower --threads",
+                  _root_cause(exc), opts.rank, opts.threads)
         return int(ExitStatus.OUT_OF_MEMORY)
     if isinstance(exc, OSError):  # reading the checkpoint (or the device) failed underneath us
         log.error("I/O error: %s; check the disk and the file permissions", exc)
         return int(ExitStatus.IO_ERROR)
     log.exception("internal error (a bug: please report it with this traceback)")
     return int(ExitStatus.INTERNAL)
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost cause's message, on one line (numpy wraps a library that failed to map
+    in a page of advice)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def out_of_memory(exc: BaseException) -> bool:

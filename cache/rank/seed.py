@@ -26,7 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.contract import fingerprint as fp
 from vlaunch.cache.contract import protocol, wire
-from vlaunch.cache.contract.errors import ArtifactError, ProtocolError, SeedError, VlaunchError
+from vlaunch.cache.contract.errors import (
+    ArtifactError,
+    CacheBrokenError,
+    ProtocolError,
+    SeedError,
+    VlaunchError,
+)
 from vlaunch.cache.store.manifest import Manifest
 from vlaunch.cache.store.slabs import on_device
 
@@ -151,7 +157,7 @@ def _map_source(fds: list[int], sizes: tuple[int, ...], device: str) -> list[Sla
 
     try:
         if len(fds) != len(sizes):
-            raise SeedError(f"seed source sent {len(fds)} fds for {len(sizes)} slabs")
+            raise CacheBrokenError(f"cache sent {len(fds)} fds for {len(sizes)} slabs")
         backend = backend_for(device)
         return [backend.map_fd(fd, size, readonly=True) for fd, size in zip(fds, sizes,
                                                                             strict=True)]

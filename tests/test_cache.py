@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from vlaunch.cache import CacheClient, load
 from vlaunch.cache.client.loader import expected_fingerprint
 from vlaunch.cache.contract import fingerprint as fp
+from vlaunch.cache.contract import wire
 from vlaunch.cache.contract.errors import (
     CacheBrokenError,
     CacheUnavailableError,
@@ -26,7 +28,7 @@ from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.sockdir import socket_path
 from vlaunch.cache.store.plan import LLAMA_PLAN, Layout
 
-from .conftest import spawn_cache
+from .conftest import CacheProc, spawn_cache
 
 ALL_DTYPES = {
     "f64": torch.float64, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
@@ -373,3 +375,58 @@ def test_a_large_shard_is_cut_into_parts_that_a_copy_can_start_on() -> None:
     for m in (big, small, odd, capped):
         assert all(t.offset + t.nbytes <= m.slab_sizes[t.slab] for t in m.tensors)
         assert sum(t.nbytes for t in m.tensors) <= m.nbytes
+
+
+def _respawned(cache: CacheProc, model: Path, sockdir: Path, rank: int, tp: int) -> CacheProc:
+    """What the launcher does when a rank dies under --on-rank-exit respawn: a new rank
+    process adopts the old one's escrowed slabs (its ready frame and fds) instead of reading."""
+    cache.proc.terminate()
+    cache.proc.wait(20)
+    ours, theirs = socket.socketpair()
+    with ours:  # the whole escrow is queued before the new rank reads it
+        wire.send_frame(ours, {"event": "escrow", "manifest": cache.ready["manifest"],
+                               "fingerprint": cache.ready["fingerprint"]}, cache.escrow)
+    try:
+        return spawn_cache(model, sockdir, "--adopt-fd", str(theirs.fileno()), rank=rank,
+                           tp=tp, extra_fds=[theirs.fileno()])
+    finally:
+        theirs.close()
+
+
+@pytest.mark.parametrize("start", ["disk", "seed", "escrow"])
+def test_a_cpu_rank_serves_its_shard_without_loading_torch(llama_ckpt: Path, tmp_path: Path,
+                                                           caches, start: str) -> None:
+    """A CPU rank only moves bytes: at TP 2 under the llama plan (dim-0 and dim-1 splits) it
+    reads, seeds or adopts its shard, serves it bit-exact and digests it for `vlaunch verify`,
+    and libtorch is never mapped into it (a torch import costs a rank 2 s and 250 MB)."""
+    from vlaunch.cache.client.verify import verify_rank
+
+    tp, dirs = 2, {name: tmp_path / name for name in ("first", "second")}
+    for d in dirs.values():
+        d.mkdir(mode=0o700)
+    first = [spawn_cache(llama_ckpt, dirs["first"], rank=r, tp=tp) for r in range(tp)]
+    caches.extend(first)
+    ranks, sockdir = first, dirs["first"]
+    if start != "disk":
+        sockdir = dirs["second"]
+        ranks = [spawn_cache(llama_ckpt, sockdir, "--seed", f"unix:{dirs['first']}", rank=r,
+                             tp=tp) if start == "seed" else
+                 _respawned(first[r], llama_ckpt, sockdir, r, tp) for r in range(tp)]
+        caches.extend(ranks)
+    full = {}
+    for f in sorted(llama_ckpt.glob("*.safetensors")):
+        full.update(load_file(str(f)))
+    for rank, cache in enumerate(ranks):
+        assert cache.ready.get("event") == "ready", cache.proc.stderr.read().decode()
+        got = load(str(llama_ckpt), rank=rank, tensor_parallel_size=tp, socket_dir=str(sockdir),
+                   fallback=False, timeout=10)
+        assert got.source == "cache" and set(got) == set(full)
+        for name, ref in full.items():
+            dim = LLAMA_PLAN.split_dim(name)
+            want = ref if dim is None else ref.chunk(tp, dim=dim)[rank]
+            assert _same_bits(got[name], want), (start, rank, name)
+        assert verify_rank(socket_path(sockdir, rank))["mismatches"] == []
+    for cache in first + ranks:
+        if cache.proc.poll() is None:
+            maps = Path(f"/proc/{cache.proc.pid}/maps").read_text()
+            assert "libtorch" not in maps and "libc10" not in maps, (start, cache.proc.args)

@@ -9,6 +9,7 @@
 #   smoke    (SMOKE=1) the CUDA slab backend (ctypes driver layer): allocate, export, import
 #   ckpt     the 16 GiB 318-tensor Llama-shaped checkpoint on the local disk (once)
 #   layouts  first load per rank, warm: TP 1, TP 2, TP 4 (two ranks a GPU) and PP 2
+#   cold     (not by default) the same from an evicted page cache, against O_DIRECT reads
 #   sweep    warm reader by threads and chunk against pinned H2D, plain reads and safetensors
 #   handoff  import vlaunch.cache + share load() in fresh processes; copy against D2D
 #   tests    pytest -m gpu (slab backend, cache end to end, reader parity)
@@ -99,6 +100,7 @@ STAGES=" ${STAGES:-layouts sweep handoff tests imports restart} "  # a subset: S
 LAYOUTS=${LAYOUTS:-tp1,tp2,tp4,pp2,tp2:span,tp1:register,tp2:register,tp4:register,pp2:register}
 want() { [[ $STAGES == *" $1 "* ]]; }
 want layouts && stage layouts 200 "${LOAD[@]}" --steps layouts --layouts "$LAYOUTS" --json "$OUT/layouts.json"
+want cold && stage cold 200 "${LOAD[@]}" --steps layouts --cold --layouts "${COLD_LAYOUTS:-tp1,tp2,pp2}" --json "$OUT/cold.json"
 want sweep && stage sweep 120 "${LOAD[@]}" --steps sweep --json "$OUT/sweep.json"
 want handoff && stage handoff 150 "${LOAD[@]}" --steps handoff --json "$OUT/handoff.json"
 want tests && stage tests 180 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 150 \
@@ -110,7 +112,7 @@ want restart && stage restart 120 "$PY" benchmarks/bench_gpu_restart.py --model 
     echo
     echo "# vlaunch GPU session $(date -u +%Y-%m-%dT%H:%M:%SZ), $(($(date +%s) - T0))s in all"
     cat "$OUT/summary.txt"
-    for name in layouts sweep handoff imports restart; do
+    for name in layouts cold sweep handoff imports restart; do
         [ -f "$LOGS/$name.log" ] && sed -n '/^## /,$p' "$LOGS/$name.log"
     done
     [ -f "$LOGS/smoke.log" ] && grep -E "^(PASS|FAIL)" "$LOGS/smoke.log" | cut -c1-110

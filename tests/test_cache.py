@@ -354,29 +354,6 @@ def test_share_mapping_lives_exactly_as_long_as_its_tensors(llama_ckpt: Path,
     c.close()
 
 
-def test_a_large_shard_is_cut_into_parts_that_a_copy_can_start_on() -> None:
-    """About SLAB_PARTS slabs for a large shard (a copy-mode engine starts copying after one
-    part), one slab for a small one, a tensor larger than a part in a slab of its own, and no
-    tensor across a slab boundary."""
-    from vlaunch.cache.store.manifest import MIN_SLAB, SLAB_PARTS, pack
-
-    def layout(sizes: list[int], max_slab: int = 64 << 30):  # type: ignore[no-untyped-def]
-        items = [(f"t{i}", "U8", (n,)) for i, n in enumerate(sizes)]
-        return pack(items, backend="cpu", alignment=1 << 21, max_slab=max_slab)
-
-    big = layout([512 << 20] * 64)  # 32 GiB
-    assert len(big.slab_sizes) == SLAB_PARTS and max(big.slab_sizes) == 2 << 30
-    small = layout([64 << 20] * 5)
-    assert len(small.slab_sizes) == 1
-    odd = layout([MIN_SLAB // 2, 3 * MIN_SLAB, MIN_SLAB // 2])
-    assert [t.slab for t in odd.tensors] == [0, 1, 2] and odd.slab_sizes[1] == 3 * MIN_SLAB
-    capped = layout([512 << 20] * 64, max_slab=1 << 30)
-    assert len(capped.slab_sizes) == 32
-    for m in (big, small, odd, capped):
-        assert all(t.offset + t.nbytes <= m.slab_sizes[t.slab] for t in m.tensors)
-        assert sum(t.nbytes for t in m.tensors) <= m.nbytes
-
-
 def _respawned(cache: CacheProc, model: Path, sockdir: Path, rank: int, tp: int) -> CacheProc:
     """What the launcher does when a rank dies under --on-rank-exit respawn: a new rank
     process adopts the old one's escrowed slabs (its ready frame and fds) instead of reading."""

@@ -146,28 +146,17 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-# A shard of more than SLAB_PARTS GiB is cut into about SLAB_PARTS slabs (none smaller than
-# MIN_SLAB): a copy-mode engine maps, allocates and starts copying slab by slab, so its first
-# device copy starts after one part's import and allocation, not the whole shard's (H200, 17.4 GB
-# in one slab: 3.6 ms of import + allocation before the 8.3 ms copy could start).
-SLAB_PARTS = 16
-MIN_SLAB = 1 << 30
-
-
 def pack(items: list[tuple[str, str, tuple[int, ...]]], *, backend: str, alignment: int,
          max_slab: int) -> Manifest:
-    """Lay (name, dtype, shape) out in slabs of about 1/SLAB_PARTS of the shard (at least
-    MIN_SLAB, at most `max_slab`; a tensor larger than that has a slab of its own), aligned."""
+    """Lay (name, dtype, shape) out in as few slabs as `max_slab` allows, aligned."""
     from vlaunch.cache.store.dtypes import nbytes as size_of
 
-    sized = [(name, dtype, shape, size_of(dtype, shape)) for name, dtype, shape in items]
-    total = sum(n for *_, n in sized)
-    limit = min(max_slab, max(MIN_SLAB, -(-total // SLAB_PARTS)))
     sizes: list[int] = [0]
     records = []
-    for name, dtype, shape, nbytes in sized:
+    for name, dtype, shape in items:
+        nbytes = size_of(dtype, shape)
         offset = -(-sizes[-1] // alignment) * alignment
-        if offset + nbytes > limit and sizes[-1] > 0:
+        if offset + nbytes > max_slab and sizes[-1] > 0:
             sizes.append(0)
             offset = 0
         records.append(TensorRecord(name, dtype, tuple(shape), contiguous_stride(tuple(shape)),

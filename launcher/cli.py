@@ -14,7 +14,7 @@ import click
 from vlaunch.cache.contract.cliopt import SourceOption
 from vlaunch.cache.contract.errors import VlaunchError
 from vlaunch.cache.contract.exitcodes import EXIT_TABLE, ExitStatus
-from vlaunch.cache.contract.launch import RankArgs, rank_command
+from vlaunch.cache.contract.launch import READER_THREADS, RankArgs, rank_command
 from vlaunch.cache.contract.logs import setup_logging
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -91,7 +91,8 @@ def _opt(name: str, env: str, **kw: Any) -> Callable[[F], F]:
            "target's; the engine loads it with load(role='draft').")
 @_opt("--draft-plan", "DRAFT_PLAN", default="replicate",
       help="The draft group's shard plan (as --plan).")
-@_opt("--threads", "THREADS", default=8, type=click.IntRange(1), help="Reader threads per rank.")
+@_opt("--threads", "THREADS", default=READER_THREADS, type=click.IntRange(1),
+      help="Reader threads per rank.")
 @_opt("--verify", "VERIFY", is_flag=True, default=False,
       help="After each rank's first load, hash every tensor against the checkpoint files "
            "before serving; a mismatch ends the run with 79.")

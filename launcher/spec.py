@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlaunch.cache.contract.launch import DEFAULT_PLAN, EngineEnv, RankArgs
+from vlaunch.cache.contract.launch import DEFAULT_PLAN, READER_THREADS, EngineEnv, RankArgs
 from vlaunch.cache.contract.roles import DRAFT, TARGET, seat, unseat
 from vlaunch.cache.contract.sockdir import socket_path
 
@@ -26,7 +26,7 @@ class RunSpec:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     plan: str = DEFAULT_PLAN
-    threads: int = 8
+    threads: int = READER_THREADS
     engine: tuple[str, ...] = ()
     engine_health_url: str = ""
     health_host: str = "127.0.0.1"

@@ -16,6 +16,11 @@ from vlaunch.cache.contract.roles import check_role
 
 DEFAULT_PLAN = "llama"
 """The shard plan used when nobody names one (the launcher, a rank, `load()`)."""
+READER_THREADS = 12
+"""Reader threads of a first load (a rank's `--threads`, an engine's disk fallback). On an
+H200 host (16 cores), TP 1 warm, 12 beat 8 in each of 7 alternated rounds over two machines
+(medians 39.0 against 36.9 GB/s, then 31.2 against 28.3); 16 was no better than 12
+(benchmarks/results/gpu_2026-12-01.md)."""
 PREFIX = "VLAUNCH_"
 
 

@@ -17,16 +17,17 @@ from typing import Any
 import click
 
 from vlaunch.cache.contract.cliopt import SourceOption
-from vlaunch.cache.contract.engine_env import DEFAULT_PLAN, PREFIX, EngineEnv, env_name
+from vlaunch.cache.contract.engine_env import (
+    DEFAULT_PLAN,
+    PREFIX,
+    READER_THREADS,
+    EngineEnv,
+    env_name,
+)
 from vlaunch.cache.contract.errors import UsageError
 
 # The engine's side lives in engine_env.py (an engine's load() must not import click).
 __all__ = ["DEFAULT_PLAN", "PREFIX", "READER_THREADS", "EngineEnv", "RankArgs", "rank_command"]
-
-# Reader threads per rank. On an H200 host (16 cores), TP 1 warm, 12 beat 8 in each of 7
-# alternated rounds over two machines (median 39.0 against 36.9 GB/s, then 31.2 against 28.3);
-# 16 was no better than 12 (benchmarks/results/gpu_2026-12-01.md).
-READER_THREADS = 12
 
 
 def _opt(flag: str, help: str, *, type: Any = None, env: bool = True,

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vlaunch.cache.contract.engine_env import READER_THREADS
 from vlaunch.cache.store.checkpoint import Checkpoint, open_checkpoint
 from vlaunch.cache.store.manifest import Manifest, pack, views
 from vlaunch.cache.store.plan import HookPlan, Layout, load_plan, plan_rank
@@ -41,7 +42,7 @@ class Shard:
 
 
 def load_shard(model: str, plan_spec: str, layout: Layout, backend: Backend, *,
-               threads: int = 8, label: str = "loading") -> Shard:
+               threads: int = READER_THREADS, label: str = "loading") -> Shard:
     """Plan, allocate and read a rank's shard into fresh slabs of `backend`."""
     from vlaunch.cache.store.reader import fill
 

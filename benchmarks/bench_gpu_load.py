@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vlaunch.cache.contract.engine_env import READER_THREADS
 from vlaunch.cache.contract.progress import recv_ready
 
 CHUNK = 64 << 20
@@ -660,7 +661,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--steps", default="first,handoff,pidns")
     ap.add_argument("--layouts", default="tp1,tp2,tp4,pp2", help=f"of {','.join(LAYOUTS)}")
-    ap.add_argument("--threads", type=int, default=8, help="reader threads per rank (layouts)")
+    ap.add_argument("--threads", type=int, default=READER_THREADS,
+                    help="reader threads per rank (layouts; default: the rank's)")
     ap.add_argument("--cold", action="store_true", help="layouts: page cache evicted before each")
     ap.add_argument("--json", default="", help="write every raw number here after each step")
     ARGS = args = ap.parse_args()

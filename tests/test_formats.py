@@ -198,9 +198,13 @@ def test_unknown_and_unpackable_dtypes_are_refused(tmp_path: Path, sockdir: Path
     assert b"F2_E1M0" in cache.proc.stderr.read()  # type: ignore[union-attr]
 
 
-def test_a_hook_may_build_packed_fp4_tensors(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("slabs", ["plain", "rank"])
+def test_a_hook_may_build_packed_fp4_tensors(tmp_path: Path, monkeypatch, slabs: str) -> None:
+    """In the engine's fallback (plain tensors) and in a rank's slabs (numpy arrays over
+    memfds or files, which a hook's torch tensors are copied into)."""
     from vlaunch.cache.store.plan import Layout
     from vlaunch.cache.store.shard import PlainBackend, load_shard
+    from vlaunch.cache.store.slabs import get_backend
 
     write_raw(tmp_path / "m.safetensors", {"x": ("U8", [4], bytes(4))})
     (tmp_path / "fp4hook.py").write_text(
@@ -209,7 +213,8 @@ def test_a_hook_may_build_packed_fp4_tensors(tmp_path: Path, monkeypatch) -> Non
         "    raw = torch.arange(24, dtype=torch.uint8).reshape(4, 6)\n"
         "    return {'w': raw.view(torch.float4_e2m1fn_x2), 'e': raw.view(torch.float8_e8m0fnu)}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    shard = load_shard(str(tmp_path), "fp4hook:build", Layout(1, 0), PlainBackend("cpu"))
+    backend = PlainBackend("cpu") if slabs == "plain" else get_backend("cpu")
+    shard = load_shard(str(tmp_path), "fp4hook:build", Layout(1, 0), backend)
     rec = {t.name: t for t in shard.manifest.tensors}
     assert (rec["w"].dtype, rec["w"].shape) == ("F4", (4, 12))
     got = shard.named()

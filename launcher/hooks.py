@@ -68,14 +68,18 @@ class ProcessHooks(Protocol):
 
 
 class _Proc:
-    """An asyncio subprocess as a Child."""
+    """An asyncio subprocess as a Child; `ours` holds its pid until asyncio has reaped it."""
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
+    def __init__(self, proc: asyncio.subprocess.Process, ours: set[int]) -> None:
+        self.proc, self.ours = proc, ours
         self.pid = proc.pid
+        ours.add(self.pid)
 
     async def wait(self) -> int:
-        return await self.proc.wait()
+        try:
+            return await self.proc.wait()
+        finally:
+            self.ours.discard(self.pid)
 
 
 COALESCE_S = 0.005
@@ -102,7 +106,19 @@ class Coalesced:
 
 
 class OsHooks:
-    """The real process operations."""
+    """The real process operations.
+
+    asyncio reaps the children it started; `reap_orphans` collects only the others (exited
+    descendants re-parented to us). A child it started is never taken from asyncio: its pid is
+    kept from the moment the spawn returns until asyncio has reaped it, and while a spawn is in
+    flight (the child exists but its pid is not known yet) no orphan is collected at all. A
+    rank killed right after it was forked was otherwise reaped here, its exit never reached
+    asyncio and the launcher waited for it forever.
+    """
+
+    def __init__(self) -> None:
+        self._ours: set[int] = set()
+        self._spawning = 0
 
     def prepare(self, post: Callable[[events.Event], None]) -> None:
         become_subreaper()
@@ -114,10 +130,14 @@ class OsHooks:
 
     async def spawn(self, argv: Sequence[str], env: Mapping[str, str],
                     pass_fds: Sequence[int] = ()) -> Child:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, env=dict(env), pass_fds=tuple(pass_fds), start_new_session=True,
-            preexec_fn=die_with_parent)
-        return _Proc(proc)
+        self._spawning += 1
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, env=dict(env), pass_fds=tuple(pass_fds), start_new_session=True,
+                preexec_fn=die_with_parent)
+        finally:
+            self._spawning -= 1
+        return _Proc(proc, self._ours)
 
     def signal(self, pid: int, sig: int) -> None:
         signal_group(pid, sig)
@@ -126,7 +146,8 @@ class OsHooks:
         return sweep(pids)
 
     def reap_orphans(self, pids: Iterable[int]) -> None:
-        reap_orphans(pids)
+        if not self._spawning:
+            reap_orphans([*pids, *self._ours])
 
     async def http_ok(self, url: str) -> bool:
         return await asyncio.get_running_loop().run_in_executor(None, _http_ok, url)

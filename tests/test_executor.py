@@ -398,3 +398,40 @@ def test_uvloops_double_dispatch_of_a_signal_reaches_the_core_once() -> None:
     out = subprocess.run([sys.executable, "-c", UVLOOP_DOUBLE], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert out.strip() == "['SIGHUP', 'SIGTERM']"
+
+
+def test_the_orphan_sweep_leaves_a_child_that_exits_during_its_spawn_to_asyncio(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank killed right after its fork is a zombie before the spawn returns; the sweep for
+    re-parented orphans runs then (another task) and again before the caller knows the pid.
+    Its exit must still reach asyncio, or the launcher waits for it forever (seen under load:
+    a SIGKILLed loading rank hung the launcher)."""
+    import asyncio
+    import os
+    import sys
+    import time
+
+    import psutil
+    import uvloop
+
+    from vlaunch.launcher import hooks as hooks_mod
+
+    real = asyncio.create_subprocess_exec
+    os_hooks = hooks_mod.OsHooks()
+
+    async def spawn_then_sweep(*args, **kwargs):  # type: ignore[no-untyped-def]
+        proc = await real(*args, **kwargs)
+        # the child exits before the loop runs again (so before asyncio could reap it) ...
+        while psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.005)
+        os_hooks.reap_orphans([])  # ... and the sweep runs while this spawn is in flight
+        return proc
+
+    monkeypatch.setattr(hooks_mod.asyncio, "create_subprocess_exec", spawn_then_sweep)
+
+    async def main() -> int:
+        child = await os_hooks.spawn([sys.executable, "-c", "pass"], os.environ)
+        os_hooks.reap_orphans([])  # spawned, not yet registered by the caller
+        return await asyncio.wait_for(child.wait(), 10)
+
+    assert uvloop.run(main()) == 0

@@ -67,6 +67,13 @@ def one_intra_op_thread(request: pytest.FixtureRequest) -> Iterator[None]:
         os.environ["OMP_NUM_THREADS"] = env
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def eventually(check: Callable[[], T | None], timeout: float = 60.0, *,
                what: str | Callable[[], str] = "", interval: float = 0.02) -> T:
     """Poll `check` until it returns something truthy (returned) or `timeout` passes (fail).

@@ -35,7 +35,7 @@ from vlaunch.cache.contract.fingerprint import FIELDS
 from vlaunch.launcher.cli import run as run_command
 from vlaunch.launcher.core import EXTEND_BY
 
-from .conftest import eventually
+from .conftest import eventually, free_port
 from .test_launcher import ENGINE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -444,9 +444,7 @@ def test_quickstart_runs_for_real(tmp_path: Path, demo_ckpt: Path) -> None:
     bash = [body for lang, body in fenced_blocks(page) if lang == "bash"]
     assert any("vlaunch demo" in b for b in bash)
     [command] = [b.replace("\\\n", " ").strip() for b in bash if b.startswith("vlaunch run")]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     assert "--port 8000" in command
     command = command.replace("--port 8000", f"--port {port}")
     home, xdg = tmp_path / "home", tmp_path / "xdg"

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from vlaunch.cache.contract.exitcodes import ExitStatus
 
-from .conftest import eventually
+from .conftest import eventually, free_port
 from .test_notify import fill
 
 ENGINE = r"""
@@ -277,9 +277,7 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 
 
 def test_engine_readiness_from_its_health_url(launch, llama_ckpt: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     la = launch(llama_ckpt, "--engine-health-url", f"http://127.0.0.1:{port}/health",
                 engine=[sys.executable, "-c", HTTP_ENGINE, str(port)], tp=1)
     snap = la.wait_for(serving)

@@ -19,16 +19,10 @@ from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.sockdir import socket_path
 from vlaunch.cache.store import artifacts as A
 
-from .conftest import CacheProc, spawn_cache
+from .conftest import CacheProc, free_port, spawn_cache
 
 TOKEN = "t" * 32
 KEY = A.artifact_key({"seed": "test"})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _dir(tmp: Path, name: str) -> Path:
@@ -43,7 +37,7 @@ def _env(token: str = TOKEN) -> dict[str, str]:
 
 def _source(llama_ckpt: Path, tmp: Path) -> tuple[CacheProc, int]:
     """A running replica (rank 0 of tp 1) that serves seeding on a TCP port, with an artifact."""
-    port = _free_port()
+    port = free_port()
     src = spawn_cache(llama_ckpt, _dir(tmp, "src"), "--seed-listen-port", str(port),
                       "--seed-timeout", "1", env=_env())
     assert src.proc.poll() is None
@@ -174,7 +168,7 @@ def test_truncated_stream_fails_the_seed(llama_ckpt: Path, tmp_path: Path, cache
 def test_cuda_seeding_is_bit_exact(llama_ckpt: Path, tmp_path: Path, caches, how: str) -> None:
     """On a GPU: a rank seeded from a CUDA source (device to device over the slab fds, or
     through pinned buffers over TCP) holds the source's bytes, after the source is gone."""
-    port = _free_port()
+    port = free_port()
     src = spawn_cache(llama_ckpt, _dir(tmp_path, "src"), "--device", "cuda:0",
                       "--seed-listen-port", str(port), env=_env())
     caches.append(src)

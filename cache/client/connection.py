@@ -160,60 +160,68 @@ class CacheClient:
 
     def handoff(self, fingerprint: Callable[[], fp.Fingerprint], *, mode: str = "share",
                 device: str = "cpu") -> dict[str, torch.Tensor]:
-        """hello + manifest + open + map (or copy) in one round trip: the engine's fast path.
+        """open + manifest + hello + map (or copy) in one round trip: the engine's fast path.
 
-        The manifest and open requests go out at once. In share mode `fingerprint()` is
-        computed while the cache answers them; in the copy modes, while the copies run, which
-        start as soon as the slabs are mapped. The hello's reply is read last. Nothing is
-        returned unless the hello succeeded: on an error (a mismatch first, as hello() reports
-        it) the mappings and copies are dropped before it is raised.
+        The three requests go out at once, open first: its reply carries the slab fds and
+        sizes, so the slabs are mapped (and in the copy modes their copies launched) before
+        the manifest's reply is even read. In share mode `fingerprint()` is computed while
+        the cache answers; in the copy modes, while the copies run. The manifest must agree
+        with the sizes the slabs were mapped at, and the hello's reply is read last. Nothing
+        is returned unless the hello succeeded: on an error (a mismatch first, as hello()
+        reports it) the mappings and copies are dropped before it is raised.
         """
         with self._lock:
             TRACE.clear()
             TRACE["start"] = time.perf_counter()
-            self._send({"op": "manifest"})
             self._send({"op": "open", "mode": mode})
+            self._send({"op": "manifest"})
             owed = 2  # replies not read yet; on an error, a later request reads them
+            hello_sent = False
             try:
                 if mode == "share":
                     self._send(self._hello(fingerprint()))
-                    owed += 1
+                    owed, hello_sent = owed + 1, True
                 TRACE["asked"] = time.perf_counter()
                 _while_the_cache_answers(mode)
-                mrep, mfds = self._recv()
-                owed -= 1
                 orep, ofds = self._recv()
                 owed -= 1
-                if mrep.get("ok") is not True or orep.get("ok") is not True or mfds:
-                    for fd in mfds + ofds:
-                        os.close(fd)
-                    if not owed:
-                        self._send(self._hello(fingerprint()))
-                        owed += 1
-                    reply = self._recv()
-                    owed -= 1
-                    self._checked(*reply)  # the hello's error comes first
-                    self._checked(mrep, [])
-                    self._checked(orep, [])
-                    raise CacheBrokenError(f"cache at {self.path} sent fds with its manifest")
-                try:
-                    sizes = _slab_sizes(mrep.get("manifest"))
-                except BaseException:
-                    for fd in ofds:
-                        os.close(fd)
-                    raise
+                sizes: tuple[int, ...] = ()
+                if orep.get("ok") is True:
+                    try:
+                        sizes = _slab_sizes(orep.get("sizes"))
+                    except BaseException:
+                        _close(ofds)
+                        raise
+                TRACE["replies"] = time.perf_counter()
                 mapped: list[torch.Tensor] = []
                 copies: list[torch.Tensor] = []
-                TRACE["replies"] = time.perf_counter()
                 try:
-                    # the copies start as each slab is mapped
-                    mapped.extend(import_slabs(ofds, sizes, device, copies if mode != "share"
-                                          else None))
+                    if orep.get("ok") is True:
+                        # the copies start as each slab is mapped
+                        mapped.extend(import_slabs(ofds, sizes, device,
+                                                   copies if mode != "share" else None))
                     TRACE["imported"] = time.perf_counter()
-                    if mode != "share":
+                    mrep, mfds = self._recv()
+                    owed -= 1
+                    if not hello_sent:
                         self._send(self._hello(fingerprint()))
-                        owed += 1
+                        owed, hello_sent = owed + 1, True
+                    if mrep.get("ok") is not True or orep.get("ok") is not True or mfds:
+                        _close(mfds)
+                        if orep.get("ok") is not True:
+                            _close(ofds)
+                        reply = self._recv()
+                        owed -= 1
+                        self._checked(*reply)  # the hello's error comes first
+                        self._checked(orep, [])
+                        self._checked(mrep, [])
+                        raise CacheBrokenError(f"cache at {self.path} sent fds with its "
+                                               "manifest")
                     manifest = Manifest.from_wire(mrep["manifest"])
+                    if manifest.slab_sizes != sizes:
+                        raise CacheBrokenError(
+                            f"cache at {self.path} sent slabs of {list(sizes)[:8]} bytes for a "
+                            f"manifest of {list(manifest.slab_sizes)[:8]}")
                     reply = self._recv()
                     owed -= 1
                     self._checked(*reply)
@@ -445,15 +453,19 @@ def release_after_copies(mapped: list[torch.Tensor], device: str) -> None:
     threading.Thread(target=held.clear, name="vlaunch-unmap", daemon=True).start()
 
 
-def _slab_sizes(obj: Any) -> tuple[int, ...]:
-    """The manifest's slab sizes, checked (the rest of it is validated before any view)."""
+def _slab_sizes(sizes: Any) -> tuple[int, ...]:
+    """The slab sizes of an open reply, checked (the manifest must agree before any view)."""
     try:
-        sizes = obj["slab_sizes"]
         if not isinstance(sizes, list) or len(sizes) > 4096:
-            raise ValueError("too many slabs")
+            raise ValueError("no list of at most 4096 slab sizes")
         return tuple(checked_int(s, "slab size") for s in sizes)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise CacheBrokenError(f"invalid manifest from cache: {exc}") from exc
+    except (TypeError, ValueError) as exc:
+        raise CacheBrokenError(f"invalid open reply from cache: {exc}") from exc
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def import_slabs(fds: list[int], sizes: tuple[int, ...], device: str,

@@ -50,7 +50,7 @@ class Header(NamedTuple):
 
 def encode(message: dict[str, Any], nfds: int = 0) -> bytes:
     """Serialise one message into a frame (header + JSON body)."""
-    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    body = _ENCODE(message).encode()
     if len(body) > MAX_BODY or not 0 <= nfds <= MAX_FDS:
         raise ProtocolError(f"frame too large: {len(body)} bytes, {nfds} fds")
     flags = FLAG_LARGE if message.get("op") in LARGE_OPS else 0
@@ -80,7 +80,7 @@ def decode_header(data: bytes, *, max_body: int = MAX_BODY, large_body: int = 0)
 def decode_body(data: bytes) -> dict[str, Any]:
     """Parse a JSON body; it must be an object."""
     try:
-        obj = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+        obj = _DECODE(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ProtocolError(f"body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
@@ -90,6 +90,12 @@ def decode_body(data: bytes) -> dict[str, Any]:
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not allowed")
+
+
+# Made once: json.dumps/json.loads with any option build a new coder per call, and every
+# frame of a handoff goes through these.
+_ENCODE = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+_DECODE = json.JSONDecoder(parse_constant=_reject_constant).decode
 
 
 # Request schemas: field -> (type, required). Unknown fields are refused.

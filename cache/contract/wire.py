@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import os
 import socket
 from typing import Any
@@ -108,7 +109,20 @@ async def read_request(loop: asyncio.AbstractEventLoop, sock: socket.socket, *,
 
 async def _read_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int,
                       timeout: float | None) -> bytes:
-    buf = bytearray()
+    """n bytes from a non-blocking socket. What has arrived already is taken without a trip
+    through the event loop (a request's body comes with its header, and a handoff's three
+    requests arrive at once); only a read that must wait is awaited, and bounded."""
+    try:
+        data = sock.recv(n)
+    except (BlockingIOError, InterruptedError):
+        data = None
+    if data is not None:
+        if not data:
+            raise EOFError("connection closed")
+        if len(data) == n:
+            return data
+        timeout = timeout or 10.0  # the frame has started: it must finish promptly
+    buf = bytearray(data or b"")
     while len(buf) < n:
         chunk = await asyncio.wait_for(loop.sock_recv(sock, n - len(buf)), timeout)
         if not chunk:
@@ -120,21 +134,35 @@ async def _read_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: i
 
 async def write_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket,
                       message: dict[str, Any] | bytes,
-                      fds: list[int] = ()) -> None:  # type: ignore[assignment]
+                      fds: list[int] = (), *,  # type: ignore[assignment]
+                      timeout: float | None = None) -> None:
     """Send one frame (with fds) on a non-blocking socket; `message` may be a frame that
-    protocol.encode already made (without fds), for a reply sent many times."""
+    protocol.encode already made (without fds), for a reply sent many times. A frame the
+    socket takes at once is sent without a trip through the event loop; a peer that leaves
+    the rest unread for `timeout` seconds raises TimeoutError."""
     if isinstance(message, bytes):
         if fds:
             raise ProtocolError("a pre-encoded frame carries no fds")
         data = message
     else:
         data = protocol.encode(message, len(fds))
-    while True:
-        try:
+    try:
+        sent = sock.sendmsg([data], _ancillary(list(fds)))
+    except (BlockingIOError, InterruptedError):
+        sent = -1
+    if 0 <= sent == len(data):
+        return
+    await asyncio.wait_for(_send_rest(loop, sock, data, fds, sent), timeout)
+
+
+async def _send_rest(loop: asyncio.AbstractEventLoop, sock: socket.socket, data: bytes,
+                     fds: list[int], sent: int) -> None:
+    """The slow path of write_frame: wait until the socket takes the frame (its fds ride on
+    the first byte sent), then the rest of its bytes."""
+    while sent < 0:
+        await _writable(loop, sock)
+        with contextlib.suppress(BlockingIOError, InterruptedError):
             sent = sock.sendmsg([data], _ancillary(list(fds)))
-            break
-        except BlockingIOError:
-            await _writable(loop, sock)
     if sent < len(data):
         await loop.sock_sendall(sock, data[sent:])
 

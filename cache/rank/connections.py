@@ -164,9 +164,10 @@ class Connections:
                         "mappings (bound %d; refused %d so far)", self.rank, len(self),
                         self.bound, self._refused)
         try:
-            await asyncio.wait_for(wire.write_frame(loop, conn, protocol.error(
+            await wire.write_frame(loop, conn, protocol.error(
                 "busy", f"the cache serves at most {self.bound} connections and all of them "
-                "hold mappings; close unused clients or raise VLAUNCH_MAX_CONNECTIONS")), 1.0)
+                "hold mappings; close unused clients or raise VLAUNCH_MAX_CONNECTIONS"),
+                timeout=1.0)
         except (OSError, asyncio.TimeoutError):
             pass
         finally:

@@ -54,6 +54,7 @@ class CacheServer:
                  raw_released: bool = False) -> None:
         self.rank, self.fingerprint, self.manifest = rank, fingerprint, manifest
         self._manifest_frame: bytes | None = None
+        self._sizes = list(manifest.slab_sizes)  # the open reply's: the client maps by them
         self.fds, self.device = fds, device
         self.allowed_uids = allowed_uids
         self.artifacts = artifacts if artifacts is not None else ArtifactStore()
@@ -127,15 +128,15 @@ class CacheServer:
                 result = self._dispatch(cid, op, fields)
                 reply, fds = await result if asyncio.iscoroutine(result) else result
                 # a client that stops reading its replies loses its connection, not a task
-                await asyncio.wait_for(wire.write_frame(loop, conn, reply, fds), FRAME_TIMEOUT)
+                await wire.write_frame(loop, conn, reply, fds, timeout=FRAME_TIMEOUT)
         except (EOFError, ConnectionError, asyncio.CancelledError):
             pass
         except (ProtocolError, TimeoutError, asyncio.TimeoutError) as exc:
             reason = str(exc) or "stalled in the middle of a frame"
             log.warning("rank %d: dropping client %s: %s", self.rank, self._who(cid), reason)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(
-                    wire.write_frame(loop, conn, protocol.error("protocol", reason)), 1.0)
+                await wire.write_frame(loop, conn, protocol.error("protocol", reason),
+                                       timeout=1.0)
         finally:
             self.leases.pop(cid, None)
             self.connections.remove(cid)
@@ -176,9 +177,10 @@ class CacheServer:
         return self._manifest_frame, []
 
     def handle_open(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        """open: send the slab fds (SCM_RIGHTS)."""
+        """open: send the slab fds (SCM_RIGHTS) and their sizes, which the client maps them at
+        before it has read the manifest."""
         lease.mode = f["mode"]
-        return {"ok": True, "slabs": len(self.fds)}, list(self.fds)
+        return {"ok": True, "slabs": len(self.fds), "sizes": self._sizes}, list(self.fds)
 
     def handle_mapped(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """mapped: the client reports what it holds."""
@@ -227,7 +229,8 @@ class CacheServer:
             return layout.manifest_frame, []
         if op == "open":
             lease.mode = f["mode"]
-            return {"ok": True, "slabs": len(layout.fds)}, list(layout.fds)
+            return {"ok": True, "slabs": len(layout.fds),
+                    "sizes": list(layout.manifest.slab_sizes)}, list(layout.fds)
         raise ProtocolError(f"{op} takes no layout field")
 
     def handle_layouts(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any],

@@ -1,0 +1,143 @@
+"""The engine's handoff against a cache that answers wrongly: a real Unix socket, real memfds.
+
+The client maps the slabs at the sizes the open reply gives, before it reads the manifest, so
+a cache whose two replies disagree (or whose open reply has no sizes) must be refused before
+any tensor is returned, with every fd it sent closed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vlaunch.cache.client.connection import CacheClient
+from vlaunch.cache.contract import wire
+from vlaunch.cache.contract.errors import CacheBrokenError, FingerprintMismatchError
+from vlaunch.cache.store.manifest import pack
+
+MANIFEST = pack([("w", "F32", (64, 64))], backend="cpu", alignment=256, max_slab=1 << 20)
+SLAB = MANIFEST.slab_sizes[0]
+FINGERPRINT = {"checkpoint": "a"}
+
+Answer = Callable[[dict[str, Any], int], tuple[dict[str, Any], list[int]]]
+
+
+def honest(req: dict[str, Any], slab_fd: int) -> tuple[dict[str, Any], list[int]]:
+    """What a rank answers (the sizes from the manifest, the slab's fd with open)."""
+    if req["op"] == "open":
+        return {"ok": True, "slabs": 1, "sizes": list(MANIFEST.slab_sizes)}, [slab_fd]
+    if req["op"] == "manifest":
+        return {"ok": True, "manifest": MANIFEST.to_wire()}, []
+    if req["op"] == "hello":
+        return {"ok": True, "fingerprint": FINGERPRINT, "rank": 0}, []
+    return {"ok": True}, []
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Iterator[Callable[[Answer], Path]]:
+    """Start a scripted cache on a real socket in a 0700 directory; yields its starter."""
+    sockdir = tmp_path / "s"
+    sockdir.mkdir(mode=0o700)
+    slab_fd = os.memfd_create("test-slab")
+    os.ftruncate(slab_fd, MANIFEST.slab_sizes[0])
+    threads: list[threading.Thread] = []
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+
+    def start(answer: Answer) -> Path:
+        path = sockdir / "rank-0.sock"
+        listener.bind(str(path))
+        listener.listen(1)
+
+        def serve() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                while True:
+                    try:
+                        req, _ = wire.recv_frame(conn)
+                        wire.send_frame(conn, *answer(req, slab_fd))
+                    except (EOFError, OSError):  # the client hung up
+                        return
+
+        thread = threading.Thread(target=serve, name="fake-cache", daemon=True)
+        thread.start()
+        threads.append(thread)
+        return path
+
+    yield start
+    listener.close()
+    for thread in threads:
+        thread.join(5)
+    os.close(slab_fd)
+
+
+def open_fds() -> set[int]:
+    return set(int(fd) for fd in os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("mode", ["share", "copy"])
+def test_an_honest_cache_hands_over_its_tensors(cache: Callable[[Answer], Path],
+                                                mode: str) -> None:
+    client = CacheClient(cache(honest))
+    try:
+        tensors = client.handoff(lambda: FINGERPRINT, mode=mode, device="cpu")
+        assert list(tensors) == ["w"] and tuple(tensors["w"].shape) == (64, 64)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize(("lie", "words"), [
+    ({"sizes": [SLAB // 2]}, "sent slabs of"),
+    ({"sizes": [SLAB * 2]}, "slab fd holds"),
+    ({"sizes": [SLAB, SLAB]}, "fds for 2 slabs"),
+    ({"sizes": None}, "invalid open reply"),
+    ({"sizes": ["x"]}, "invalid open reply"),
+    ({"sizes": [-1]}, "invalid open reply"),
+])
+@pytest.mark.parametrize("mode", ["share", "copy"])
+def test_an_open_reply_that_disagrees_with_the_manifest_is_refused(
+        cache: Callable[[Answer], Path], lie: dict[str, Any], words: str, mode: str) -> None:
+    def answer(req: dict[str, Any], slab_fd: int) -> tuple[dict[str, Any], list[int]]:
+        reply, fds = honest(req, slab_fd)
+        if req["op"] == "open":
+            reply = {**reply, **lie}
+            if reply["sizes"] is None:
+                del reply["sizes"]
+        return reply, fds
+
+    before = open_fds()
+    client = CacheClient(cache(answer))
+    try:
+        with pytest.raises(CacheBrokenError, match=words):
+            client.handoff(lambda: FINGERPRINT, mode=mode, device="cpu")
+    finally:
+        client.close()
+    for thread in threading.enumerate():  # the cache's end of the connection is closed too
+        if thread.name == "fake-cache":
+            thread.join(5)
+    assert open_fds() <= before  # the slab fd it was sent is closed, nothing is mapped
+
+
+def test_a_mismatch_is_reported_before_a_broken_open_reply(
+        cache: Callable[[Answer], Path]) -> None:
+    """The hello's answer comes first: an engine of another checkpoint is told so, not that
+    the cache is broken."""
+    def answer(req: dict[str, Any], slab_fd: int) -> tuple[dict[str, Any], list[int]]:
+        if req["op"] == "open":
+            return {"ok": False, "error": "released", "message": "gone"}, []
+        if req["op"] == "hello":
+            return {"ok": False, "error": "mismatch", "message": "fingerprint mismatch",
+                    "mismatch": [["checkpoint", "a", "b"]]}, []
+        return honest(req, slab_fd)
+
+    client = CacheClient(cache(answer))
+    try:
+        with pytest.raises(FingerprintMismatchError, match="checkpoint"):
+            client.handoff(lambda: {"checkpoint": "b"}, mode="copy", device="cpu")
+    finally:
+        client.close()

@@ -41,6 +41,7 @@ from vlaunch.cache.contract.progress import recv_ready
 
 CHUNK = 64 << 20
 RESULTS: dict[str, Any] = {}
+RACE = ("imp", "alloc", "serial", "alloc_on_thread", "import_on_thread", "vmm_on_thread")
 ARGS: argparse.Namespace
 CHILD = r"""
 import gc, json, sys, time
@@ -84,6 +85,35 @@ elif spec["what"] == "parts":  # copy mode taken apart: allocation, first and se
     _, out["copy_between_own"] = timed(lambda: [o.copy_(d, non_blocking=True)
                                                 for o, d in zip(own, dst)])
     out.update(slabs=len(src), bytes=n)
+elif spec["what"] == "race":  # copy mode's destination allocation against the slab import
+    import threading
+    from vlaunch.cache.client.connection import CacheClient, backend_for
+    from vlaunch.cache.contract.sockdir import socket_path
+    client = CacheClient(socket_path(spec["sock"], 0))
+    reply, fds = client.request({"op": "open", "mode": "copy"})
+    sizes, be, got = reply["sizes"], backend_for(dev), {}  # backend made before the clock
+    def imp(): got["src"] = [be.import_fd(fd, n, readonly=True) for fd, n in zip(fds, sizes)]
+    def alloc(): got["dst"] = [torch.empty(n, dtype=torch.uint8, device=dev) for n in sizes]
+    def vmm():
+        got["slabs"] = [be.allocate(n) for n in sizes]
+        got["dst"] = [s.tensor() for s in got["slabs"]]
+    first, second = {"imp": (imp, None), "alloc": (alloc, None), "serial": (imp, alloc),
+                     "alloc_on_thread": (imp, alloc), "import_on_thread": (alloc, imp),
+                     "vmm_on_thread": (imp, vmm)}[spec["variant"]]
+    t = time.perf_counter()
+    if second is not None and spec["variant"] != "serial":
+        th = threading.Thread(target=second); th.start(); first(); th.join()
+    else:
+        first()
+        if second is not None:
+            second()
+    t1 = time.perf_counter()
+    out.update(ms=(t1 - t) * 1e3, variant=spec["variant"])
+    if "src" in got and "dst" in got:
+        for d, s_ in zip(got["dst"], got["src"]):
+            d.copy_(s_, non_blocking=True)
+        torch.cuda.synchronize(dev)
+        out["copy_ms"] = (time.perf_counter() - t1) * 1e3
 else:
     free0, total = torch.cuda.mem_get_info(dev); alloc0 = torch.cuda.memory_allocated(dev)
     t0 = time.perf_counter()
@@ -285,6 +315,7 @@ def step_handoff(model: Path, device: str, tmp: Path) -> None:
         share = [child({**spec, "what": "share"}) for _ in range(5)]
         copy = [child({**spec, "what": "copy"}) for _ in range(3)]
         parts = [child({**spec, "what": "parts"}) for _ in range(3)]
+        race = [child({**spec, "what": "race", "variant": v}) for _ in range(3) for v in RACE]
     finally:
         stop(proc)
     d2d = child({"device": device, "what": "d2d"})
@@ -324,6 +355,14 @@ def step_handoff(model: Path, device: str, tmp: Path) -> None:
         cells = [statistics.median(p[key][k] for p in parts)
                  for k in ("launch_ms", "gpu_ms", "wall_ms")]
         print(f"  {key}: " + " / ".join(f"{c:.2f}" for c in cells))
+    RESULTS["handoff"]["race"] = race
+    print("copy mode's destination against the slab import (fresh process, slab backend made "
+          "first; ms, median 3: both steps / the copy after them):")
+    for v in RACE:
+        runs = [r for r in race if r["variant"] == v]
+        copy_ms = [r["copy_ms"] for r in runs if "copy_ms" in r]
+        print(f"  {v}: {statistics.median(r['ms'] for r in runs):.2f}"
+              + (f" / {statistics.median(copy_ms):.2f}" if copy_ms else ""))
     print("memory accounting around one share handoff (engine process):")
     print(f"  mem_get_info free: {s0['free_before'] / 2**30:.2f} GiB -> "
           f"{s0['free_after'] / 2**30:.2f} GiB (the cache's slab is already counted as used)")

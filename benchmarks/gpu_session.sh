@@ -102,7 +102,7 @@ want() { [[ $STAGES == *" $1 "* ]]; }
 want layouts && stage layouts 200 "${LOAD[@]}" --steps layouts --layouts "$LAYOUTS" --json "$OUT/layouts.json"
 want cold && stage cold 200 "${LOAD[@]}" --steps layouts --cold --layouts "${COLD_LAYOUTS:-tp1,tp2,pp2}" --json "$OUT/cold.json"
 want sweep && stage sweep 120 "${LOAD[@]}" --steps sweep --json "$OUT/sweep.json"
-want handoff && stage handoff 150 "${LOAD[@]}" --steps handoff --json "$OUT/handoff.json"
+want handoff && stage handoff 240 "${LOAD[@]}" --steps handoff --json "$OUT/handoff.json"
 want tests && stage tests 180 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 150 \
     tests/test_slabs_cuda.py tests/test_gpu_cache.py tests/test_reader.py
 want imports && stage imports 60 bash -c imports

@@ -85,6 +85,24 @@ elif spec["what"] == "parts":  # copy mode taken apart: allocation, first and se
     _, out["copy_between_own"] = timed(lambda: [o.copy_(d, non_blocking=True)
                                                 for o, d in zip(own, dst)])
     out.update(slabs=len(src), bytes=n)
+elif spec["what"] == "fp":  # what the engine's fingerprint costs, step by step, first time
+    marks = [("start", time.perf_counter())]
+    def mark(name): marks.append((name, time.perf_counter()))
+    from vlaunch.cache.client import weights as W
+    from vlaunch.cache.contract.sockdir import socket_path
+    from vlaunch.cache.store import cudadrv, identity, quant
+    from vlaunch.cache.store.ranks import Layout
+    mark("imports")
+    cudadrv._load(); mark("libcuda")
+    be = W.backend_for(dev); mark("backend")
+    be.device_info(); mark("device_info")
+    sock = socket_path(spec["sock"], 0)
+    identity.identities(spec["model"], identity.memo_path(sock)); mark("identities")
+    quant.fingerprint_fields(spec["model"], None); mark("quantization")
+    W.plan_identity("llama"); mark("plan")
+    W.expected_fingerprint(spec["model"], Layout.from_global(0, 1, 1, 1), dev, "llama", "",
+                           "vlaunch", sock); mark("whole_again")
+    out["ms"] = {b[0]: (b[1] - a[1]) * 1e3 for a, b in zip(marks, marks[1:])}
 elif spec["what"] == "race":  # copy mode's destination allocation against the slab import
     import threading
     from vlaunch.cache.client.connection import CacheClient, backend_for
@@ -316,6 +334,7 @@ def step_handoff(model: Path, device: str, tmp: Path) -> None:
         copy = [child({**spec, "what": "copy"}) for _ in range(3)]
         parts = [child({**spec, "what": "parts"}) for _ in range(3)]
         race = [child({**spec, "what": "race", "variant": v}) for _ in range(3) for v in RACE]
+        fps = [child({**spec, "what": "fp"}) for _ in range(3)]
     finally:
         stop(proc)
     d2d = child({"device": device, "what": "d2d"})
@@ -363,6 +382,9 @@ def step_handoff(model: Path, device: str, tmp: Path) -> None:
         copy_ms = [r["copy_ms"] for r in runs if "copy_ms" in r]
         print(f"  {v}: {statistics.median(r['ms'] for r in runs):.2f}"
               + (f" / {statistics.median(copy_ms):.2f}" if copy_ms else ""))
+    RESULTS["handoff"]["fingerprint"] = fps
+    print("the engine's fingerprint, first time in a fresh process (ms, median 3): " + ", ".join(
+        f"{k} {statistics.median(f['ms'][k] for f in fps):.2f}" for k in fps[0]["ms"]))
     print("memory accounting around one share handoff (engine process):")
     print(f"  mem_get_info free: {s0['free_before'] / 2**30:.2f} GiB -> "
           f"{s0['free_after'] / 2**30:.2f} GiB (the cache's slab is already counted as used)")

@@ -36,6 +36,8 @@ def pytest_cmdline_main(config: pytest.Config) -> Iterator[object]:
     there the suite runs in one process. `-n 0` runs it in one process anywhere.
     """
     option = config.option
+    if not hasattr(config, "workerinput"):
+        _byte_compile_vlaunch()
     if (config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput")
             and option.numprocesses is None and not option.usepdb
             and all(Path(arg).is_dir() for arg in config.args)):
@@ -43,6 +45,21 @@ def pytest_cmdline_main(config: pytest.Config) -> Iterator[object]:
         if option.dist == "no":
             option.dist = "worksteal"
     return (yield)
+
+
+def _byte_compile_vlaunch() -> None:
+    """Byte-compile vlaunch's sources once, as pip does for an installed package.
+
+    The suite starts about 300 Python processes (ranks, launchers, engines), and an editable
+    install is never compiled: where bytecode is not written (PYTHONDONTWRITEBYTECODE=1, as
+    on these machines), each of them compiled every vlaunch module it imported, 27 of the
+    suite's 312 CPU seconds (benchmarks/results/cpu.md). Up-to-date files cost a stat each.
+    """
+    import compileall
+
+    root = Path(__file__).resolve().parent.parent
+    for package in ("cache", "launcher"):
+        compileall.compile_dir(str(root / package), quiet=1)
 
 
 @pytest.fixture(scope="session", autouse=True)

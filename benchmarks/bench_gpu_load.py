@@ -94,7 +94,12 @@ elif spec["what"] == "fp":  # what the engine's fingerprint costs, step by step,
     from vlaunch.cache.store.ranks import Layout
     mark("imports")
     cudadrv._load(); mark("libcuda")
-    be = W.backend_for(dev); mark("backend")
+    import cProfile, io, pstats
+    prof = cProfile.Profile(); prof.enable(); be = W.backend_for(dev); prof.disable()
+    mark("backend")
+    text = io.StringIO(); pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(6)
+    out["backend_profile"] = [line.strip() for line in text.getvalue().splitlines()
+                              if line.strip()[:1].isdigit()][:6]
     be.device_info(); mark("device_info")
     sock = socket_path(spec["sock"], 0)
     identity.identities(spec["model"], identity.memo_path(sock)); mark("identities")
@@ -385,6 +390,8 @@ def step_handoff(model: Path, device: str, tmp: Path) -> None:
     RESULTS["handoff"]["fingerprint"] = fps
     print("the engine's fingerprint, first time in a fresh process (ms, median 3): " + ", ".join(
         f"{k} {statistics.median(f['ms'][k] for f in fps):.2f}" for k in fps[0]["ms"]))
+    print("  the slab backend's creation, profiled once (tottime, function):\n    "
+          + "\n    ".join(fps[0]["backend_profile"]))
     print("memory accounting around one share handoff (engine process):")
     print(f"  mem_get_info free: {s0['free_before'] / 2**30:.2f} GiB -> "
           f"{s0['free_after'] / 2**30:.2f} GiB (the cache's slab is already counted as used)")

@@ -145,9 +145,10 @@ def _load(opts: RankArgs, backend: Any, rank: int) -> tuple[Manifest, list[int],
     manifest = shard.manifest
     if opts.checksum if opts.checksum is not None else backend.name == "cpu":
         manifest = with_checksums(manifest, checksums(manifest, shard.tensors, opts.threads))
-    log.info("loaded %d tensors, %.2f GB in %d slab(s) on %s in %.2fs (%.2f GB/s)",
-             len(manifest.tensors), manifest.nbytes / 1e9, len(shard.slabs), backend.device,
-             shard.seconds, manifest.nbytes / 1e9 / max(shard.seconds, 1e-9))
+    log.info("loaded %d tensors, %.2f GB in %d slab(s) on %s in %.2fs (%.2f GB/s); opened, "
+             "planned and allocated in %.3fs of it", len(manifest.tensors),
+             manifest.nbytes / 1e9, len(shard.slabs), backend.device, shard.seconds,
+             manifest.nbytes / 1e9 / max(shard.seconds, 1e-9), shard.prepared)
     if opts.verify:  # every byte against the files, once, before ready (79 on a mismatch)
         from vlaunch.cache.rank.integrity import verify_loaded
 

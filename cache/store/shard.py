@@ -35,6 +35,7 @@ class Shard:
     checkpoint: Checkpoint
     plan_identity: str
     seconds: float
+    prepared: float = 0.0  # of `seconds`: checkpoint opened, planned, slabs allocated
 
     def named(self) -> dict[str, torch.Tensor]:
         """Named zero-copy torch views over the slabs (imports torch)."""
@@ -52,6 +53,7 @@ def load_shard(model: str, plan_spec: str, layout: Layout, backend: Backend, *,
     if isinstance(plan, HookPlan):
         return _from_hook(ckpt, plan, layout, backend, start)
     shard, specs = _allocate(ckpt, plan, layout, backend, start)
+    shard.prepared = shard.seconds
     fill(specs, shard.manifest, shard.tensors, threads=threads, label=label)
     shard.seconds = time.perf_counter() - start
     return shard

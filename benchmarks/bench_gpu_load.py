@@ -85,6 +85,42 @@ elif spec["what"] == "parts":  # copy mode taken apart: allocation, first and se
     _, out["copy_between_own"] = timed(lambda: [o.copy_(d, non_blocking=True)
                                                 for o, d in zip(own, dst)])
     out.update(slabs=len(src), bytes=n)
+elif spec["what"] == "loadparts":  # a TP 1 first load in-process, taken apart (page cache warm)
+    from vlaunch.cache.contract.engine_env import READER_THREADS
+    from vlaunch.cache.store import reader
+    from vlaunch.cache.store.checkpoint import open_checkpoint
+    from vlaunch.cache.store.manifest import pack
+    from vlaunch.cache.store.plan import load_plan, plan_rank
+    from vlaunch.cache.store.ranks import Layout
+    from vlaunch.cache.store.shard import MAX_SLAB
+    from vlaunch.cache.store.slabs import get_backend
+    be, ms = get_backend(dev), {}
+    def timed(name, fn):
+        t = time.perf_counter(); r = fn(); ms[name] = (time.perf_counter() - t) * 1e3; return r
+    def wrap(name):
+        orig = getattr(reader._CudaMover, name)
+        def timed_method(self):
+            t = time.perf_counter(); orig(self); ms[name] = (time.perf_counter() - t) * 1e3
+        setattr(reader._CudaMover, name, timed_method)
+    t0 = time.perf_counter()
+    ckpt = timed("open_checkpoint", lambda: open_checkpoint(spec["model"]))
+    plan = timed("load_plan", lambda: load_plan("llama"))
+    specs = timed("plan_rank", lambda: plan_rank(ckpt, plan, Layout.from_global(0, 1, 1, 1)))
+    man = timed("pack", lambda: pack([(x.name, x.dtype, x.shape) for x in specs],
+                                     backend=be.name, alignment=be.alignment, max_slab=MAX_SLAB))
+    slabs = timed("allocate", lambda: [be.allocate(n) for n in man.slab_sizes])
+    bufs = [x.buffer() for x in slabs]
+    wrap("finish"); wrap("close")
+    if spec.get("sync"):  # the staging pool freed before fill returns, as before 2026-12-01
+        reader.release_later = lambda mover: mover.close()
+    timed("fill", lambda: reader.fill(specs, man, bufs, threads=READER_THREADS))
+    torch.cuda.synchronize(dev)
+    ms["total"] = (time.perf_counter() - t0) * 1e3
+    for th in __import__("threading").enumerate():  # a release on its thread, timed apart
+        if th.name == "vlaunch-unpin":
+            th.join()
+    out.update(ms=ms, bytes=man.nbytes, buffers=reader.STAGING.get("buffers"),
+               pinned_ms=reader.STAGING.get("pinned_s", 0.0) * 1e3)
 elif spec["what"] == "fp":  # what the engine's fingerprint costs, step by step, first time
     marks = [("start", time.perf_counter())]
     def mark(name): marks.append((name, time.perf_counter()))
@@ -328,6 +364,26 @@ def step_warm(model: Path, device: str, tmp: Path) -> None:
     table(f"warm first load (by threads {', '.join(f'{k}T {v:.1f}' for k, v in warm.items())})",
           [("warm load GB/s", f"{best:.1f}", f"safetensors warm {st_warm:.2f}",
             f"{best / st_warm:.1f}x", ">= 40 GB/s and >= 5x")])
+
+
+def step_loadparts(model: Path, device: str, tmp: Path) -> None:
+    """A TP 1 first load in fresh processes, taken apart: where the time outside reading goes."""
+    spec = {"device": device, "model": str(model), "what": "loadparts"}
+    runs = [child({**spec, "sync": sync}) for _ in range(3) for sync in (False, True)]
+    for r, sync in zip(runs, [False, True] * 3, strict=True):
+        r["sync"] = sync
+    RESULTS["loadparts"] = runs
+    print("\n## TP 1 first load taken apart, in-process, page cache warm (ms, median 3; "
+          "alternated: the staging pool freed on a thread, or before fill returns)")
+    for sync in (False, True):
+        mine = [r for r in runs if bool(r.get("sync")) == sync] or runs
+        med = {k: statistics.median(r["ms"].get(k, 0.0) for r in mine) for k in mine[0]["ms"]}
+        gb = mine[0]["bytes"] / 1e9
+        print(f"  {'freed before fill returns' if sync else 'freed on a thread'}: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
+              + f"; whole load {gb / med['total'] * 1e3:.1f} GB/s ({gb:.1f} GB, "
+              f"{mine[0]['buffers']} pinned buffers, their allocation "
+              f"{statistics.median(r['pinned_ms'] for r in mine):.0f} ms summed over threads)")
 
 
 def step_handoff(model: Path, device: str, tmp: Path) -> None:
@@ -736,6 +792,7 @@ def main() -> None:
     ARGS = args = ap.parse_args()
     print(f"# {' '.join(sys.argv)}\n# {time.strftime('%Y-%m-%d %H:%M:%S')}")
     steps = {"first": step_first, "warm": step_warm, "handoff": step_handoff,
+             "loadparts": step_loadparts,
              "pidns": step_pidns, "layouts": step_layouts, "sweep": step_sweep}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.steps.split(","):

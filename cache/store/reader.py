@@ -146,8 +146,19 @@ def _fill_staged(specs: list[SliceSpec], records: dict[str, Any], slabs: list[Sl
             for _ in pool.map(one, work):
                 pass
         mover.finish()
-    finally:
+    except BaseException:
         mover.close()
+        raise
+    release_later(mover)
+
+
+def release_later(mover: _CudaMover | _HostMover) -> None:
+    """Free a finished load's staging pool on a thread of its own: unpinning host memory
+    costs about what pinning it did, and every byte is in the slabs already."""
+    if isinstance(mover, _HostMover):
+        mover.close()
+        return
+    threading.Thread(target=mover.close, name="vlaunch-unpin", daemon=True).start()
 
 
 def _fill_registered(specs: list[SliceSpec], records: dict[str, Any], slabs: list[torch.Tensor],

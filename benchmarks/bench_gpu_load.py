@@ -386,6 +386,28 @@ def step_loadparts(model: Path, device: str, tmp: Path) -> None:
               f"{statistics.median(r['pinned_ms'] for r in mine):.0f} ms summed over threads)")
 
 
+def _print_handoff_parts(parts: list[dict[str, Any]], race: list[dict[str, Any]],
+                         fps: list[dict[str, Any]]) -> None:
+    """Copy mode taken apart, its allocation against the import, the fingerprint's steps."""
+    print(f"copy mode taken apart (fresh process, after a share load; {parts[0]['slabs']} slab(s), "
+          "ms, median 3: CPU launch / GPU events / wall):")
+    for key in ("alloc", "first_copy_from_slabs", "second_copy_from_slabs", "copy_between_own"):
+        cells = [statistics.median(p[key][k] for p in parts)
+                 for k in ("launch_ms", "gpu_ms", "wall_ms")]
+        print(f"  {key}: " + " / ".join(f"{c:.2f}" for c in cells))
+    print("copy mode's destination against the slab import (fresh process, slab backend made "
+          "first; ms, median 3: both steps / the copy after them):")
+    for v in RACE:
+        runs = [r for r in race if r["variant"] == v]
+        copy_ms = [r["copy_ms"] for r in runs if "copy_ms" in r]
+        print(f"  {v}: {statistics.median(r['ms'] for r in runs):.2f}"
+              + (f" / {statistics.median(copy_ms):.2f}" if copy_ms else ""))
+    print("the engine's fingerprint, first time in a fresh process (ms, median 3): " + ", ".join(
+        f"{k} {statistics.median(f['ms'][k] for f in fps):.2f}" for k in fps[0]["ms"]))
+    print("  the slab backend's creation, profiled once (tottime, function):\n    "
+          + "\n    ".join(fps[0]["backend_profile"]))
+
+
 def step_handoff(model: Path, device: str, tmp: Path) -> None:
     """Import + share load as an engine pays them, copy against D2D, memory accounting."""
     proc, _, load = start_cache(model, tmp / "h", device, 16)
@@ -393,9 +415,11 @@ def step_handoff(model: Path, device: str, tmp: Path) -> None:
         spec = {"device": device, "model": str(model), "sock": str(tmp / "h")}
         share = [child({**spec, "what": "share"}) for _ in range(5)]
         copy = [child({**spec, "what": "copy"}) for _ in range(3)]
-        parts = [child({**spec, "what": "parts"}) for _ in range(3)]
-        race = [child({**spec, "what": "race", "variant": v}) for _ in range(3) for v in RACE]
-        fps = [child({**spec, "what": "fp"}) for _ in range(3)]
+        detail = os.environ.get("HANDOFF_PARTS", "1") != "0"
+        parts = [child({**spec, "what": "parts"}) for _ in range(3 if detail else 0)]
+        race = [child({**spec, "what": "race", "variant": v})
+                for _ in range(3 if detail else 0) for v in RACE]
+        fps = [child({**spec, "what": "fp"}) for _ in range(3 if detail else 0)]
     finally:
         stop(proc)
     d2d = child({"device": device, "what": "d2d"})
@@ -428,26 +452,9 @@ def step_handoff(model: Path, device: str, tmp: Path) -> None:
         steps = runs[len(runs) // 2].get("steps_ms", {})
         print(f"{label} load() steps, ms after load() was called (one run): "
               + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()))
-    RESULTS["handoff"]["parts"] = parts
-    print(f"copy mode taken apart (fresh process, after a share load; {parts[0]['slabs']} slab(s), "
-          "ms, median 3: CPU launch / GPU events / wall):")
-    for key in ("alloc", "first_copy_from_slabs", "second_copy_from_slabs", "copy_between_own"):
-        cells = [statistics.median(p[key][k] for p in parts)
-                 for k in ("launch_ms", "gpu_ms", "wall_ms")]
-        print(f"  {key}: " + " / ".join(f"{c:.2f}" for c in cells))
-    RESULTS["handoff"]["race"] = race
-    print("copy mode's destination against the slab import (fresh process, slab backend made "
-          "first; ms, median 3: both steps / the copy after them):")
-    for v in RACE:
-        runs = [r for r in race if r["variant"] == v]
-        copy_ms = [r["copy_ms"] for r in runs if "copy_ms" in r]
-        print(f"  {v}: {statistics.median(r['ms'] for r in runs):.2f}"
-              + (f" / {statistics.median(copy_ms):.2f}" if copy_ms else ""))
-    RESULTS["handoff"]["fingerprint"] = fps
-    print("the engine's fingerprint, first time in a fresh process (ms, median 3): " + ", ".join(
-        f"{k} {statistics.median(f['ms'][k] for f in fps):.2f}" for k in fps[0]["ms"]))
-    print("  the slab backend's creation, profiled once (tottime, function):\n    "
-          + "\n    ".join(fps[0]["backend_profile"]))
+    RESULTS["handoff"].update(parts=parts, race=race, fingerprint=fps)
+    if parts:
+        _print_handoff_parts(parts, race, fps)
     print("memory accounting around one share handoff (engine process):")
     print(f"  mem_get_info free: {s0['free_before'] / 2**30:.2f} GiB -> "
           f"{s0['free_after'] / 2**30:.2f} GiB (the cache's slab is already counted as used)")

@@ -11,7 +11,9 @@
 #   layouts  first load per rank, warm: TP 1, TP 2, TP 4 (two ranks a GPU) and PP 2
 #   cold     (not by default) the same from an evicted page cache, against O_DIRECT reads
 #   sweep    warm reader by threads and chunk against pinned H2D, plain reads and safetensors
+#   loadparts (not by default) a TP 1 first load taken apart in fresh processes
 #   handoff  import vlaunch.cache + share load() in fresh processes; copy against D2D
+#            (HANDOFF_PARTS=0: without copy mode taken apart, the race and the fingerprint)
 #   tests    pytest -m gpu (slab backend, cache end to end, reader parity)
 #   imports  what the reference engine imports after torch (the restart floor's make-up)
 #   restart  engine SIGKILL -> weights ready again, against bare torch + CUDA (if time is left)
@@ -102,6 +104,7 @@ want() { [[ $STAGES == *" $1 "* ]]; }
 want layouts && stage layouts 200 "${LOAD[@]}" --steps layouts --layouts "$LAYOUTS" --json "$OUT/layouts.json"
 want cold && stage cold 200 "${LOAD[@]}" --steps layouts --cold --layouts "${COLD_LAYOUTS:-tp1,tp2,pp2}" --json "$OUT/cold.json"
 want sweep && stage sweep 120 "${LOAD[@]}" --steps sweep --json "$OUT/sweep.json"
+want loadparts && stage loadparts 120 "${LOAD[@]}" --steps loadparts --json "$OUT/loadparts.json"
 want handoff && stage handoff 240 "${LOAD[@]}" --steps handoff --json "$OUT/handoff.json"
 want tests && stage tests 180 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 150 \
     tests/test_slabs_cuda.py tests/test_gpu_cache.py tests/test_reader.py
@@ -112,7 +115,7 @@ want restart && stage restart 120 "$PY" benchmarks/bench_gpu_restart.py --model 
     echo
     echo "# vlaunch GPU session $(date -u +%Y-%m-%dT%H:%M:%SZ), $(($(date +%s) - T0))s in all"
     cat "$OUT/summary.txt"
-    for name in layouts cold sweep handoff imports restart; do
+    for name in layouts cold sweep loadparts handoff imports restart; do
         [ -f "$LOGS/$name.log" ] && sed -n '/^## /,$p' "$LOGS/$name.log"
     done
     [ -f "$LOGS/smoke.log" ] && grep -E "^(PASS|FAIL)" "$LOGS/smoke.log" | cut -c1-110

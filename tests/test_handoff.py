@@ -123,21 +123,33 @@ def test_an_open_reply_that_disagrees_with_the_manifest_is_refused(
     assert open_fds() <= before  # the slab fd it was sent is closed, nothing is mapped
 
 
+@pytest.mark.parametrize("opened", [
+    ({"ok": False, "error": "released", "message": "gone"}, False),
+    ({"ok": True, "slabs": 1}, True),  # a cache of an older version: no sizes
+])
+@pytest.mark.parametrize("mode", ["share", "copy"])
 def test_a_mismatch_is_reported_before_a_broken_open_reply(
-        cache: Callable[[Answer], Path]) -> None:
-    """The hello's answer comes first: an engine of another checkpoint is told so, not that
-    the cache is broken."""
+        cache: Callable[[Answer], Path], opened: tuple[dict[str, Any], bool], mode: str) -> None:
+    """The hello's answer comes first: an engine of another checkpoint or vlaunch version is
+    told so, not that the cache is broken."""
+    reply, with_fd = opened
+
     def answer(req: dict[str, Any], slab_fd: int) -> tuple[dict[str, Any], list[int]]:
         if req["op"] == "open":
-            return {"ok": False, "error": "released", "message": "gone"}, []
+            return reply, [slab_fd] if with_fd else []
         if req["op"] == "hello":
             return {"ok": False, "error": "mismatch", "message": "fingerprint mismatch",
-                    "mismatch": [["checkpoint", "a", "b"]]}, []
+                    "mismatch": [["vlaunch", "0.0.9", "0.1.0"]]}, []
         return honest(req, slab_fd)
 
+    before = open_fds()
     client = CacheClient(cache(answer))
     try:
-        with pytest.raises(FingerprintMismatchError, match="checkpoint"):
-            client.handoff(lambda: {"checkpoint": "b"}, mode="copy", device="cpu")
+        with pytest.raises(FingerprintMismatchError, match="vlaunch"):
+            client.handoff(lambda: {"vlaunch": "0.1.0"}, mode=mode, device="cpu")
     finally:
         client.close()
+    for thread in threading.enumerate():
+        if thread.name == "fake-cache":
+            thread.join(5)
+    assert open_fds() <= before

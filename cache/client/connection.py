@@ -186,17 +186,19 @@ class CacheClient:
                 orep, ofds = self._recv()
                 owed -= 1
                 sizes: tuple[int, ...] = ()
+                bad_open: CacheBrokenError | None = None
                 if orep.get("ok") is True:
                     try:
                         sizes = _slab_sizes(orep.get("sizes"))
-                    except BaseException:
-                        _close(ofds)
-                        raise
+                    except CacheBrokenError as exc:  # e.g. a cache of another version
+                        bad_open = exc
+                if orep.get("ok") is not True or bad_open:
+                    _close(ofds)
                 TRACE["replies"] = time.perf_counter()
                 mapped: list[torch.Tensor] = []
                 copies: list[torch.Tensor] = []
                 try:
-                    if orep.get("ok") is True:
+                    if orep.get("ok") is True and not bad_open:
                         # the copies start as each slab is mapped
                         mapped.extend(import_slabs(ofds, sizes, device,
                                                    copies if mode != "share" else None))
@@ -206,15 +208,16 @@ class CacheClient:
                     if not hello_sent:
                         self._send(self._hello(fingerprint()))
                         owed, hello_sent = owed + 1, True
-                    if mrep.get("ok") is not True or orep.get("ok") is not True or mfds:
+                    if mrep.get("ok") is not True or orep.get("ok") is not True or mfds or \
+                            bad_open:
                         _close(mfds)
-                        if orep.get("ok") is not True:
-                            _close(ofds)
                         reply = self._recv()
                         owed -= 1
                         self._checked(*reply)  # the hello's error comes first
                         self._checked(orep, [])
                         self._checked(mrep, [])
+                        if bad_open:
+                            raise bad_open
                         raise CacheBrokenError(f"cache at {self.path} sent fds with its "
                                                "manifest")
                     manifest = Manifest.from_wire(mrep["manifest"])

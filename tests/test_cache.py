@@ -407,3 +407,41 @@ def test_a_cpu_rank_serves_its_shard_without_loading_torch(llama_ckpt: Path, tmp
         if cache.proc.poll() is None:
             maps = Path(f"/proc/{cache.proc.pid}/maps").read_text()
             assert "libtorch" not in maps and "libc10" not in maps, (start, cache.proc.args)
+
+
+@pytest.mark.parametrize("engine_froze", [False, True])
+def test_a_share_load_leaves_no_collection_due_and_an_engines_frozen_objects_frozen(
+        llama_ckpt: Path, one_cache, engine_froze: bool) -> None:
+    """load() ages the young objects into the oldest GC generation instead of leaving a
+    collection due the moment it re-enables the collector; objects an engine froze itself
+    stay frozen, and the collector is on again afterwards."""
+    collections: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    gc.collect()
+    marker = [object()]  # a young object of the engine's (frozen, where the engine froze)
+    if engine_froze:
+        gc.freeze()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(50, 10, 10)  # this small shard's handoff makes more objects than that
+    gc.callbacks.append(count)
+    try:
+        weights = load(str(llama_ckpt), socket_dir=str(one_cache.socket_dir), fallback=False,
+                       device="cpu", plan="llama")
+        after = gc.get_count()
+        oldest = any(o is marker for o in gc.get_objects(generation=2))
+        tracked = any(o is marker for o in gc.get_objects())  # frozen ones are not listed
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*thresholds)
+        if engine_froze:
+            gc.unfreeze()
+    assert weights.source == "cache" and gc.isenabled()
+    if engine_froze:
+        assert not tracked  # still frozen
+    else:
+        assert collections == [] and after[0] < 50 and oldest
+    weights.client.close()

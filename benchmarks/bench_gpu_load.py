@@ -122,6 +122,7 @@ elif spec["what"] == "loadparts":  # a TP 1 first load in-process, taken apart (
     out.update(ms=ms, bytes=man.nbytes, buffers=reader.STAGING.get("buffers"),
                pinned_ms=reader.STAGING.get("pinned_s", 0.0) * 1e3)
 elif spec["what"] == "fp":  # what the engine's fingerprint costs, step by step, first time
+    import cProfile, io, pstats
     marks = [("start", time.perf_counter())]
     def mark(name): marks.append((name, time.perf_counter()))
     from vlaunch.cache.client import weights as W
@@ -130,12 +131,11 @@ elif spec["what"] == "fp":  # what the engine's fingerprint costs, step by step,
     from vlaunch.cache.store.ranks import Layout
     mark("imports")
     cudadrv._load(); mark("libcuda")
-    import cProfile, io, pstats
     prof = cProfile.Profile(); prof.enable(); be = W.backend_for(dev); prof.disable()
     mark("backend")
-    text = io.StringIO(); pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(6)
+    text = io.StringIO(); pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(10)
     out["backend_profile"] = [line.strip() for line in text.getvalue().splitlines()
-                              if line.strip()[:1].isdigit()][:6]
+                              if line.strip()[:1].isdigit()][:10]
     be.device_info(); mark("device_info")
     sock = socket_path(spec["sock"], 0)
     identity.identities(spec["model"], identity.memo_path(sock)); mark("identities")

@@ -74,7 +74,6 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
     "cuDriverGetVersion": (POINTER(c_int),),
     "cuGetErrorName": (c_int, POINTER(c_char_p)),
     "cuDeviceGet": (POINTER(c_int), c_int),
-    "cuDeviceGetCount": (POINTER(c_int),),
     "cuDeviceGetAttribute": (POINTER(c_int), c_int, c_int),
     "cuDeviceGetUuid_v2": (POINTER(ctypes.c_char * 16), c_int),
     "cuDevicePrimaryCtxRetain": (POINTER(c_void_p), c_int),

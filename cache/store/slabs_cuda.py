@@ -169,10 +169,7 @@ class CudaBackend:
     def __init__(self, index: int) -> None:
         import torch
 
-        # The driver's count, the same devices torch sees (CUDA_VISIBLE_DEVICES applied):
-        # torch.cuda.device_count()'s first call in a process initialises NVML, about 1 ms of
-        # an engine's first handoff on an H200 host.
-        count = int(cu.out("cuDeviceGetCount", c_int)) if torch.cuda.is_available() else 0
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if not 0 <= index < count:
             raise DeviceError(
                 f"no CUDA device {index}: torch sees {count} device(s); check nvidia-smi, "

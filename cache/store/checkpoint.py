@@ -173,7 +173,7 @@ def _index_files(index_file: Path, weight_map: dict[str, str]) -> tuple[Path, ..
             tensor = next(t for t, f in weight_map.items() if f == file)
             raise CheckpointError(index_file, f"weight_map names {file}, which does not exist "
                                   "(an incomplete download?)", tensor=tensor)
-    return tuple(sorted({root / f for f in weight_map.values()}))
+    return tuple(sorted({root / f for f in set(weight_map.values())}))
 
 
 def _parse_index(index_file: Path, data: bytes) -> dict[str, str]:
@@ -185,26 +185,31 @@ def _parse_index(index_file: Path, data: bytes) -> dict[str, str]:
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(index_file, "index has no weight_map object")
+    checked: set[str] = set()  # a few files for hundreds of tensors: each path parsed once
     for tensor, file in weight_map.items():
+        if type(file) is str and file in checked:
+            continue
         if not isinstance(file, str) or not file.endswith(".safetensors"):
             raise CheckpointError(index_file, f"weight_map value {file!r} is not a .safetensors "
                                   "file name", tensor=tensor)
         if Path(file).is_absolute() or ".." in Path(file).parts:
             raise CheckpointError(index_file, f"weight_map value {file!r} points outside the "
                                   "model directory", tensor=tensor)
+        checked.add(file)
     return weight_map
 
 
 def _check_index(index_file: Path, weight_map: dict[str, str],
                  tensors: dict[str, TensorEntry]) -> None:
     """Check that every tensor of the weight map lies in the file the map names."""
+    root = index_file.parent
+    paths = {file: root / file for file in set(weight_map.values())}
     for tensor, file in weight_map.items():
         entry = tensors.get(tensor)
         if entry is None:
             raise CheckpointError(index_file, f"weight_map puts the tensor in {file}, but no "
                                   "file holds it", tensor=tensor)
-        root = index_file.parent
-        if entry.file != root / file:
+        if entry.file != paths[file]:
             raise CheckpointError(index_file, f"weight_map puts the tensor in {file}, but it is "
                                   f"in {entry.file.relative_to(root).as_posix()}", tensor=tensor)
 

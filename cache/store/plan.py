@@ -219,14 +219,14 @@ class ShardPlan:
     def blocks(self, name: str) -> int:
         """How many equal blocks (fused gate|up) tensor `name`'s split dim holds; 1 if not fused."""
         for pattern, blocks in self.fused:
-            if re.search(pattern, name):
+            if pattern.search(name):  # compiled in __post_init__
                 return blocks
         return 1
 
     def split_dim(self, name: str) -> int | None:
         """Return the dimension to split tensor `name` along, or None to replicate it."""
         for pattern, dim in self.rules:
-            if re.search(pattern, name):
+            if pattern.search(name):
                 return dim
         return None
 

@@ -33,14 +33,25 @@ def shard_300mb(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+# The threads case: glibc gives each reader thread a stack of RLIMIT_STACK and, when threads
+# contend, a 64 MiB malloc arena, but how many arenas appear depends on the scheduling (under
+# load the rank sometimes fitted in 1.1 GB and served). One arena (MALLOC_ARENA_MAX=1) and
+# 64 MiB stacks make the stacks what runs out: a rank that peaks at ~0.8 GB with one reader
+# thread needs ~1.5 GB with twelve.
+THREADS_CASE = {resource.RLIMIT_STACK: 64 << 20}
+
+
 @pytest.mark.parametrize(("limit", "cause"), [(250_000_000, "Cannot allocate memory"),
                                               (400_000_000, "failed to map segment"),
                                               (1_100_000_000, "can't start new thread")],
                          ids=["slab", "libraries", "threads"])
 def test_a_rank_out_of_memory_exits_84_naming_the_fix(shard_300mb: Path, sockdir: Path,
                                                      limit: int, cause: str) -> None:
-    rank = start_rank(shard_300mb, sockdir, limits={resource.RLIMIT_AS: limit}, wait=False,
-                      env={"OMP_NUM_THREADS": "1"})
+    threads = "thread" in cause
+    rank = start_rank(shard_300mb, sockdir, "--threads", "12",
+                      limits={resource.RLIMIT_AS: limit, **(THREADS_CASE if threads else {})},
+                      wait=False, env={"OMP_NUM_THREADS": "1",
+                                       **({"MALLOC_ARENA_MAX": "1"} if threads else {})})
     assert rank.proc.wait(timeout=120) == ExitStatus.OUT_OF_MEMORY
     log = rank.log.read_text() if rank.log else ""
     assert "out of memory:" in log and "raise the memory limit" in log, log[-2000:]

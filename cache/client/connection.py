@@ -89,8 +89,7 @@ class CacheClient:
             while self._unread:
                 reply, fds = wire.recv_frame(self._sock)
                 self._unread -= 1
-                for fd in fds:
-                    os.close(fd)
+                wire.close_fds(fds)
                 if reply.get("ok") is not True:
                     log.warning("the vlaunch cache at %s refused a notification: %s: %s",
                                 self.path, reply.get("error"), reply.get("message"))
@@ -120,8 +119,7 @@ class CacheClient:
         """The reply if it is ok; else its fds are closed and its error raised."""
         if reply.get("ok") is True:
             return reply, fds
-        for fd in fds:
-            os.close(fd)
+        wire.close_fds(fds)
         if reply.get("error") == "busy":  # at its connection bound: like no cache at all
             raise CacheUnavailableError(f"cache at {self.path}: {reply.get('message')}")
         if reply.get("error") == "mismatch":
@@ -193,7 +191,7 @@ class CacheClient:
                     except CacheBrokenError as exc:  # e.g. a cache of another version
                         bad_open = exc
                 if orep.get("ok") is not True or bad_open:
-                    _close(ofds)
+                    wire.close_fds(ofds)
                 TRACE["replies"] = time.perf_counter()
                 mapped: list[torch.Tensor] = []
                 copies: list[torch.Tensor] = []
@@ -210,7 +208,7 @@ class CacheClient:
                         owed, hello_sent = owed + 1, True
                     if mrep.get("ok") is not True or orep.get("ok") is not True or mfds or \
                             bad_open:
-                        _close(mfds)
+                        wire.close_fds(mfds)
                         reply = self._recv()
                         owed -= 1
                         self._checked(*reply)  # the hello's error comes first
@@ -468,11 +466,6 @@ def _slab_sizes(sizes: Any) -> tuple[int, ...]:
         raise CacheBrokenError(f"invalid open reply from cache: {exc}") from exc
 
 
-def _close(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)
-
-
 def import_slabs(fds: list[int], sizes: tuple[int, ...], device: str,
                  copies: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Map each slab fd read-only; closes every fd. With `copies`, also copy each slab into
@@ -497,8 +490,7 @@ def import_slabs(fds: list[int], sizes: tuple[int, ...], device: str,
                 destination.copy_(slab, non_blocking=True)
         return mapped
     finally:
-        for fd in fds:
-            os.close(fd)
+        wire.close_fds(fds)
 
 
 def _connect(path: Path, timeout: float, io_timeout: float = IO_TIMEOUT) -> socket.socket:

@@ -37,10 +37,10 @@ def recv_frame(sock: socket.socket, *, max_body: int = protocol.MAX_BODY,
                                            socket.MSG_CMSG_CLOEXEC)
         fds.extend(_fds_from(anc))
         if flags & socket.MSG_CTRUNC:
-            _close(fds)
+            close_fds(fds)
             raise ProtocolError("too many file descriptors in one frame")
         if not data:
-            _close(fds)
+            close_fds(fds)
             raise EOFError("connection closed")
         head += data
     try:
@@ -49,7 +49,7 @@ def recv_frame(sock: socket.socket, *, max_body: int = protocol.MAX_BODY,
             raise ProtocolError(f"frame announces {header.nfds} fds but carries {len(fds)}")
         return protocol.decode_body(_recv_exact(sock, header.length)), fds
     except BaseException:
-        _close(fds)
+        close_fds(fds)
         raise
 
 
@@ -75,7 +75,8 @@ def _fds_from(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
     return fds
 
 
-def _close(fds: list[int]) -> None:
+def close_fds(fds: list[int]) -> None:
+    """Close every fd of a frame that is not kept (an error reply's, a refused frame's)."""
     for fd in fds:
         os.close(fd)
 

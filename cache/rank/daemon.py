@@ -54,7 +54,6 @@ class CacheServer:
                  raw_released: bool = False) -> None:
         self.rank, self.fingerprint, self.manifest = rank, fingerprint, manifest
         self._manifest_frame: bytes | None = None
-        self._sizes = list(manifest.slab_sizes)  # the open reply's: the client maps by them
         self.fds, self.device = fds, device
         self.allowed_uids = allowed_uids
         self.artifacts = artifacts if artifacts is not None else ArtifactStore()
@@ -180,7 +179,8 @@ class CacheServer:
         """open: send the slab fds (SCM_RIGHTS) and their sizes, which the client maps them at
         before it has read the manifest."""
         lease.mode = f["mode"]
-        return {"ok": True, "slabs": len(self.fds), "sizes": self._sizes}, list(self.fds)
+        sizes = list(self.manifest.slab_sizes)
+        return {"ok": True, "slabs": len(self.fds), "sizes": sizes}, list(self.fds)
 
     def handle_mapped(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """mapped: the client reports what it holds."""

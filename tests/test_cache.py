@@ -312,6 +312,22 @@ def test_second_cache_for_the_same_rank_is_refused(llama_ckpt: Path, one_cache) 
     assert "holds" in again.proc.stderr.read().decode()  # type: ignore[union-attr]
 
 
+def test_a_cpu_rank_sends_its_own_slabs_to_copy_and_refuses_copied(one_cache) -> None:
+    """Only a GPU rank makes an engine's copy (rank/copies.py): a CPU rank's open reply in a
+    copy mode carries its own slabs and no "copying", and `copied` out of turn is refused
+    without costing the connection."""
+    client = CacheClient(socket_path(one_cache.socket_dir, 0))
+    try:
+        reply, fds = client.request({"op": "open", "mode": "copy"})
+        wire.close_fds(fds)
+        assert "copying" not in reply and len(fds) == reply["slabs"] >= 1
+        with pytest.raises(CacheBrokenError, match="copied follows an open"):
+            client.request({"op": "copied"})
+        assert client.status()["rank"] == 0
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("bad", ["symlink", "mode", "missing_model"])
 def test_unsafe_socket_dirs_and_missing_models(tmp_path: Path, llama_ckpt: Path,
                                                bad: str) -> None:

@@ -77,7 +77,16 @@ def cache(tmp_path: Path) -> Iterator[Callable[[Answer], Path]]:
 
 
 def open_fds() -> set[int]:
-    return set(int(fd) for fd in os.listdir("/proc/self/fd"))
+    """This process's open fds, less pipes (the lease watcher's wake pipe, opened by the
+    process's first share handoff, is not a leak)."""
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:"):
+                fds.add(int(fd))
+        except FileNotFoundError:  # the listing's own fd
+            pass
+    return fds
 
 
 @pytest.mark.parametrize("mode", ["share", "copy"])
@@ -153,3 +162,74 @@ def test_a_mismatch_is_reported_before_a_broken_open_reply(
         if thread.name == "fake-cache":
             thread.join(5)
     assert open_fds() <= before
+
+
+@pytest.mark.parametrize("mode", ["copy", "copy-release"])
+@pytest.mark.parametrize("via", ["handoff", "map"])
+def test_a_copy_the_cache_makes_is_waited_for_and_becomes_the_engines(
+        cache: Callable[[Answer], Path], mode: str, via: str) -> None:
+    """A GPU rank copies for the copy modes (rank/copies.py): its open reply sends a fresh
+    allocation, still being written, with "copying"; the engine maps it read-write as its own
+    memory and returns nothing before the cache has answered `copied`. Here the cache writes
+    the bytes only when `copied` arrives, so an engine that did not wait would see zeros."""
+    copy_fd = os.memfd_create("test-copy")
+    os.ftruncate(copy_fd, SLAB)
+    seen: list[str] = []
+
+    def answer(req: dict[str, Any], slab_fd: int) -> tuple[dict[str, Any], list[int]]:
+        seen.append(req["op"])
+        if req["op"] == "open":
+            return {"ok": True, "slabs": 1, "sizes": [SLAB], "copying": True}, [copy_fd]
+        if req["op"] == "copied":
+            os.pwrite(copy_fd, b"\x01" * SLAB, 0)
+        return honest(req, slab_fd)
+
+    client = CacheClient(cache(answer))
+    try:
+        if via == "handoff":
+            tensors = client.handoff(lambda: FINGERPRINT, mode=mode, device="cpu")
+            # the hello goes out once the manifest arrived (the copy modes): after `copied`
+            assert seen[:4] == ["open", "manifest", "copied", "hello"]
+        else:
+            tensors = client.map(client.manifest(), mode=mode, device="cpu")
+            assert seen[:3] == ["manifest", "open", "copied"]
+        w = tensors["w"].view(-1).view(dtype=__import__("torch").uint8)
+        assert bool((w == 1).all())
+        w[:4] = 7  # the engine's own memory: the very pages the cache made, no second copy
+        assert os.pread(copy_fd, 4, 0) == b"\x07" * 4
+    finally:
+        client.close()
+        os.close(copy_fd)
+
+
+@pytest.mark.parametrize("wrong", ["copied", "hello"])
+def test_a_copy_that_failed_or_does_not_match_returns_nothing(
+        cache: Callable[[Answer], Path], wrong: str) -> None:
+    copy_fd = os.memfd_create("test-copy")
+    os.ftruncate(copy_fd, SLAB)
+
+    def answer(req: dict[str, Any], slab_fd: int) -> tuple[dict[str, Any], list[int]]:
+        if req["op"] == "open":
+            return {"ok": True, "slabs": 1, "sizes": [SLAB], "copying": True}, [copy_fd]
+        if req["op"] == wrong == "copied":
+            return {"ok": False, "error": "internal", "message": "the copy failed"}, []
+        if req["op"] == wrong == "hello":
+            return {"ok": False, "error": "mismatch", "message": "fingerprint mismatch",
+                    "mismatch": [["checkpoint", "b", "a"]]}, []
+        return honest(req, slab_fd)
+
+    before = open_fds()
+    client = CacheClient(cache(answer))
+    try:
+        error = CacheBrokenError if wrong == "copied" else FingerprintMismatchError
+        with pytest.raises(error, match="the copy failed" if wrong == "copied" else "checkpoint"):
+            client.handoff(lambda: FINGERPRINT, mode="copy", device="cpu")
+    finally:
+        client.close()
+    for thread in threading.enumerate():
+        if thread.name == "fake-cache":
+            thread.join(5)
+    os.close(copy_fd)
+    assert open_fds() <= before  # the copy's fd is closed and its mapping is gone
+    with open("/proc/self/maps") as maps:
+        assert "memfd:test-copy" not in maps.read()

@@ -20,7 +20,7 @@ from .conftest import spawn_cache
 
 REQUESTS = [{"op": "hello", "fingerprint": {"a": "b"}, "client": "x", "pid": 3},
             {"op": "manifest"}, {"op": "open", "mode": "share"}, {"op": "status"},
-            {"op": "mapped", "mode": "copy", "bytes": 5}, {"op": "memory"}]
+            {"op": "mapped", "mode": "copy", "bytes": 5}, {"op": "memory"}, {"op": "copied"}]
 
 
 def test_encode_decode_round_trip() -> None:

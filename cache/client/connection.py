@@ -144,11 +144,14 @@ class CacheClient:
             layout: str = "") -> dict[str, torch.Tensor]:
         """Map the slabs (share) or copy them into our own memory (copy, copy-release);
         `layout`: an engine layout's key (docs/engine-layout.md), else the raw layout."""
-        _, fds = self.request({"op": "open", "mode": mode, **({"layout": layout} if layout
-                                                              else {})})
-        copies: list[torch.Tensor] | None = [] if mode != "share" else None
-        slabs = import_slabs(fds, manifest.slab_sizes, device, copies)
-        if copies is not None:
+        reply, fds = self.request({"op": "open", "mode": mode,
+                                   **({"layout": layout} if layout else {})})
+        copying = _copying(reply, mode)
+        copies: list[torch.Tensor] | None = [] if mode != "share" and not copying else None
+        slabs = import_slabs(fds, manifest.slab_sizes, device, copies, readonly=not copying)
+        if copying:
+            self.request({"op": "copied"})  # the cache's copy into them is done
+        elif copies is not None:
             release_after_copies(slabs, device)
             slabs = copies  # one device copy per slab
         tensors = views(manifest, slabs)
@@ -192,14 +195,19 @@ class CacheClient:
                         bad_open = exc
                 if orep.get("ok") is not True or bad_open:
                     wire.close_fds(ofds)
+                copying = _copying(orep, mode) and not bad_open
+                if copying:  # the cache is copying into the slabs it sent: ask when it is done
+                    self._send({"op": "copied"})
+                    owed += 1
                 TRACE["replies"] = time.perf_counter()
                 mapped: list[torch.Tensor] = []
                 copies: list[torch.Tensor] = []
+                own = mode != "share" and not copying  # we copy the slabs into memory we own
                 try:
                     if orep.get("ok") is True and not bad_open:
-                        # the copies start as each slab is mapped
-                        mapped.extend(import_slabs(ofds, sizes, device,
-                                                   copies if mode != "share" else None))
+                        # our copies start as each slab is mapped
+                        mapped.extend(import_slabs(ofds, sizes, device, copies if own else None,
+                                                   readonly=not copying))
                     TRACE["imported"] = time.perf_counter()
                     mrep, mfds = self._recv()
                     owed -= 1
@@ -209,6 +217,9 @@ class CacheClient:
                     if mrep.get("ok") is not True or orep.get("ok") is not True or mfds or \
                             bad_open:
                         wire.close_fds(mfds)
+                        if copying:
+                            self._recv()
+                            owed -= 1
                         reply = self._recv()
                         owed -= 1
                         self._checked(*reply)  # the hello's error comes first
@@ -223,11 +234,15 @@ class CacheClient:
                         raise CacheBrokenError(
                             f"cache at {self.path} sent slabs of {list(sizes)[:8]} bytes for a "
                             f"manifest of {list(manifest.slab_sizes)[:8]}")
+                    copied = self._recv() if copying else None
+                    owed -= 1 if copying else 0
                     reply = self._recv()
                     owed -= 1
-                    self._checked(*reply)
+                    self._checked(*reply)  # the hello's error comes first
+                    if copied is not None:
+                        self._checked(*copied)  # the cache's copy into our slabs is done
                     TRACE["hello"] = time.perf_counter()
-                    tensors = views(manifest, copies if mode != "share" else mapped)
+                    tensors = views(manifest, copies if own else mapped)
                 except BaseException:
                     copies.clear()
                     mapped.clear()
@@ -237,10 +252,10 @@ class CacheClient:
                 raise
             held = list(mapped) if mode == "share" else []
             TRACE["copied"] = time.perf_counter()
-            if mode == "share":
-                mapped.clear()
-            else:
+            if own:
                 release_after_copies(mapped, device)
+            else:  # our views hold the mappings: the cache's slabs, or our copy of them
+                mapped.clear()
             self._mapped(manifest, mode, held)
             TRACE["done"] = time.perf_counter()
         return tensors
@@ -466,11 +481,19 @@ def _slab_sizes(sizes: Any) -> tuple[int, ...]:
         raise CacheBrokenError(f"invalid open reply from cache: {exc}") from exc
 
 
+def _copying(reply: dict[str, Any], mode: str) -> bool:
+    """Whether an open reply's fds are of our own copy, which the cache is still making (a GPU
+    rank copies for the copy modes: rank/copies.py); `copied` is then answered when done."""
+    return reply.get("ok") is True and reply.get("copying") is True and mode != "share"
+
+
 def import_slabs(fds: list[int], sizes: tuple[int, ...], device: str,
-                 copies: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """Map each slab fd read-only; closes every fd. With `copies`, also copy each slab into
-    memory of our own (appended to `copies` in order): every slab is mapped first, then each
-    destination allocated, then one copy per slab queued on the current stream.
+                 copies: list[torch.Tensor] | None = None, *,
+                 readonly: bool = True) -> list[torch.Tensor]:
+    """Map each slab fd (read-only unless the slabs are our own copy); closes every fd. With
+    `copies`, also copy each slab into memory of our own (appended to `copies` in order):
+    every slab is mapped first, then each destination allocated, then one copy per slab
+    queued on the current stream.
 
     In that order, not overlapped: on an H200 the import and the allocation of a 16 GiB
     shard took 1.65 ms one after the other and 2.3-2.6 ms on two threads (the driver
@@ -480,7 +503,7 @@ def import_slabs(fds: list[int], sizes: tuple[int, ...], device: str,
         if len(fds) != len(sizes):
             raise CacheBrokenError(f"cache sent {len(fds)} fds for {len(sizes)} slabs")
         backend = backend_for(device)
-        mapped = [backend.import_fd(fd, size, readonly=True)
+        mapped = [backend.import_fd(fd, size, readonly=readonly)
                   for fd, size in zip(fds, sizes, strict=True)]
         if copies is not None:
             import torch

@@ -105,6 +105,7 @@ REQUESTS: dict[str, dict[str, tuple[type, bool]]] = {
               "layout": (_STR, False)},
     "manifest": {"layout": (_STR, False)},
     "open": {"mode": (_STR, True), "layout": (_STR, False)},
+    "copied": {},  # after an open whose reply said "copying": answered once the copy is done
     "mapped": {"bytes": (_INT, True), "mode": (_STR, True)},
     "drop": {},
     "release": {},

@@ -51,7 +51,7 @@ class CacheServer:
                  fds: list[int], device: str, release: Any = None,
                  allowed_uids: frozenset[int] | None = None,
                  artifacts: ArtifactStore | None = None, layouts: LayoutStore | None = None,
-                 raw_released: bool = False) -> None:
+                 raw_released: bool = False, copier: Any = None) -> None:
         self.rank, self.fingerprint, self.manifest = rank, fingerprint, manifest
         self._manifest_frame: bytes | None = None
         self.fds, self.device = fds, device
@@ -65,6 +65,8 @@ class CacheServer:
         # engine-shaped layouts (docs/engine-layout.md) and the raw layout's state
         self.layouts = layouts if layouts is not None else LayoutStore(None, manifest.nbytes)
         self.raw_released = raw_released
+        self.copier = copier  # rank.copies.RankCopier on a GPU: the rank makes engines' copies
+        self._copies: dict[int, Any] = {}  # id(lease) -> its copy in flight (rank.copies.Copy)
         self.escrow: socket.socket | None = None  # the launcher's ready channel, kept open
         self._next = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -137,7 +139,10 @@ class CacheServer:
                 await wire.write_frame(loop, conn, protocol.error("protocol", reason),
                                        timeout=1.0)
         finally:
-            self.leases.pop(cid, None)
+            lease = self.leases.pop(cid, None)
+            copy = self._copies.pop(id(lease), None) if lease else None
+            if copy is not None:  # an engine that left in the middle of its copy-mode handoff
+                copy.close()
             self.connections.remove(cid)
             conn.close()
 
@@ -177,10 +182,31 @@ class CacheServer:
 
     def handle_open(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """open: send the slab fds (SCM_RIGHTS) and their sizes, which the client maps them at
-        before it has read the manifest."""
+        before it has read the manifest. In a copy mode on a GPU, the fds are of the engine's
+        own copy, which the rank has started making ("copying": ask `copied` before use)."""
         lease.mode = f["mode"]
         sizes = list(self.manifest.slab_sizes)
-        return {"ok": True, "slabs": len(self.fds), "sizes": sizes}, list(self.fds)
+        copy = self.copier.start() if self.copier and f["mode"] != "share" else None
+        if copy is None:
+            return {"ok": True, "slabs": len(self.fds), "sizes": sizes}, list(self.fds)
+        old = self._copies.pop(id(lease), None)
+        if old is not None:
+            old.close()
+        self._copies[id(lease)] = copy
+        return {"ok": True, "slabs": len(copy.fds), "sizes": sizes, "copying": True}, copy.fds
+
+    async def handle_copied(self, lease: Lease, f: dict[str, Any]
+                            ) -> tuple[dict[str, Any], list[int]]:
+        """copied: answered once the copy this connection's `open` started is done."""
+        copy = self._copies.pop(id(lease), None)
+        if copy is None:
+            return protocol.error("refused", "copied follows an open whose reply said "
+                                  "copying"), []
+        try:
+            await copy.done()
+        finally:
+            copy.close()
+        return {"ok": True}, []
 
     def handle_mapped(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """mapped: the client reports what it holds."""
@@ -279,13 +305,18 @@ class CacheServer:
         log.info("rank %d: releasing the raw layout (%.2f GB): the engine layout replaces it",
                  self.rank, self.manifest.nbytes / 1e9)
         self.raw_released = True
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []
+        self._close_raw()
         release, self._release = self._release, None
         self._send_escrow({"event": "release", "layout": "raw"}, [])
         if release:
             asyncio.get_running_loop().call_soon(release)  # answer first: freeing takes a while
+
+    def _close_raw(self) -> None:
+        """Close the raw layout's fds and the copier's views of its slabs."""
+        wire.close_fds(self.fds)
+        self.fds = []
+        if self.copier is not None:
+            self.copier.close()
 
     def _send_escrow(self, frame: dict[str, Any], fds: list[int]) -> None:
         """Tell the launcher (if it listens) what to escrow or drop; see docs/engine-layout.md."""
@@ -363,9 +394,7 @@ class CacheServer:
 
     def drop(self, *, later: bool = False) -> None:
         """Close our fds and mappings; memory goes once every client has unmapped."""
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []
+        self._close_raw()
         self.state = "released"
         self._send_escrow(protocol.event("release", layout="raw"), [])  # the launcher's too
         release, self._release = self._release, None

@@ -117,9 +117,14 @@ def _run(opts: RankArgs, rank: int) -> int:
         layouts = LayoutStore(backend, manifest.nbytes)
         for layout in adopted:
             layouts.add(layout)
+        copier = None
+        if backend.name == "cuda" and fds:  # the rank makes copy-mode engines' copies
+            from vlaunch.cache.rank.copies import RankCopier
+
+            copier = RankCopier(backend, fds, manifest.slab_sizes)
         server = CacheServer(rank=rank, fingerprint=fingerprint, manifest=manifest, fds=fds,
                              device=backend.device, release=release, artifacts=store,
-                             layouts=layouts, raw_released=raw_released)
+                             layouts=layouts, raw_released=raw_released, copier=copier)
         from vlaunch.cache.rank.integrity import Integrity
 
         server.integrity = Integrity(server, opts.model, opts.plan, lock.socket).start()

@@ -125,7 +125,9 @@ def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifes
         check_fingerprint(client.status()["fingerprint"], ours)
         source = client.manifest()
         check_layout(source, manifest)
-        _, fds = client.request({"op": "open", "mode": "copy"})
+        # share: we map the source read-only while we copy (a copy mode would have a GPU
+        # source make a copy of its own for us first)
+        _, fds = client.request({"op": "open", "mode": "share"})
         laps.lap("ask")
         mapped = _map_source(fds, source.slab_sizes, device)
         laps.lap("map")

@@ -202,6 +202,7 @@ class CacheClient:
                 TRACE["replies"] = time.perf_counter()
                 mapped: list[torch.Tensor] = []
                 copies: list[torch.Tensor] = []
+                tensors: dict[str, torch.Tensor] = {}
                 own = mode != "share" and not copying  # we copy the slabs into memory we own
                 try:
                     if orep.get("ok") is True and not bad_open:
@@ -234,6 +235,10 @@ class CacheClient:
                         raise CacheBrokenError(
                             f"cache at {self.path} sent slabs of {list(sizes)[:8]} bytes for a "
                             f"manifest of {list(manifest.slab_sizes)[:8]}")
+                    # the views first: the replies below may still be on their way (the
+                    # cache's copy into our slabs, when it makes one)
+                    tensors = views(manifest, copies if own else mapped)
+                    TRACE["viewed"] = time.perf_counter()
                     copied = self._recv() if copying else None
                     owed -= 1 if copying else 0
                     reply = self._recv()
@@ -242,8 +247,8 @@ class CacheClient:
                     if copied is not None:
                         self._checked(*copied)  # the cache's copy into our slabs is done
                     TRACE["hello"] = time.perf_counter()
-                    tensors = views(manifest, copies if own else mapped)
                 except BaseException:
+                    tensors.clear()
                     copies.clear()
                     mapped.clear()
                     raise

@@ -17,6 +17,7 @@ the engine copies them itself, as on a CPU rank.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from typing import Any
@@ -32,32 +33,41 @@ failure): every copy in flight is a second shard's worth of device memory."""
 
 
 class Copy:
-    """One handoff's copy: fresh slabs, their fds, and the event that marks the copy done."""
+    """One handoff's copy: fresh slabs, their fds, and a thread that waits for the copy.
+
+    The thread starts with the copy: once the device has finished it, `done()` returns (the
+    `copied` reply goes out at once), and the thread drops the rank's handles and mappings
+    (unmapping waits for the device). The fds sent to the engine keep the memory alive until
+    the engine has mapped it; it is freed when the engine drops it.
+    """
 
     def __init__(self, slabs: list[Any], fds: list[int], event: Any,
-                 done: threading.Semaphore) -> None:
+                 slot: threading.Semaphore) -> None:
         self.fds = fds
-        self._slabs, self._event, self._slot = slabs, event, done
-        self._closed = False
+        self._slabs, self._event, self._slot = slabs, event, slot
+        self._loop = asyncio.get_running_loop()
+        self._done: asyncio.Future[None] = self._loop.create_future()
+        threading.Thread(target=self._wait, name="vlaunch-copy", daemon=True).start()
 
     async def done(self) -> None:
-        """Wait until the copy is done, without holding up the rank's other clients."""
-        await asyncio.get_running_loop().run_in_executor(None, self._event.synchronize)
+        """Wait until the copy is done, without holding up the rank's other clients; a copy
+        the device failed raises DeviceError."""
+        await asyncio.shield(self._done)
 
     def close(self) -> None:
-        """Let the engine's copy go: close our fds (their frame was sent) now, and drop our
-        handles and mappings on a thread once the copy is done (unmapping waits for the device).
-        The engine's imports keep the memory; it is freed when the engine drops it."""
-        if self._closed:
-            return
-        self._closed = True
+        """Close our fds: the frame that carried them was sent, or never will be."""
         wire.close_fds(self.fds)
         self.fds = []
-        threading.Thread(target=self._release, name="vlaunch-copy-release", daemon=True).start()
 
-    def _release(self) -> None:
+    def _wait(self) -> None:
+        error: Exception | None = None
         try:
             self._event.synchronize()
+        except RuntimeError as exc:  # a CUDA error: the copy is not to be used
+            error = DeviceError(f"the rank's copy for the engine failed: {exc}")
+        with contextlib.suppress(RuntimeError):  # the loop is gone: the rank is stopping
+            self._loop.call_soon_threadsafe(self._finished, error)
+        try:
             for slab in self._slabs:
                 slab.release()
         except (DeviceError, RuntimeError) as exc:  # a thread must not die loudly
@@ -65,6 +75,14 @@ class Copy:
         finally:
             self._slabs = []
             self._slot.release()
+
+    def _finished(self, error: Exception | None) -> None:
+        if self._done.done():
+            return
+        if error is None:
+            self._done.set_result(None)
+        else:
+            self._done.set_exception(error)
 
 
 class RankCopier:
@@ -79,6 +97,11 @@ class RankCopier:
                                                                                strict=True)]
         self._stream = torch.cuda.Stream(device=backend.device)
         self._slots = threading.Semaphore(MAX_IN_FLIGHT)
+        if self._sources:  # the first copy's one-time costs (the copy path's first use) now
+            with torch.cuda.stream(self._stream):
+                torch.empty(256, dtype=torch.uint8, device=backend.device).copy_(
+                    self._sources[0][:256])
+            self._stream.synchronize()
 
     def start(self) -> Copy | None:
         """Allocate the engine's slabs and queue the copy into them; None where the rank

@@ -21,7 +21,12 @@ from typing import Any
 from vlaunch.cache.contract import engine_layout as el
 from vlaunch.cache.contract import fingerprint as fp
 from vlaunch.cache.contract import protocol, wire
-from vlaunch.cache.contract.errors import ArtifactError, CacheBrokenError, ProtocolError
+from vlaunch.cache.contract.errors import (
+    ArtifactError,
+    CacheBrokenError,
+    DeviceError,
+    ProtocolError,
+)
 from vlaunch.cache.contract.sockdir import check_peer
 from vlaunch.cache.rank.connections import Connections, connection_bound, starved_after
 from vlaunch.cache.rank.layouts import LayoutError, LayoutStore
@@ -202,10 +207,13 @@ class CacheServer:
         if copy is None:
             return protocol.error("refused", "copied follows an open whose reply said "
                                   "copying"), []
+        copy.close()  # the open reply that carried its fds has been sent
         try:
             await copy.done()
-        finally:
-            copy.close()
+        except DeviceError as exc:
+            log.error("rank %d: %s", self.rank, exc)
+            return protocol.error("copy_failed", f"{exc}; the engine falls back to the disk "
+                                  "(check the GPU: nvidia-smi, dmesg)"), []
         return {"ok": True}, []
 
     def handle_mapped(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:

@@ -422,11 +422,13 @@ def step_handoff(model: Path, device: str, tmp: Path) -> None:
         fps = [child({**spec, "what": "fp"}) for _ in range(3 if detail else 0)]
     finally:
         stop(proc)
+    made = [line.split("made ", 1)[1] for log in sorted(tmp.glob("cache-*.log"))
+            for line in log.read_text().splitlines() if "'s copy (" in line and "made " in line]
     d2d = child({"device": device, "what": "d2d"})
     fresh = [child({"device": device, "what": "alloc_d2d", "bytes": copy[0]["bytes"]})
              for _ in range(3)]
     RESULTS["handoff"] = {"share": share, "copy": copy, "alloc_d2d": fresh, "d2d": d2d,
-                          "cache_load_gbps": load}
+                          "cache_load_gbps": load, "rank_copies": made}
     bw = 2 * d2d["bytes"] / d2d["seconds"]
 
     def ms(runs: list[dict[str, Any]], key: str) -> float:
@@ -455,6 +457,7 @@ def step_handoff(model: Path, device: str, tmp: Path) -> None:
     RESULTS["handoff"].update(parts=parts, race=race, fingerprint=fps)
     if parts:
         _print_handoff_parts(parts, race, fps)
+    print("the rank's copies for the copy-mode engines (its log):\n  " + "\n  ".join(made))
     print("memory accounting around one share handoff (engine process):")
     print(f"  mem_get_info free: {s0['free_before'] / 2**30:.2f} GiB -> "
           f"{s0['free_after'] / 2**30:.2f} GiB (the cache's slab is already counted as used)")

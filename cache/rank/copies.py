@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from typing import Any
 
 from vlaunch.cache.contract import wire
@@ -38,13 +39,18 @@ class Copy:
     The thread starts with the copy: once the device has finished it, `done()` returns (the
     `copied` reply goes out at once), and the thread drops the rank's handles and mappings
     (unmapping waits for the device). The fds sent to the engine keep the memory alive until
-    the engine has mapped it; it is freed when the engine drops it.
+    the engine has mapped it; it is freed when the engine drops it. The rank's slot is free
+    again once both are gone: the handles, and the fds (`close`, at `copied` or when the
+    engine hangs up), which hold the memory as long as the rank keeps them.
     """
 
     def __init__(self, slabs: list[Any], fds: list[int], event: Any,
-                 slot: threading.Semaphore) -> None:
+                 slot: threading.Semaphore, what: str, steps: tuple[float, ...]) -> None:
         self.fds = fds
         self._slabs, self._event, self._slot = slabs, event, slot
+        self._what, self._steps = what, steps  # for the log: perf_counter at request, ...
+        self._holds = 2  # the slabs' handles (the thread) and our fds (close)
+        self._lock = threading.Lock()
         self._loop = asyncio.get_running_loop()
         self._done: asyncio.Future[None] = self._loop.create_future()
         threading.Thread(target=self._wait, name="vlaunch-copy", daemon=True).start()
@@ -56,8 +62,17 @@ class Copy:
 
     def close(self) -> None:
         """Close our fds: the frame that carried them was sent, or never will be."""
-        wire.close_fds(self.fds)
-        self.fds = []
+        if self.fds:
+            wire.close_fds(self.fds)
+            self.fds = []
+            self._let_go()
+
+    def _let_go(self) -> None:
+        with self._lock:
+            self._holds -= 1
+            last = self._holds == 0
+        if last:
+            self._slot.release()
 
     def _wait(self) -> None:
         error: Exception | None = None
@@ -65,6 +80,7 @@ class Copy:
             self._event.synchronize()
         except RuntimeError as exc:  # a CUDA error: the copy is not to be used
             error = DeviceError(f"the rank's copy for the engine failed: {exc}")
+        done = time.perf_counter()
         with contextlib.suppress(RuntimeError):  # the loop is gone: the rank is stopping
             self._loop.call_soon_threadsafe(self._finished, error)
         try:
@@ -74,7 +90,12 @@ class Copy:
             log.warning("could not release a copy-mode handoff's slabs: %s", exc)
         finally:
             self._slabs = []
-            self._slot.release()
+            self._let_go()
+        asked, allocated, queued = self._steps
+        if error is None:
+            log.info("made %s in %.1f ms after the request (allocated in %.1f, copying from "
+                     "%.1f)", self._what, (done - asked) * 1e3, (allocated - asked) * 1e3,
+                     (queued - asked) * 1e3)
 
     def _finished(self, error: Exception | None) -> None:
         if self._done.done():
@@ -102,12 +123,14 @@ class RankCopier:
                 torch.empty(256, dtype=torch.uint8, device=backend.device).copy_(
                     self._sources[0][:256])
             self._stream.synchronize()
+            torch.cuda.empty_cache()  # the warm-up's block: the rank holds slabs, not a cache
 
-    def start(self) -> Copy | None:
+    def start(self, who: str) -> Copy | None:
         """Allocate the engine's slabs and queue the copy into them; None where the rank
         cannot (every slot busy, or no room on the device: the engine then copies)."""
         import torch
 
+        asked = time.perf_counter()
         if not self._sources or not self._slots.acquire(blocking=False):
             return None
         slabs: list[Any] = []
@@ -115,11 +138,13 @@ class RankCopier:
         try:
             for n in self._sizes:
                 slabs.append(self._backend.allocate(n))
+            allocated = time.perf_counter()
             with torch.cuda.stream(self._stream):
                 for slab, source in zip(slabs, self._sources, strict=True):
                     slab.tensor().copy_(source, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
+            queued = time.perf_counter()
             fds.extend(slab.export_fd() for slab in slabs)
         except DeviceError as exc:
             log.info("the engine copies its slabs itself: the rank cannot make its copy (%s)",
@@ -130,7 +155,8 @@ class RankCopier:
                 slab.release()
             self._slots.release()
             return None
-        return Copy(slabs, fds, event, self._slots)
+        what = f"{who}'s copy ({sum(self._sizes) / 1e9:.2f} GB)"
+        return Copy(slabs, fds, event, self._slots, what, (asked, allocated, queued))
 
     def close(self) -> None:
         """Drop the rank's views of its slabs (the raw layout was dropped or released)."""

@@ -191,7 +191,8 @@ class CacheServer:
         own copy, which the rank has started making ("copying": ask `copied` before use)."""
         lease.mode = f["mode"]
         sizes = list(self.manifest.slab_sizes)
-        copy = self.copier.start() if self.copier and f["mode"] != "share" else None
+        copy = self.copier.start(f"rank {self.rank}: pid {lease.pid}") \
+            if self.copier and f["mode"] != "share" else None
         if copy is None:
             return {"ok": True, "slabs": len(self.fds), "sizes": sizes}, list(self.fds)
         old = self._copies.pop(id(lease), None)

@@ -36,12 +36,12 @@ failure): every copy in flight is a second shard's worth of device memory."""
 class Copy:
     """One handoff's copy: fresh slabs, their fds, and a thread that waits for the copy.
 
-    The thread starts with the copy: once the device has finished it, `done()` returns (the
-    `copied` reply goes out at once), and the thread drops the rank's handles and mappings
-    (unmapping waits for the device). The fds sent to the engine keep the memory alive until
-    the engine has mapped it; it is freed when the engine drops it. The rank's slot is free
-    again once both are gone: the handles, and the fds (`close`, at `copied` or when the
-    engine hangs up), which hold the memory as long as the rank keeps them.
+    The thread starts with the copy. Once the device has finished it, `done()` returns and
+    the `copied` reply goes out. Then `close()` closes our fds, and the thread drops the
+    rank's handles and mappings: not before, because unmapping takes the GIL (and the device)
+    for milliseconds, and the replies the engine waits for come first. The fds sent to the
+    engine keep the memory alive until the engine has mapped it; it is freed when the engine
+    drops it. The rank's slot is free again once the handles are gone.
     """
 
     def __init__(self, slabs: list[Any], fds: list[int], event: Any,
@@ -49,8 +49,7 @@ class Copy:
         self.fds = fds
         self._slabs, self._event, self._slot = slabs, event, slot
         self._what, self._steps = what, steps  # for the log: perf_counter at request, ...
-        self._holds = 2  # the slabs' handles (the thread) and our fds (close)
-        self._lock = threading.Lock()
+        self._closed = threading.Event()
         self._loop = asyncio.get_running_loop()
         self._done: asyncio.Future[None] = self._loop.create_future()
         threading.Thread(target=self._wait, name="vlaunch-copy", daemon=True).start()
@@ -61,18 +60,11 @@ class Copy:
         await asyncio.shield(self._done)
 
     def close(self) -> None:
-        """Close our fds: the frame that carried them was sent, or never will be."""
-        if self.fds:
-            wire.close_fds(self.fds)
-            self.fds = []
-            self._let_go()
-
-    def _let_go(self) -> None:
-        with self._lock:
-            self._holds -= 1
-            last = self._holds == 0
-        if last:
-            self._slot.release()
+        """Close our fds (the frame that carried them was sent, or never will be) and let the
+        thread drop our handles once the copy is done."""
+        wire.close_fds(self.fds)
+        self.fds = []
+        self._closed.set()
 
     def _wait(self) -> None:
         error: Exception | None = None
@@ -83,6 +75,7 @@ class Copy:
         done = time.perf_counter()
         with contextlib.suppress(RuntimeError):  # the loop is gone: the rank is stopping
             self._loop.call_soon_threadsafe(self._finished, error)
+        self._closed.wait()
         try:
             for slab in self._slabs:
                 slab.release()
@@ -90,7 +83,7 @@ class Copy:
             log.warning("could not release a copy-mode handoff's slabs: %s", exc)
         finally:
             self._slabs = []
-            self._let_go()
+            self._slot.release()
         asked, allocated, queued = self._steps
         if error is None:
             log.info("made %s in %.1f ms after the request (allocated in %.1f, copying from "

@@ -208,13 +208,17 @@ class CacheServer:
         if copy is None:
             return protocol.error("refused", "copied follows an open whose reply said "
                                   "copying"), []
-        copy.close()  # the open reply that carried its fds has been sent
         try:
             await copy.done()
         except DeviceError as exc:
             log.error("rank %d: %s", self.rank, exc)
             return protocol.error("copy_failed", f"{exc}; the engine falls back to the disk "
                                   "(check the GPU: nvidia-smi, dmesg)"), []
+        except BaseException:  # cancelled: the connection or the rank is going away
+            copy.close()
+            raise
+        finally:  # once this reply (and any request already waiting) is answered
+            asyncio.get_running_loop().call_soon(copy.close)
         return {"ok": True}, []
 
     def handle_mapped(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:

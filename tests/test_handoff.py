@@ -188,8 +188,8 @@ def test_a_copy_the_cache_makes_is_waited_for_and_becomes_the_engines(
     try:
         if via == "handoff":
             tensors = client.handoff(lambda: FINGERPRINT, mode=mode, device="cpu")
-            # the hello goes out once the manifest arrived (the copy modes): after `copied`
-            assert seen[:4] == ["open", "manifest", "copied", "hello"]
+            # the hello goes out once the manifest arrived (the copy modes), then `copied`
+            assert seen[:4] == ["open", "manifest", "hello", "copied"]
         else:
             tensors = client.map(client.manifest(), mode=mode, device="cpu")
             assert seen[:3] == ["manifest", "open", "copied"]

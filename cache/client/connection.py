@@ -195,10 +195,7 @@ class CacheClient:
                         bad_open = exc
                 if orep.get("ok") is not True or bad_open:
                     wire.close_fds(ofds)
-                copying = _copying(orep, mode) and not bad_open
-                if copying:  # the cache is copying into the slabs it sent: ask when it is done
-                    self._send({"op": "copied"})
-                    owed += 1
+                copying = _copying(orep, mode) and not bad_open  # the cache copies for us
                 TRACE["replies"] = time.perf_counter()
                 mapped: list[torch.Tensor] = []
                 copies: list[torch.Tensor] = []
@@ -215,12 +212,12 @@ class CacheClient:
                     if not hello_sent:
                         self._send(self._hello(fingerprint()))
                         owed, hello_sent = owed + 1, True
+                    if copying:  # answered when the cache's copy into our slabs is done: last
+                        self._send({"op": "copied"})
+                        owed += 1
                     if mrep.get("ok") is not True or orep.get("ok") is not True or mfds or \
                             bad_open:
                         wire.close_fds(mfds)
-                        if copying:
-                            self._recv()
-                            owed -= 1
                         reply = self._recv()
                         owed -= 1
                         self._checked(*reply)  # the hello's error comes first
@@ -239,13 +236,13 @@ class CacheClient:
                     # cache's copy into our slabs, when it makes one)
                     tensors = views(manifest, copies if own else mapped)
                     TRACE["viewed"] = time.perf_counter()
-                    copied = self._recv() if copying else None
-                    owed -= 1 if copying else 0
                     reply = self._recv()
                     owed -= 1
                     self._checked(*reply)  # the hello's error comes first
-                    if copied is not None:
-                        self._checked(*copied)  # the cache's copy into our slabs is done
+                    if copying:
+                        reply = self._recv()
+                        owed -= 1
+                        self._checked(*reply)  # the cache's copy into our slabs is done
                     TRACE["hello"] = time.perf_counter()
                 except BaseException:
                     tensors.clear()

@@ -21,10 +21,12 @@ import contextlib
 import logging
 import threading
 import time
+from ctypes import c_void_p
 from typing import Any
 
 from vlaunch.cache.contract import wire
 from vlaunch.cache.contract.errors import DeviceError
+from vlaunch.cache.store import cudadrv as cu
 
 log = logging.getLogger("vlaunch.cache")
 
@@ -57,7 +59,7 @@ class Copy:
     async def done(self) -> None:
         """Wait until the copy is done, without holding up the rank's other clients; a copy
         the device failed raises DeviceError."""
-        await asyncio.shield(self._done)
+        await self._done
 
     def close(self) -> None:
         """Close our fds (the frame that carried them was sent, or never will be) and let the
@@ -112,10 +114,12 @@ class RankCopier:
         self._stream = torch.cuda.Stream(device=backend.device)
         self._slots = threading.Semaphore(MAX_IN_FLIGHT)
         if self._sources:  # the first copy's one-time costs (the copy path's first use) now
-            with torch.cuda.stream(self._stream):
-                torch.empty(256, dtype=torch.uint8, device=backend.device).copy_(
-                    self._sources[0][:256])
+            scratch = torch.empty(256, dtype=torch.uint8, device=backend.device)
+            with torch.cuda.device(backend.device):
+                cu.call("cuMemcpyDtoDAsync_v2", scratch.data_ptr(), self._sources[0].data_ptr(),
+                        min(256, self._sources[0].numel()), c_void_p(self._stream.cuda_stream))
             self._stream.synchronize()
+            del scratch
             torch.cuda.empty_cache()  # the warm-up's block: the rank holds slabs, not a cache
 
     def start(self, who: str) -> Copy | None:
@@ -132,11 +136,15 @@ class RankCopier:
             for n in self._sizes:
                 slabs.append(self._backend.allocate(n))
             allocated = time.perf_counter()
-            with torch.cuda.stream(self._stream):
+            # the driver's copy, not torch's copy_: no tensor over the new slab to make first
+            # (torch.as_tensor of a mapping), which took a few tenths of a millisecond
+            stream = c_void_p(self._stream.cuda_stream)
+            with torch.cuda.device(self._backend.device):  # its primary context
                 for slab, source in zip(slabs, self._sources, strict=True):
-                    slab.tensor().copy_(source, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._stream)
+                    cu.call("cuMemcpyDtoDAsync_v2", slab.ptr, source.data_ptr(),
+                            source.numel(), stream)
+            event = torch.cuda.Event()
+            event.record(self._stream)
             queued = time.perf_counter()
             fds.extend(slab.export_fd() for slab in slabs)
         except DeviceError as exc:

@@ -96,6 +96,7 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
     "cuMemHostRegister_v2": (c_void_p, c_size_t, c_uint),
     "cuMemHostUnregister": (c_void_p,),
     "cuMemcpy2DAsync_v2": (POINTER(Memcpy2D), c_void_p),
+    "cuMemcpyDtoDAsync_v2": (_u64, _u64, c_size_t, c_void_p),
 }
 _lib: Any = None
 _lock = threading.Lock()

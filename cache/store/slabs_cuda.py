@@ -122,6 +122,13 @@ class CudaSlab:
         os.set_inheritable(fd.value, False)
         return fd.value
 
+    @property
+    def ptr(self) -> int:
+        """The device address the slab is mapped at in this process."""
+        if self._mapping is None:
+            raise CacheBrokenError("slab was released")
+        return self._mapping.ptr
+
     def tensor(self) -> torch.Tensor:
         """A writable uint8 tensor over the whole slab (the same one each call)."""
         if self._tensor is None:

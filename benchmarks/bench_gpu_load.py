@@ -182,10 +182,12 @@ else:
     t2 = time.perf_counter()
     w = V.load(spec["model"], socket_dir=spec["sock"], mode=spec["what"], fallback=False,
                device=dev)
+    returned = time.perf_counter()
     torch.cuda.synchronize(dev)
     t3 = time.perf_counter()
     from vlaunch.cache.client.connection import TRACE
-    out["steps_ms"] = {k: round((v - t2) * 1e3, 3) for k, v in TRACE.items()}
+    out["steps_ms"] = {k: round((v - t2) * 1e3, 3) for k, v in
+                       [*TRACE.items(), ("returned", returned), ("synchronized", t3)]}
     out.update(package_import_s=t1 - t0, loader_import_s=t2 - t1, seconds=t3 - t2,
                total_s=t3 - t0, cuda_modules=sorted(m for m in sys.modules
                                                    if m.split(".")[0] == "cuda"))

@@ -12,7 +12,6 @@ back without an artifact directory.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -41,8 +40,7 @@ class Held:
 
 
 def _close(fds: list[int]) -> int:
-    for fd in fds:
-        os.close(fd)
+    wire.close_fds(fds)
     return len(fds)
 
 

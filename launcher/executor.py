@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from vlaunch.cache.contract import protocol
+from vlaunch.cache.contract import protocol, wire
 from vlaunch.cache.contract.errors import VlaunchError
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.sockdir import RankLock, ensure_socket_dir
@@ -253,8 +253,7 @@ class Executor:
                 try:
                     protocol.validate_event(msg, *expect)
                 except VlaunchError as exc:
-                    for fd in fds:
-                        os.close(fd)
+                    wire.close_fds(fds)
                     self._bad_report(running, str(exc))
                     return
                 self._channel_handlers[msg["event"]](rank, msg, fds)
@@ -279,15 +278,13 @@ class Executor:
 
     def _rank_artifact(self, rank: int, msg: dict[str, Any], fds: list[int]) -> None:
         """The rank holds an artifact: escrow it, so that a respawn gets it back."""
-        for fd in fds:
-            os.close(fd)
+        wire.close_fds(fds)
         self.escrow.keep_artifact(rank, msg)
 
     def _rank_release(self, rank: int, msg: dict[str, Any], fds: list[int]) -> None:
         """The rank dropped its raw copy (copy-release, or an engine layout replaced it): drop
         our duplicates, or the memory stays allocated."""
-        for fd in fds:
-            os.close(fd)
+        wire.close_fds(fds)
         if msg["layout"] != "raw":
             return
         closed = self.escrow.release_raw(rank)

@@ -3,7 +3,6 @@ supervisor's snapshot."""
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,8 +23,7 @@ def query_rank(path: Path, timeout: float = QUERY_TIMEOUT) -> dict[str, Any]:
         check_peer(sock)
         wire.send_frame(sock, {"op": "status"})
         reply, fds = wire.recv_frame(sock)
-    for fd in fds:  # a status reply carries none; never leak what a broken peer sends
-        os.close(fd)
+    wire.close_fds(fds)  # a status reply carries none; never leak what a broken peer sends
     if reply.get("ok") is not True or not isinstance(reply.get("status"), dict):
         raise OSError(f"rank at {path} answered {reply.get('error')!r} to status")
     return reply["status"]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.client.connection import CacheClient, backend_for
 from vlaunch.cache.contract import engine_layout as el
+from vlaunch.cache.contract import wire
 from vlaunch.cache.contract.engine_env import DEFAULT_PLAN, EngineEnv
 from vlaunch.cache.contract.errors import (
     CacheBrokenError,
@@ -272,7 +273,6 @@ def _fill(fds: list[int], manifest: Manifest, tensors: Mapping[str, torch.Tensor
         slabs = [backend.import_fd(fd, size, readonly=False)
                  for fd, size in zip(fds, manifest.slab_sizes, strict=True)]
     finally:
-        for fd in fds:
-            os.close(fd)
+        wire.close_fds(fds)
     for name, view in views(manifest, slabs).items():
         view.copy_(tensors[name])

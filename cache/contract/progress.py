@@ -3,7 +3,6 @@ its ready channel, and the text both show (bytes, GB/s, ETA)."""
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -63,7 +62,6 @@ def recv_ready(sock: socket.socket, on_progress: Callable[[int, int], None] | No
         loaded_total = parse(message)
         if loaded_total is None:
             return message, fds
-        for fd in fds:  # a progress frame carries none; never leak one that came anyway
-            os.close(fd)
+        wire.close_fds(fds)  # a progress frame carries none; never leak one that came anyway
         if on_progress is not None:
             on_progress(*loaded_total)

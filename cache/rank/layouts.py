@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from vlaunch.cache.contract import engine_layout as el
 from vlaunch.cache.contract import fingerprint as fp
-from vlaunch.cache.contract import protocol
+from vlaunch.cache.contract import protocol, wire
 from vlaunch.cache.store.manifest import MAX_NAME, MAX_TENSORS, Manifest
 
 log = logging.getLogger("vlaunch.cache")
@@ -69,8 +68,7 @@ class EngineLayout:
 
     def close(self) -> None:
         """Close our fds and drop our slabs; mapped clients keep the memory."""
-        for fd in self.fds:
-            os.close(fd)
+        wire.close_fds(self.fds)
         self.fds = []
         for slab in self.slabs:
             slab.release()
@@ -195,8 +193,7 @@ def _fields(fields: dict[str, Any]) -> dict[str, str]:
 
 
 def _drop(pending: _Pending) -> None:
-    for fd in pending.fds:
-        os.close(fd)
+    wire.close_fds(pending.fds)
     for slab in pending.slabs:
         slab.release()
 

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -164,8 +163,7 @@ def _map_source(fds: list[int], sizes: tuple[int, ...], device: str) -> list[Sla
         return [backend.map_fd(fd, size, readonly=True) for fd, size in zip(fds, sizes,
                                                                             strict=True)]
     finally:
-        for fd in fds:
-            os.close(fd)
+        wire.close_fds(fds)
 
 
 def _synchronize(slabs: list[SlabBytes]) -> None:
@@ -252,8 +250,7 @@ def seed_tcp(host: str, port: int, token: str, ours: fp.Fingerprint, manifest: M
 def _ask(sock: socket.socket, message: dict[str, Any], *, miss: bool = False) -> dict[str, Any]:
     wire.send_frame(sock, message)
     reply, fds = wire.recv_frame(sock)
-    for fd in fds:
-        os.close(fd)
+    wire.close_fds(fds)
     if reply.get("ok") is not True and not (miss and reply.get("error") == "miss"):
         raise SeedError(f"seed source refused {message['op']}: {reply.get('error')}: "
                         f"{reply.get('message')}")

@@ -191,13 +191,13 @@ class CacheServer:
         own copy, which the rank has started making ("copying": ask `copied` before use)."""
         lease.mode = f["mode"]
         sizes = list(self.manifest.slab_sizes)
+        old = self._copies.pop(id(lease), None)  # an earlier open's copy, never asked for
+        if old is not None:
+            old.close()
         copy = self.copier.start(f"rank {self.rank}: pid {lease.pid}") \
             if self.copier and f["mode"] != "share" else None
         if copy is None:
             return {"ok": True, "slabs": len(self.fds), "sizes": sizes}, list(self.fds)
-        old = self._copies.pop(id(lease), None)
-        if old is not None:
-            old.close()
         self._copies[id(lease)] = copy
         return {"ok": True, "slabs": len(copy.fds), "sizes": sizes, "copying": True}, copy.fds
 

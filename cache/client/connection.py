@@ -263,17 +263,17 @@ class CacheClient:
         return tensors
 
     def _mapped(self, manifest: Manifest, mode: str, slabs: list[torch.Tensor]) -> None:
-        """Tell the cache what we hold, without a round trip; after copy-release, have it drop
-        its copy and wait for that (lock held). A share lease ends once `slabs` are unused."""
+        """Share: tell the cache what we hold, without a round trip (a lease, which ends once
+        `slabs` are unused). Copy-release: have the cache drop its copy, and wait for that.
+        Copy: nothing to say (the open named the mode, and we hold nothing of the cache's);
+        a report would cost a send that wakes the rank, on the handoff's path (lock held)."""
         self.mode, self.bytes_mapped = mode, manifest.nbytes if mode == "share" else 0
-        self._send({"op": "mapped", "mode": mode, "bytes": self.bytes_mapped})
         if mode == "copy-release":
             self._send({"op": "drop"})
-            self._checked(*self._recv())  # mapped
-            self._checked(*self._recv())  # drop
-        else:
+            self._checked(*self._recv())
+        elif mode == "share":
+            self._send({"op": "mapped", "mode": mode, "bytes": self.bytes_mapped})
             self._unread += 1
-        if mode == "share":  # a lease; the copy modes hold nothing of the cache's
             self._hold(slabs)
             self.watch()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -58,7 +59,6 @@ class CacheServer:
                  artifacts: ArtifactStore | None = None, layouts: LayoutStore | None = None,
                  raw_released: bool = False, copier: Any = None) -> None:
         self.rank, self.fingerprint, self.manifest = rank, fingerprint, manifest
-        self._manifest_frame: bytes | None = None
         self.fds, self.device = fds, device
         self.allowed_uids = allowed_uids
         self.artifacts = artifacts if artifacts is not None else ArtifactStore()
@@ -177,13 +177,15 @@ class CacheServer:
                                   mismatch=[list(d) for d in diff]), []
         return {"ok": True, "fingerprint": self.fingerprint, "rank": self.rank}, []
 
+    @functools.cached_property
+    def manifest_frame(self) -> bytes:
+        """The reply to `manifest`, encoded once (the manifest never changes): every handoff
+        waits for it."""
+        return protocol.encode({"ok": True, "manifest": self.manifest.to_wire()})
+
     def handle_manifest(self, lease: Lease, f: dict[str, Any]) -> tuple[bytes, list[int]]:
-        """manifest: every tensor's place in the slabs; encoded once (the manifest never
-        changes), since every handoff waits for this reply."""
-        if self._manifest_frame is None:
-            self._manifest_frame = protocol.encode({"ok": True,
-                                                    "manifest": self.manifest.to_wire()})
-        return self._manifest_frame, []
+        """manifest: every tensor's place in the slabs."""
+        return self.manifest_frame, []
 
     def handle_open(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """open: send the slab fds (SCM_RIGHTS) and their sizes, which the client maps them at

@@ -167,9 +167,10 @@ class CacheClient:
         sizes, so the slabs are mapped (and in the copy modes their copies launched) before
         the manifest's reply is even read. In share mode `fingerprint()` is computed while
         the cache answers; in the copy modes, while the copies run. The manifest must agree
-        with the sizes the slabs were mapped at, and the hello's reply is read last. Nothing
-        is returned unless the hello succeeded: on an error (a mismatch first, as hello()
-        reports it) the mappings and copies are dropped before it is raised.
+        with the sizes the slabs were mapped at, and the hello's reply is read last (then,
+        where a GPU rank is making our copy, the reply to `copied`). Nothing is returned
+        unless the hello succeeded: on an error (a mismatch first, as hello() reports it) the
+        mappings and copies are dropped before it is raised.
         """
         with self._lock:
             TRACE.clear()

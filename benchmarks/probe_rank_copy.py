@@ -3,6 +3,7 @@
     python benchmarks/probe_rank_copy.py race [--gib 16] [--reps 6]
     python benchmarks/probe_rank_copy.py alloc [--gib 16] [--reps 4]
     python benchmarks/probe_rank_copy.py smi
+    python benchmarks/probe_rank_copy.py pieces [--gib 16] [--reps 4]
 
 - race: a forked "rank" holds a VMM slab; per request it allocates a fresh slab, queues the
   copy into it on a stream of its own, sends the new slab's fd and then "copied"; the "engine"
@@ -14,12 +15,17 @@
   (call 22).
 - smi: what nvidia-smi charges to whom when a copy-mode engine holds a 1 GiB copy the rank
   made (call 20; docs/memory.md).
+- pieces: the copy's destination made of several allocations, each piece's copy queued as soon
+  as that piece is mapped (does mapping a piece stall on the copies already running?); then
+  the engine's side, every piece imported into one reserved range with one cuMemSetAccess,
+  and its bytes checked across the seams. Against one allocation and a plain copy_.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import gc
 import os
 import socket
@@ -28,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from ctypes import byref, c_ulonglong
+from ctypes import byref, c_ulonglong, c_void_p
 from pathlib import Path
 
 import torch
@@ -173,6 +179,114 @@ def alloc(n: int, reps: int) -> None:
     asyncio.run(starts())
 
 
+def _splits(n: int, g: int) -> dict[str, list[int]]:
+    """Ways to cut n bytes (a multiple of g) into pieces of whole granules."""
+    def cut(fractions: list[float]) -> list[int]:
+        sizes = [max(g, int(n * f) // g * g) for f in fractions[:-1]]
+        return [*sizes, n - sum(sizes)]
+    return {"1 piece": [n], "2 equal": cut([0.5, 0.5]), "4 equal": cut([0.25] * 4),
+            "8 equal": cut([0.125] * 8), "1/32 then 3": cut([1 / 32, 0.15, 0.35, 0.47]),
+            "1/16 then 2": cut([1 / 16, 0.3, 0.64])}
+
+
+def pieces(n: int, reps: int) -> None:
+    backend = CudaBackend(0)
+    g = backend.granularity
+    n = -(-n // g) * g
+    src = backend.allocate(n)
+    src.tensor().fill_(7)
+    src.tensor()[n // 2:].fill_(9)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    sp = c_void_p(stream.cuda_stream)
+    prop, rw = cu.allocation_prop(0), cu.access_desc(0, False)
+    rows: dict[str, list[tuple[float, float, float, float]]] = {}
+
+    def one(sizes: list[int], create_first: bool) -> tuple[float, float, float, float]:
+        t0 = perf()
+        handles = [int(cu.out("cuMemCreate", c_ulonglong, k, byref(prop), 0))
+                   for k in sizes] if create_first else []
+        made, offset, first = [], 0, 0.0
+        for i, k in enumerate(sizes):
+            h = handles[i] if create_first else int(cu.out("cuMemCreate", c_ulonglong, k,
+                                                           byref(prop), 0))
+            p = int(cu.out("cuMemAddressReserve", c_ulonglong, k, g, 0, 0))
+            cu.call("cuMemMap", p, k, 0, h, 0)
+            cu.call("cuMemSetAccess", p, k, byref(rw), 1)
+            cu.call("cuMemcpyDtoDAsync_v2", p, src.ptr + offset, k, sp)
+            if not i:
+                first = perf() - t0
+            made.append((h, p, k, offset))
+            offset += k
+        queued = perf() - t0
+        event = torch.cuda.Event()
+        event.record(stream)
+        event.synchronize()
+        done = perf() - t0
+        fds = []
+        for h, _, _, _ in made:
+            fd = ctypes.c_int(-1)
+            cu.call("cuMemExportToShareableHandle", byref(fd), h,
+                    cu.MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
+            fds.append(fd.value)
+        t1 = perf()  # the engine's side: one range, every piece mapped into it, one access call
+        va = int(cu.out("cuMemAddressReserve", c_ulonglong, n, g, 0, 0))
+        for fd, (_, _, k, off) in zip(fds, made, strict=True):
+            h = int(cu.out("cuMemImportFromShareableHandle", c_ulonglong, c_void_p(fd),
+                           cu.MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+            cu.call("cuMemMap", va + off, k, 0, h, 0)
+            cu.call("cuMemRelease", h)
+        cu.call("cuMemSetAccess", va, n, byref(rw), 1)
+        imported = perf() - t1
+        view = torch.as_tensor(_Range(va, n), device="cuda")
+        for _, _, k, off in made:  # each seam, and the middle
+            for at in {off, off + k - 1, n // 2 - 1, n // 2}:
+                want = 7 if at < n // 2 else 9
+                assert int(view[at]) == want, (sizes, at, int(view[at]))
+        del view
+        torch.cuda.synchronize()
+        cu.call("cuMemUnmap", va, n)
+        cu.call("cuMemAddressFree", va, n)
+        for fd in fds:
+            os.close(fd)
+        for h, p, k, _ in made:
+            cu.call("cuMemUnmap", p, k)
+            cu.call("cuMemAddressFree", p, k)
+            cu.call("cuMemRelease", h)
+        return first, queued, done, imported
+
+    for name, sizes in _splits(n, g).items():
+        for create_first in (False, True) if len(sizes) > 1 else (False,):
+            label = f"{name}{' (create first)' if create_first else ''}"
+            rows[label] = [one(sizes, create_first) for _ in range(reps + 1)][1:]
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    d2d = []
+    for i in range(reps + 1):
+        t0 = perf()
+        b.copy_(a)
+        torch.cuda.synchronize()
+        if i:
+            d2d.append(perf() - t0)
+    base = statistics.median(d2d)
+    print(f"d2d copy_ of {n / 1e9:.2f} GB: median {base * 1e3:.2f} ms")
+    print(f"{'destination':28s} {'1st copy queued':>15s} {'all queued':>10s} {'done':>8s} "
+          f"{'% D2D':>6s} {'engine import':>13s}  (ms, medians)")
+    for label, runs in rows.items():
+        med = [statistics.median(r[j] for r in runs) * 1e3 for j in range(4)]
+        print(f"{label:28s} {med[0]:15.3f} {med[1]:10.3f} {med[2]:8.2f} "
+              f"{base * 1e3 / med[2] * 100:6.1f} {med[3]:13.3f}")
+
+
+class _Range:
+    """A mapped device range as a uint8 CUDA array (for a probe's checks)."""
+
+    def __init__(self, ptr: int, n: int) -> None:
+        self.__cuda_array_interface__ = {"version": 3, "shape": (n,), "typestr": "|u1",
+                                         "data": (ptr, False), "strides": None,
+                                         "stream": None}
+
+
 def smi() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from safetensors.torch import save_file
@@ -209,7 +323,7 @@ def smi() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=("race", "alloc", "smi"))
+    ap.add_argument("what", choices=("race", "alloc", "smi", "pieces"))
     ap.add_argument("--gib", type=float, default=16)
     ap.add_argument("--reps", type=int, default=6)
     args = ap.parse_args()
@@ -218,6 +332,8 @@ def main() -> None:
         race(n, args.reps)
     elif args.what == "alloc":
         alloc(n, args.reps)
+    elif args.what == "pieces":
+        pieces(n, args.reps)
     else:
         smi()
 

@@ -40,13 +40,16 @@ COPY_SECONDS = 0.05
 
 
 class _Event:
-    """A copy's event: done when the timer has written the bytes (or failed)."""
+    """A copy's event: done when the timer has written the bytes (or failed); with a gate,
+    not before the gate is opened."""
 
-    def __init__(self, fill: Any, fail: bool) -> None:
+    def __init__(self, fill: Any, fail: bool, gate: threading.Event | None) -> None:
         self._done, self._fail = threading.Event(), fail
-        threading.Timer(COPY_SECONDS, self._finish, (fill,)).start()
+        threading.Timer(COPY_SECONDS, self._finish, (fill, gate)).start()
 
-    def _finish(self, fill: Any) -> None:
+    def _finish(self, fill: Any, gate: threading.Event | None) -> None:
+        if gate is not None:
+            gate.wait(30)
         fill()
         self._done.set()
 
@@ -73,6 +76,8 @@ class MemfdCopier:
 
     def __init__(self, source: int) -> None:
         self.source, self.fail = source, False
+        self.gate: threading.Event | None = None  # set: copies finish once it is
+        self.made: list[copies.Copy] = []
         self.released: list[str] = []
         self.slots = threading.Semaphore(copies.MAX_IN_FLIGHT)
 
@@ -83,16 +88,18 @@ class MemfdCopier:
         os.ftruncate(fd, SIZE)
         handle = _Handle(fd, self.released)
         source = os.pread(self.source, SIZE, 0)
-        event = _Event(lambda: os.pwrite(handle.fd, source, 0), self.fail)
+        event = _Event(lambda: os.pwrite(handle.fd, source, 0), self.fail, self.gate)
         now = time.perf_counter()
-        return copies.Copy([handle], [fd], event, self.slots, f"{who}'s copy", (now, now, now))
+        copy = copies.Copy([handle], [fd], event, self.slots, f"{who}'s copy", (now, now, now))
+        self.made.append(copy)
+        return copy
 
     def close(self) -> None:
         pass
 
 
 @pytest.fixture
-def rank(tmp_path: Path) -> Iterator[tuple[Path, MemfdCopier]]:
+def rank(tmp_path: Path) -> Iterator[tuple[Path, MemfdCopier, asyncio.AbstractEventLoop]]:
     """A CacheServer with a MemfdCopier, serving in a thread of its own."""
     sockdir = tmp_path / "s"
     sockdir.mkdir(mode=0o700)
@@ -108,7 +115,7 @@ def rank(tmp_path: Path) -> Iterator[tuple[Path, MemfdCopier]]:
                               daemon=True)
     thread.start()
     eventually(lambda: path.exists() or None, 10)
-    yield path, copier
+    yield path, copier, loop
     loop.call_soon_threadsafe(stop.set)
     thread.join(10)
     loop.close()
@@ -130,7 +137,7 @@ def _copy_mapped() -> bool:
 
 
 def test_the_engine_gets_the_copy_once_it_is_made_and_the_rank_lets_go_of_it(rank) -> None:
-    path, copier = rank
+    path, copier, _ = rank
     client = CacheClient(path)
     try:
         tensors = client.handoff(lambda: FINGERPRINT, mode="copy", device="cpu")
@@ -148,7 +155,7 @@ def test_the_engine_gets_the_copy_once_it_is_made_and_the_rank_lets_go_of_it(ran
 
 
 def test_an_engine_that_walks_away_frees_its_slot(rank) -> None:
-    path, copier = rank
+    path, copier, _ = rank
     for _ in range(copies.MAX_IN_FLIGHT + 1):  # more than the bound, one after another
         client = CacheClient(path)
         reply, fds = client.request({"op": "open", "mode": "copy"})
@@ -160,7 +167,7 @@ def test_an_engine_that_walks_away_frees_its_slot(rank) -> None:
 
 
 def test_past_the_bound_the_engine_copies_for_itself(rank) -> None:
-    path, copier = rank
+    path, copier, _ = rank
     holders = [CacheClient(path) for _ in range(copies.MAX_IN_FLIGHT)]
     try:
         for holder in holders:
@@ -183,7 +190,7 @@ def test_past_the_bound_the_engine_copies_for_itself(rank) -> None:
 
 
 def test_a_copy_the_device_failed_is_refused_and_let_go(rank) -> None:
-    path, copier = rank
+    path, copier, _ = rank
     copier.fail = True
     client = CacheClient(path)
     try:
@@ -194,4 +201,47 @@ def test_a_copy_the_device_failed_is_refused_and_let_go(rank) -> None:
     finally:
         client.close()
     assert not _copy_mapped()
+    assert eventually(lambda: copier.released == ["handle"] or None, 10)
+
+
+def test_the_copied_reply_does_not_wait_for_the_ranks_event_loop(rank) -> None:
+    """The copy's thread answers `copied` itself: a rank whose event loop is busy (another
+    engine's requests) does not hold up an engine whose copy is done."""
+    path, copier, loop = rank
+    copier.gate = threading.Event()
+    client = CacheClient(path)
+    busy = threading.Event()
+    try:
+        reply, fds = client.request({"op": "open", "mode": "copy"})
+        assert reply["copying"] is True
+        wire.close_fds(fds)
+        wire.send_frame(client._sock, {"op": "copied"})
+        # the rank has taken the request in: the thread is to answer it
+        assert eventually(lambda: copier.made[-1]._answer is not None or None, 10)
+        loop.call_soon_threadsafe(busy.wait, 30)  # the rank's event loop is held up
+        copier.gate.set()  # the device finishes the copy
+        client._sock.settimeout(5)
+        assert wire.recv_frame(client._sock) == ({"ok": True}, [])
+        busy.set()
+        client._sock.settimeout(client.io_timeout)
+        assert client.status()["rank"] == 0  # answered once: the next reply is the status
+    finally:
+        busy.set()
+        copier.gate.set()
+        client.close()
+    assert eventually(lambda: copier.released == ["handle"] or None, 10)
+
+
+def test_copied_asked_after_the_copy_is_done_is_answered_by_the_rank(rank) -> None:
+    path, copier, _ = rank
+    client = CacheClient(path)
+    try:
+        reply, fds = client.request({"op": "open", "mode": "copy"})
+        wire.close_fds(fds)
+        assert reply["copying"] is True
+        assert eventually(lambda: copier.made[-1]._device_done or None, 10)
+        assert client.request({"op": "copied"})[0] == {"ok": True}
+        assert client.status()["rank"] == 0  # and the connection goes on serving
+    finally:
+        client.close()
     assert eventually(lambda: copier.released == ["handle"] or None, 10)

@@ -69,6 +69,7 @@ class CacheClient:
         self._watching = False
         self._slabs_alive: list[None] = []  # one entry per mapped slab still referenced
         self._unread = 0  # replies to notify() not read yet; read before the next request
+        self._received: tuple[Any, ...] = ()  # the last handoff's manifest and its reply
 
     def request(self, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """Send one request and return the reply (an error reply raises)."""
@@ -260,6 +261,9 @@ class CacheClient:
             else:  # our views hold the mappings: the cache's slabs, or our copy of them
                 mapped.clear()
             self._mapped(manifest, mode, held)
+            # freed with the client (the weights hold it), not on the engine's start path:
+            # the records and their reply took 0.12 ms of a 318-tensor handoff to free here
+            self._received = (manifest, mrep)
             TRACE["done"] = time.perf_counter()
         return tensors
 

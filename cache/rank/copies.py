@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import threading
 import time
 from ctypes import c_void_p
@@ -39,12 +40,15 @@ failure): every copy in flight is a second shard's worth of device memory."""
 class Copy:
     """One handoff's copy: fresh slabs, their fds, and a thread that waits for the copy.
 
-    The thread starts with the copy. Once the device has finished it, `done()` returns and
-    the `copied` reply goes out. Then `close()` closes our fds, and the thread drops the
-    rank's handles and mappings: not before, because unmapping takes the GIL (and the device)
-    for milliseconds, and the replies the engine waits for come first. The fds sent to the
-    engine keep the memory alive until the engine has mapped it; it is freed when the engine
-    drops it. The rank's slot is free again once the handles are gone.
+    The thread starts with the copy. Where the engine's `copied` request came first
+    (`answer_on`), the thread sends the reply itself the moment the device is done: through
+    the rank's event loop the reply took some tenths of a millisecond longer, on the critical
+    path of every copy-mode start. Then `done()` returns (how much of the reply was sent), and
+    `close()` closes our fds, and the thread drops the rank's handles and mappings: not before,
+    because unmapping takes the GIL (and the device) for milliseconds, and the replies the
+    engine waits for come first. The fds sent to the engine keep the memory alive until the
+    engine has mapped it; it is freed when the engine drops it. The rank's slot is free again
+    once the handles are gone.
     """
 
     def __init__(self, slabs: list[Any], fds: list[int], event: Any,
@@ -53,21 +57,37 @@ class Copy:
         self._slabs, self._event, self._slot = slabs, event, slot
         self._what, self._steps = what, steps  # for the log: perf_counter at request, ...
         self._closed = threading.Event()
+        # guards the reply the thread may send: the connection is not closed under it
+        self._lock = threading.Lock()
+        self._answer: tuple[socket.socket, bytes] | None = None
+        self._device_done = False
         self._loop = asyncio.get_running_loop()
-        self._done: asyncio.Future[None] = self._loop.create_future()
+        self._done: asyncio.Future[int] = self._loop.create_future()
         threading.Thread(target=self._wait, name="vlaunch-copy", daemon=True).start()
 
-    async def done(self) -> None:
-        """Wait until the copy is done, without holding up the rank's other clients; a copy
-        the device failed raises DeviceError."""
-        await self._done
+    def answer_on(self, sock: socket.socket, frame: bytes) -> None:
+        """Have the thread send `frame` (the `copied` reply) on `sock` once the device is done,
+        unless it is done already. The connection's task sends nothing on `sock` meanwhile:
+        it awaits `done()`."""
+        with self._lock:
+            if not self._device_done and not self._closed.is_set():
+                self._answer = (sock, frame)
+
+    async def done(self) -> int:
+        """Wait until the copy is done, without holding up the rank's other clients, and
+        return how many bytes of the `answer_on` frame the thread sent (0: none, it is the
+        task's to send). A copy the device failed raises DeviceError."""
+        return await self._done
 
     def close(self) -> None:
         """Close our fds (the frame that carried them was sent, or never will be) and let the
-        thread drop our handles once the copy is done."""
-        wire.close_fds(self.fds)
-        self.fds = []
-        self._closed.set()
+        thread drop our handles once the copy is done. Past this the thread sends nothing:
+        the connection may be closed next."""
+        with self._lock:  # a send in progress finishes first
+            self._answer = None
+            wire.close_fds(self.fds)
+            self.fds = []
+            self._closed.set()
 
     def _wait(self) -> None:
         error: Exception | None = None
@@ -76,8 +96,11 @@ class Copy:
         except RuntimeError as exc:  # a CUDA error: the copy is not to be used
             error = DeviceError(f"the rank's copy for the engine failed: {exc}")
         done = time.perf_counter()
+        with self._lock:
+            self._device_done, answer, self._answer = True, self._answer, None
+            sent = _send_now(*answer) if answer and error is None else 0
         with contextlib.suppress(RuntimeError):  # the loop is gone: the rank is stopping
-            self._loop.call_soon_threadsafe(self._finished, error)
+            self._loop.call_soon_threadsafe(self._finished, error, sent)
         self._closed.wait()
         try:
             for slab in self._slabs:
@@ -93,13 +116,22 @@ class Copy:
                      "%.1f)", self._what, (done - asked) * 1e3, (allocated - asked) * 1e3,
                      (queued - asked) * 1e3)
 
-    def _finished(self, error: Exception | None) -> None:
+    def _finished(self, error: Exception | None, sent: int) -> None:
         if self._done.done():
             return
         if error is None:
-            self._done.set_result(None)
+            self._done.set_result(sent)
         else:
             self._done.set_exception(error)
+
+
+def _send_now(sock: socket.socket, frame: bytes) -> int:
+    """Bytes of `frame` the (non-blocking) socket took at once; 0 on any error, which the
+    connection's task then meets itself."""
+    try:
+        return max(sock.send(frame), 0)
+    except OSError:  # full (a peer that stopped reading), or gone
+        return 0
 
 
 class RankCopier:

@@ -39,15 +39,24 @@ log = logging.getLogger("vlaunch.cache")
 FRAME_TIMEOUT = 10.0
 
 
+_COPIED = protocol.encode({"ok": True})  # the reply to `copied`, which a thread may send
+
+
 @dataclass
 class Lease:
     """One connected client and what it has mapped."""
 
     pid: int
+    conn: socket.socket | None = field(default=None, repr=False, compare=False)
     client: str = ""
     mode: str = ""
     bytes: int = 0
     since: float = field(default_factory=time.time)
+
+    def to_status(self) -> dict[str, Any]:
+        """The lease as `status` shows it (its connection is the rank's own business)."""
+        return {"pid": self.pid, "client": self.client, "mode": self.mode, "bytes": self.bytes,
+                "since": self.since}
 
 
 class CacheServer:
@@ -125,7 +134,7 @@ class CacheServer:
                 log.warning("rank %d: %s", self.rank, exc)
                 await wire.write_frame(loop, conn, protocol.error("forbidden", str(exc)))
                 return
-            self.leases[cid] = Lease(pid)
+            self.leases[cid] = Lease(pid, conn)
             while True:
                 op, fields = await wire.read_request(loop, conn, frame_timeout=FRAME_TIMEOUT)
                 self.connections.touch(cid)
@@ -203,25 +212,28 @@ class CacheServer:
         self._copies[id(lease)] = copy
         return {"ok": True, "slabs": len(copy.fds), "sizes": sizes, "copying": True}, copy.fds
 
-    async def handle_copied(self, lease: Lease, f: dict[str, Any]
-                            ) -> tuple[dict[str, Any], list[int]]:
-        """copied: answered once the copy this connection's `open` started is done."""
+    async def handle_copied(self, lease: Lease, f: dict[str, Any]) -> tuple[bytes, list[int]]:
+        """copied: answered once the copy this connection's `open` started is done; by the
+        copy's own thread when it can (rank/copies.py), then the reply left to send is none."""
         copy = self._copies.pop(id(lease), None)
         if copy is None:
-            return protocol.error("refused", "copied follows an open whose reply said "
-                                  "copying"), []
+            return protocol.encode(protocol.error("refused", "copied follows an open whose "
+                                                  "reply said copying")), []
+        if lease.conn is not None:
+            copy.answer_on(lease.conn, _COPIED)
         try:
-            await copy.done()
+            sent = await copy.done()
         except DeviceError as exc:
             log.error("rank %d: %s", self.rank, exc)
-            return protocol.error("copy_failed", f"{exc}; the engine falls back to the disk "
-                                  "(check the GPU: nvidia-smi, dmesg)"), []
+            return protocol.encode(protocol.error(
+                "copy_failed", f"{exc}; the engine falls back to the disk (check the GPU: "
+                "nvidia-smi, dmesg)")), []
         except BaseException:  # cancelled: the connection or the rank is going away
             copy.close()
             raise
         finally:  # once this reply (and any request already waiting) is answered
             asyncio.get_running_loop().call_soon(copy.close)
-        return {"ok": True}, []
+        return _COPIED[sent:], []
 
     def handle_mapped(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """mapped: the client reports what it holds."""
@@ -401,7 +413,7 @@ class CacheServer:
                 "bytes_held": self.bytes_held(), "tensors": len(self.manifest.tensors),
                 "slabs": len(self.manifest.slab_sizes), "uptime": time.time() - self.started,
                 "artifacts": len(self.artifacts),
-                "leases": [vars(x) for x in self.leases.values() if x is not exclude],
+                "leases": [x.to_status() for x in self.leases.values() if x is not exclude],
                 "checkpoint": self.integrity.status() if self.integrity else None,
                 "fingerprint": self.fingerprint,
                 "raw": "released" if self.raw_released else "held",

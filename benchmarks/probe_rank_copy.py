@@ -3,7 +3,7 @@
     python benchmarks/probe_rank_copy.py race [--gib 16] [--reps 6]
     python benchmarks/probe_rank_copy.py alloc [--gib 16] [--reps 4]
     python benchmarks/probe_rank_copy.py smi
-    python benchmarks/probe_rank_copy.py pieces [--gib 16] [--reps 4]
+    python benchmarks/probe_rank_copy.py pieces [--gib 16] [--reps 4] [--pause 2]
 
 - race: a forked "rank" holds a VMM slab; per request it allocates a fresh slab, queues the
   copy into it on a stream of its own, sends the new slab's fd and then "copied"; the "engine"
@@ -190,7 +190,7 @@ def _splits(n: int, g: int) -> dict[str, list[int]]:
             "8 equal": cut([0.125] * 8), "1/16 then 2": cut([1 / 16, 0.3, 0.64])}
 
 
-def pieces(n: int, reps: int) -> None:
+def pieces(n: int, reps: int, pause: float) -> None:
     backend = CudaBackend(0)
     g = backend.granularity
     n = -(-n // g) * g
@@ -253,15 +253,15 @@ def pieces(n: int, reps: int) -> None:
             cu.call("cuMemRelease", h)
         return first, queued, done, imported
 
-    # round robin, and a pause after each: freed device memory is scrubbed in the background,
-    # and an allocation right after a free of that size waited for it (3.9 ms, not 0.6)
+    # round robin, and a pause after each: right after a free of its size an allocation took
+    # 4-10 ms, not 0.6 (calls 27-28: 0.3 s was not pause enough)
     splits = _splits(n, g)
     for rep in range(reps + 1):
         for label, sizes in splits.items():
             run = one(sizes)
             if rep:
                 rows.setdefault(label, []).append(run)
-            time.sleep(0.3)
+            time.sleep(pause)
     a = torch.empty(n, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     d2d = []
@@ -271,7 +271,7 @@ def pieces(n: int, reps: int) -> None:
         torch.cuda.synchronize()
         if i:
             d2d.append(perf() - t0)
-        time.sleep(0.3)
+        time.sleep(pause)
     base = statistics.median(d2d)
     print(f"d2d copy_ of {n / 1e9:.2f} GB: median {base * 1e3:.2f} ms")
     print(f"{'destination':28s} {'1st copy queued':>15s} {'all queued':>10s} {'done':>8s} "
@@ -330,6 +330,7 @@ def main() -> None:
     ap.add_argument("what", choices=("race", "alloc", "smi", "pieces"))
     ap.add_argument("--gib", type=float, default=16)
     ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--pause", type=float, default=2.0, help="pieces: seconds after each run")
     args = ap.parse_args()
     n = int(args.gib * (1 << 30))
     if args.what == "race":
@@ -337,7 +338,7 @@ def main() -> None:
     elif args.what == "alloc":
         alloc(n, args.reps)
     elif args.what == "pieces":
-        pieces(n, args.reps)
+        pieces(n, args.reps, args.pause)
     else:
         smi()
 

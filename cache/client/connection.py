@@ -41,7 +41,8 @@ IO_TIMEOUT = 30.0
 _BACKENDS: dict[str, Backend] = {}
 TRACE: dict[str, float] = {}
 """The last handoff's steps (time.perf_counter() at start, asked (every request sent: in share
-mode, the fingerprint computed), replies, imported, hello, copied, done), for benchmarks."""
+mode, the fingerprint computed), replies, imported, hello, copied, done; then load()'s handed,
+collector and closed), for benchmarks."""
 
 
 def backend_for(device: str) -> Backend:

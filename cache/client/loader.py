@@ -5,10 +5,11 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
-from vlaunch.cache.client.connection import CacheClient
+from vlaunch.cache.client.connection import TRACE, CacheClient
 from vlaunch.cache.client.rewrites import check_rewrites
 from vlaunch.cache.client.weights import (
     Weights,
@@ -149,6 +150,7 @@ def _from_cache(path: os.PathLike[str], model: str, layout: Layout, device: str,
             model, layout, device, plan, kernel_backends, loader, path,
             quantization=quantization, role=role), mode=mode,
             device=device)
+        TRACE["handed"] = time.perf_counter()
     except BaseException:
         client.close()
         raise
@@ -156,10 +158,12 @@ def _from_cache(path: os.PathLike[str], model: str, layout: Layout, device: str,
         if collecting:
             _age_young_objects()
             gc.enable()
+    TRACE["collector"] = time.perf_counter()
     weights = Weights(tensors)
     weights.source, weights.client, weights.bytes_outside = "cache", client, client.bytes_mapped
     if mode != "share":  # a share lease ends when the engine drops the last mapped tensor
         client.close()
+    TRACE["closed"] = time.perf_counter()
     return weights
 
 

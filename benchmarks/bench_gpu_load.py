@@ -179,10 +179,23 @@ else:
     import vlaunch.cache as V  # what an engine writes; the loader itself is imported lazily
     t1 = time.perf_counter()
     import vlaunch.cache.client.loader  # noqa: F401  (timed apart: load() would import it)
+    import gc
+    collections, started = [], [0.0]
+    def on_gc(phase, info):  # the collector's passes inside load(): when, and how long
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            collections.append((info["generation"], round((started[0] - t2) * 1e3, 3),
+                                round((time.perf_counter() - started[0]) * 1e3, 3)))
+    gc.callbacks.append(on_gc)
+    out["gc"] = {"freeze_count": gc.get_freeze_count(), "counts": gc.get_count(),
+                 "thresholds": gc.get_threshold()}
     t2 = time.perf_counter()
     w = V.load(spec["model"], socket_dir=spec["sock"], mode=spec["what"], fallback=False,
                device=dev)
     returned = time.perf_counter()
+    gc.callbacks.remove(on_gc)
+    out["gc"]["collections"] = collections  # (generation, at ms, took ms)
     torch.cuda.synchronize(dev)
     t3 = time.perf_counter()
     from vlaunch.cache.client.connection import TRACE
@@ -456,6 +469,7 @@ def step_handoff(model: Path, device: str, tmp: Path) -> None:
         steps = runs[len(runs) // 2].get("steps_ms", {})
         print(f"{label} load() steps, ms after load() was called (one run): "
               + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()))
+        print(f"  the collector in those load() calls: {[r.get('gc') for r in runs]}")
     RESULTS["handoff"].update(parts=parts, race=race, fingerprint=fps)
     if parts:
         _print_handoff_parts(parts, race, fps)

@@ -4,6 +4,7 @@
     python benchmarks/probe_rank_copy.py alloc [--gib 16] [--reps 4]
     python benchmarks/probe_rank_copy.py smi
     python benchmarks/probe_rank_copy.py pieces [--gib 16] [--reps 4] [--pause 2]
+    python benchmarks/probe_rank_copy.py split [--gib 16] [--reps 4] [--pause 1]
 
 - race: a forked "rank" holds a VMM slab; per request it allocates a fresh slab, queues the
   copy into it on a stream of its own, sends the new slab's fd and then "copied"; the "engine"
@@ -21,6 +22,10 @@
   same size, an allocation waited for the freed memory's scrub); then
   the engine's side, every piece imported into one reserved range with one cuMemSetAccess,
   and its bytes checked across the seams. Against one allocation and a plain copy_.
+- split: the same cut into pieces as the product would run it: a forked rank allocates the
+  pieces and queues each piece's copy as soon as it is mapped, sends their fds and then
+  "copied"; the engine maps them into one range while the copy runs and frees them itself
+  (in one process an allocation right after a free of its size was slow: calls 27-29).
 """
 
 from __future__ import annotations
@@ -73,6 +78,103 @@ def _rank_side(sock: socket.socket, n: int) -> None:
         event.synchronize()
         wire.send_frame(sock, {"copied": perf() - t0})
         dst.release()
+
+
+def _split_rank(sock: socket.socket, n: int) -> None:
+    """The forked rank of `split`: per request, the copy into `pieces` fresh allocations."""
+    backend = CudaBackend(0)
+    src = backend.allocate(n)
+    src.tensor().fill_(7)
+    src.tensor()[n // 2:].fill_(9)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    sp = c_void_p(stream.cuda_stream)
+    wire.send_frame(sock, {"ready": True})
+    while True:
+        ask = wire.recv_frame(sock)[0]
+        if ask.get("quit"):
+            return
+        t0 = perf()
+        sizes, slabs, marks, offset = ask["sizes"], [], [], 0
+        for k in sizes:
+            slabs.append(backend.allocate(k))
+            cu.call("cuMemcpyDtoDAsync_v2", slabs[-1].ptr, src.ptr + offset, k, sp)
+            marks.append(perf() - t0)
+            offset += k
+        event = torch.cuda.Event()
+        event.record(stream)
+        fds = [slab.export_fd() for slab in slabs]
+        wire.send_frame(sock, {"first": marks[0], "all": marks[-1]}, fds)
+        wire.close_fds(fds)
+        event.synchronize()
+        wire.send_frame(sock, {"done": perf() - t0})
+        for slab in slabs:
+            slab.release()
+
+
+def split(n: int, reps: int, pause: float) -> None:
+    engine, rank = socket.socketpair()
+    pid = os.fork()  # before this process touches CUDA
+    if pid == 0:
+        engine.close()
+        _split_rank(rank, n)
+        os._exit(0)
+    rank.close()
+    wire.recv_frame(engine)
+    backend = CudaBackend(0)
+    g = backend.granularity
+    n = -(-n // g) * g  # as the rank's allocate() rounded it
+    cuts = {k: v for k, v in _splits(n, g).items() if k != "1/16 then 2"}
+    rw = cu.access_desc(0, False)
+    rows: dict[str, list[tuple[float, ...]]] = {}
+    for rep in range(reps + 1):
+        for label, sizes in cuts.items():
+            t0 = perf()
+            wire.send_frame(engine, {"sizes": sizes})
+            reply, fds = wire.recv_frame(engine)
+            t1 = perf()
+            va = int(cu.out("cuMemAddressReserve", c_ulonglong, n, g, 0, 0))
+            offset = 0
+            for fd, k in zip(fds, sizes, strict=True):
+                h = int(cu.out("cuMemImportFromShareableHandle", c_ulonglong, c_void_p(fd),
+                               cu.MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+                cu.call("cuMemMap", va + offset, k, 0, h, 0)
+                cu.call("cuMemRelease", h)
+                offset += k
+            cu.call("cuMemSetAccess", va, n, byref(rw), 1)
+            wire.close_fds(fds)
+            t2 = perf()
+            done = wire.recv_frame(engine)[0]
+            t3 = perf()
+            view = torch.as_tensor(_Range(va, n), device="cuda")
+            assert int(view[0]) == 7 and int(view[n // 2]) == 9 and int(view[n - 1]) == 9
+            del view
+            torch.cuda.synchronize()
+            cu.call("cuMemUnmap", va, n)
+            cu.call("cuMemAddressFree", va, n)
+            if rep:
+                rows.setdefault(label, []).append((t3 - t0, t1 - t0, t2 - t1, reply["first"],
+                                                   reply["all"], done["done"]))
+            time.sleep(pause)
+    wire.send_frame(engine, {"quit": 1})
+    os.waitpid(pid, 0)
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    d2d = []
+    for i in range(reps + 1):
+        t0 = perf()
+        b.copy_(a)
+        torch.cuda.synchronize()
+        if i:
+            d2d.append(perf() - t0)
+    base = statistics.median(d2d)
+    print(f"d2d copy_ of {n / 1e9:.2f} GB: median {base * 1e3:.2f} ms")
+    print(f"{'destination':12s} {'total':>7s} {'% D2D':>6s} {'reply':>6s} {'import':>7s} "
+          f"{'rank: 1st queued':>16s} {'all queued':>10s} {'done':>7s}  (ms, medians)")
+    for label, runs in rows.items():
+        med = [statistics.median(r[j] for r in runs) * 1e3 for j in range(6)]
+        print(f"{label:12s} {med[0]:7.2f} {base * 1e3 / med[0] * 100:6.1f} {med[1]:6.2f} "
+              f"{med[2]:7.2f} {med[3]:16.2f} {med[4]:10.2f} {med[5]:7.2f}")
 
 
 def race(n: int, reps: int) -> None:
@@ -327,7 +429,7 @@ def smi() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=("race", "alloc", "smi", "pieces"))
+    ap.add_argument("what", choices=("race", "alloc", "smi", "pieces", "split"))
     ap.add_argument("--gib", type=float, default=16)
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--pause", type=float, default=2.0, help="pieces: seconds after each run")
@@ -339,6 +441,8 @@ def main() -> None:
         alloc(n, args.reps)
     elif args.what == "pieces":
         pieces(n, args.reps, args.pause)
+    elif args.what == "split":
+        split(n, args.reps, args.pause)
     else:
         smi()
 

@@ -42,7 +42,7 @@ _BACKENDS: dict[str, Backend] = {}
 TRACE: dict[str, float] = {}
 """The last handoff's steps (time.perf_counter() at start, asked (every request sent: in share
 mode, the fingerprint computed), replies, imported, hello, copied, done; then load()'s handed,
-collector and closed), for benchmarks."""
+collector, weights and closed), for benchmarks."""
 
 
 def backend_for(device: str) -> Backend:

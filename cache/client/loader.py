@@ -160,6 +160,7 @@ def _from_cache(path: os.PathLike[str], model: str, layout: Layout, device: str,
             gc.enable()
     TRACE["collector"] = time.perf_counter()
     weights = Weights(tensors)
+    TRACE["weights"] = time.perf_counter()
     weights.source, weights.client, weights.bytes_outside = "cache", client, client.bytes_mapped
     if mode != "share":  # a share lease ends when the engine drops the last mapped tensor
         client.close()

@@ -194,6 +194,8 @@ def test_a_gpu_rank_makes_the_engines_copy_and_lets_go_of_it(tmp_path: Path, soc
 
     got = load(str(path), mode="copy", **kw)
     assert got.source == "cache" and got.bytes_outside == 0
+    # the slab came as PIECES allocations, mapped into one range: every byte across the seams
+    # is compared below
     assert torch.cuda.memory_reserved(0) == reserved0  # not torch's memory: the rank's copy
     for key, want in tensors.items():
         assert _same_bits_on_host(got[key], want), key
@@ -205,8 +207,12 @@ def test_a_gpu_rank_makes_the_engines_copy_and_lets_go_of_it(tmp_path: Path, soc
 
     client = CacheClient(socket_path(sockdir, 0))  # an engine that leaves mid-handoff
     reply, fds = client.request({"op": "open", "mode": "copy"})
-    assert reply["copying"] is True and len(fds) == 1
-    os.close(fds[0])
+    from vlaunch.cache.rank.copies import PIECES
+
+    assert reply["copying"] is True and len(reply["pieces"]) == 1
+    assert len(fds) == len(reply["pieces"][0]) == PIECES  # a 256 MiB slab: four pieces
+    for fd in fds:
+        os.close(fd)
     client.close()
     assert _settles(lambda: used() < size * 0.1), used()
 

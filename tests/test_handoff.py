@@ -235,3 +235,37 @@ def test_a_copy_that_failed_or_does_not_match_returns_nothing(
     assert open_fds() <= before  # the copy's fd is closed and its mapping is gone
     with open("/proc/self/maps") as maps:
         assert "memfd:test-copy" not in maps.read()
+
+
+@pytest.mark.parametrize("pieces", [[[SLAB // 2, SLAB // 2]], [[SLAB // 2]], [[0, SLAB]],
+                                    [["x"]], "x", [[SLAB], [SLAB]]])
+def test_a_copy_in_pieces_is_refused_where_they_cannot_be(
+        cache: Callable[[Answer], Path], pieces: Any) -> None:
+    """A slab of a rank's copy may come as several allocations ("pieces", an fd each); that
+    is a GPU rank's, so a CPU engine refuses it, as it refuses pieces that do not cover their
+    slab or are not sizes, with every fd closed and nothing mapped."""
+    fds = [os.memfd_create("test-copy") for _ in range(2)]
+    for fd in fds:
+        os.ftruncate(fd, SLAB)
+
+    def answer(req: dict[str, Any], slab_fd: int) -> tuple[dict[str, Any], list[int]]:
+        if req["op"] == "open":
+            return {"ok": True, "slabs": 1, "sizes": [SLAB], "copying": True,
+                    "pieces": pieces}, fds
+        return honest(req, slab_fd)
+
+    before = open_fds()
+    client = CacheClient(cache(answer))
+    try:
+        with pytest.raises(CacheBrokenError, match=r"pieces|piece size"):
+            client.handoff(lambda: FINGERPRINT, mode="copy", device="cpu")
+    finally:
+        client.close()
+    for thread in threading.enumerate():
+        if thread.name == "fake-cache":
+            thread.join(5)
+    for fd in fds:
+        os.close(fd)
+    assert open_fds() <= before
+    with open("/proc/self/maps") as maps:
+        assert "memfd:test-copy" not in maps.read()

@@ -245,3 +245,18 @@ def test_copied_asked_after_the_copy_is_done_is_answered_by_the_rank(rank) -> No
     finally:
         client.close()
     assert eventually(lambda: copier.released == ["handle"] or None, 10)
+
+
+@pytest.mark.parametrize("n", [1, 2 << 20, copies.MIN_PIECE * 2 - 1, copies.MIN_PIECE * 4,
+                               (17 << 30) + 12345, 1 << 40])
+def test_a_slab_is_cut_into_pieces_of_whole_granules(n: int) -> None:
+    """The allocations a slab's copy is made of: whole granules that cover it, at most PIECES,
+    none under MIN_PIECE (a smaller slab is one piece)."""
+    granule = 2 << 20
+    cut = copies.pieces(n, granule)
+    total = -(-n // granule) * granule
+    assert sum(cut) == total and all(k > 0 and k % granule == 0 for k in cut)
+    assert 1 <= len(cut) <= copies.PIECES
+    assert len(cut) == 1 or min(cut) >= copies.MIN_PIECE - granule
+    if n >= copies.PIECES * copies.MIN_PIECE:
+        assert len(cut) == copies.PIECES

@@ -203,6 +203,37 @@ def test_import_smaller_than_announced(backend: slabs_cuda.CudaBackend) -> None:
         slab.release()
 
 
+def test_a_slab_in_pieces_maps_as_one_range(backend: slabs_cuda.CudaBackend) -> None:
+    """A rank's copy for an engine comes as several allocations per slab (rank/copies.py):
+    mapped one after another they read as one slab, and a piece announced larger than its
+    allocation is refused with nothing left mapped or reserved."""
+    sizes = (SIZE, 2 * SIZE, SIZE)
+    slabs = [backend.allocate(k) for k in sizes]
+    for i, slab in enumerate(slabs):
+        _fill(slab.tensor(), seed=10 + i)
+    whole = torch.cat([slab.tensor() for slab in slabs])
+    fds = [slab.export_fd() for slab in slabs]
+    try:
+        size = sum(sizes) - 12345  # the slab's bytes end inside the last piece
+        before = set(slabs_cuda._mappings)
+        with pytest.raises(CacheBrokenError, match="fewer than"):
+            backend.import_pieces(fds, (SIZE, 2 * SIZE + backend.granularity, SIZE), size,
+                                  readonly=True)
+        assert set(slabs_cuda._mappings) == before
+        view = backend.import_pieces(fds, sizes, size, readonly=False)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert view.shape == (size,) and torch.equal(view, whole[:size])
+    view[SIZE - 8:SIZE + 8].fill_(0x5A)  # across a seam: lands in both allocations
+    torch.cuda.synchronize()
+    assert bool((slabs[0].tensor()[-8:] == 0x5A).all())
+    assert bool((slabs[1].tensor()[:8] == 0x5A).all())
+    del view
+    for slab in slabs:
+        slab.release()
+
+
 def test_import_of_a_non_cuda_fd(backend: slabs_cuda.CudaBackend) -> None:
     fd = os.memfd_create("not-cuda")
     try:

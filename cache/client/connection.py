@@ -23,6 +23,7 @@ from vlaunch.cache.contract.errors import (
     ProtocolError,
     SocketDirError,
 )
+from vlaunch.cache.contract.protocol import MAX_FDS
 from vlaunch.cache.contract.sockdir import check_peer, ensure_socket_dir
 from vlaunch.cache.store.manifest import Manifest, checked_int, views
 
@@ -190,10 +191,12 @@ class CacheClient:
                 orep, ofds = self._recv()
                 owed -= 1
                 sizes: tuple[int, ...] = ()
+                pieces: list[tuple[int, ...]] | None = None
                 bad_open: CacheBrokenError | None = None
                 if orep.get("ok") is True:
                     try:
                         sizes = _slab_sizes(orep.get("sizes"))
+                        pieces = _slab_pieces(orep.get("pieces"), sizes)
                     except CacheBrokenError as exc:  # e.g. a cache of another version
                         bad_open = exc
                 if orep.get("ok") is not True or bad_open:
@@ -208,7 +211,8 @@ class CacheClient:
                     if orep.get("ok") is True and not bad_open:
                         # our copies start as each slab is mapped
                         mapped.extend(import_slabs(ofds, sizes, device, copies if own else None,
-                                                   readonly=not copying))
+                                                   readonly=not copying,
+                                                   pieces=pieces if copying else None))
                     TRACE["imported"] = time.perf_counter()
                     mrep, mfds = self._recv()
                     owed -= 1
@@ -489,6 +493,24 @@ def _slab_sizes(sizes: Any) -> tuple[int, ...]:
         raise CacheBrokenError(f"invalid open reply from cache: {exc}") from exc
 
 
+def _slab_pieces(pieces: Any, sizes: tuple[int, ...]) -> list[tuple[int, ...]] | None:
+    """The pieces of an open reply (per slab, the sizes of the allocations it is made of, an
+    fd each), checked; None where each slab is one fd."""
+    if pieces is None:
+        return None
+    try:
+        if not isinstance(pieces, list) or len(pieces) != len(sizes):
+            raise ValueError("no list of pieces per slab")
+        out = [tuple(checked_int(k, "piece size") for k in cut) for cut in pieces
+               if isinstance(cut, list)]
+        if len(out) != len(sizes) or sum(map(len, out)) > MAX_FDS or not all(
+                cut and min(cut) > 0 and sum(cut) >= n for cut, n in zip(out, sizes, strict=True)):
+            raise ValueError("pieces that do not cover their slabs")
+        return out
+    except (TypeError, ValueError) as exc:
+        raise CacheBrokenError(f"invalid open reply from cache: {exc}") from exc
+
+
 def _copying(reply: dict[str, Any], mode: str) -> bool:
     """Whether an open reply's fds are of our own copy, which the cache is still making (a GPU
     rank copies for the copy modes: rank/copies.py); `copied` is then answered when done."""
@@ -497,9 +519,11 @@ def _copying(reply: dict[str, Any], mode: str) -> bool:
 
 def import_slabs(fds: list[int], sizes: tuple[int, ...], device: str,
                  copies: list[torch.Tensor] | None = None, *,
-                 readonly: bool = True) -> list[torch.Tensor]:
-    """Map each slab fd (read-only unless the slabs are our own copy); closes every fd. With
-    `copies`, also copy each slab into memory of our own (appended to `copies` in order):
+                 readonly: bool = True,
+                 pieces: list[tuple[int, ...]] | None = None) -> list[torch.Tensor]:
+    """Map each slab fd (read-only unless the slabs are our own copy); closes every fd. A slab
+    made of `pieces` (a rank's copy for us) comes as an fd per piece, mapped into one range.
+    With `copies`, also copy each slab into memory of our own (appended to `copies` in order):
     every slab is mapped first, then each destination allocated, then one copy per slab
     queued on the current stream.
 
@@ -508,11 +532,18 @@ def import_slabs(fds: list[int], sizes: tuple[int, ...], device: str,
     serialises them); mapping a slab while earlier copies ran stalled on them.
     """
     try:
-        if len(fds) != len(sizes):
+        if len(fds) != (sum(map(len, pieces)) if pieces else len(sizes)):
             raise CacheBrokenError(f"cache sent {len(fds)} fds for {len(sizes)} slabs")
         backend = backend_for(device)
-        mapped = [backend.import_fd(fd, size, readonly=readonly)
-                  for fd, size in zip(fds, sizes, strict=True)]
+        if pieces is None:
+            mapped = [backend.import_fd(fd, size, readonly=readonly)
+                      for fd, size in zip(fds, sizes, strict=True)]
+        else:
+            mapped, at = [], 0
+            for size, cut in zip(sizes, pieces, strict=True):
+                mapped.append(backend.import_pieces(fds[at:at + len(cut)], cut, size,
+                                                    readonly=readonly))
+                at += len(cut)
         if copies is not None:
             import torch
 

@@ -35,6 +35,20 @@ log = logging.getLogger("vlaunch.cache")
 MAX_IN_FLIGHT = 2
 """Copies a rank makes at once; past that, engines copy for themselves (their memory, their
 failure): every copy in flight is a second shard's worth of device memory."""
+PIECES = 4
+"""Allocations a slab's copy is made of, at most: the first piece's copy starts once it alone
+is allocated."""
+MIN_PIECE = 64 << 20
+"""No piece is cut smaller: a small slab is one allocation (it allocates fast anyway)."""
+
+
+def pieces(n: int, granularity: int, most: int = PIECES) -> list[int]:
+    """The sizes of the allocations a slab of n bytes is copied into: whole granules, at
+    most `most` of them, none under MIN_PIECE (but a slab that small is one piece)."""
+    total = -(-max(n, 1) // granularity) * granularity
+    count = max(1, min(most, total // MIN_PIECE, total // granularity))
+    piece = -(-(total // count) // granularity) * granularity
+    return [piece] * (count - 1) + [total - piece * (count - 1)]
 
 
 class Copy:
@@ -52,8 +66,10 @@ class Copy:
     """
 
     def __init__(self, slabs: list[Any], fds: list[int], event: Any,
-                 slot: threading.Semaphore, what: str, steps: tuple[float, ...]) -> None:
+                 slot: threading.Semaphore, what: str, steps: tuple[float, ...],
+                 pieces: list[list[int]] | None = None) -> None:
         self.fds = fds
+        self.pieces = pieces  # per slab, the sizes of the allocations it is made of
         self._slabs, self._event, self._slot = slabs, event, slot
         self._what, self._steps = what, steps  # for the log: perf_counter at request, ...
         self._closed = threading.Event()
@@ -110,11 +126,11 @@ class Copy:
         finally:
             self._slabs = []
             self._slot.release()
-        asked, allocated, queued = self._steps
+        asked, first, allocated = self._steps
         if error is None:
-            log.info("made %s in %.1f ms after the request (allocated in %.1f, copying from "
-                     "%.1f)", self._what, (done - asked) * 1e3, (allocated - asked) * 1e3,
-                     (queued - asked) * 1e3)
+            log.info("made %s in %.1f ms after the request (copying from %.1f, allocated in "
+                     "%.1f)", self._what, (done - asked) * 1e3, (first - asked) * 1e3,
+                     (allocated - asked) * 1e3)
 
     def _finished(self, error: Exception | None, sent: int) -> None:
         if self._done.done():
@@ -156,23 +172,31 @@ class RankCopier:
 
     def start(self, who: str) -> Copy | None:
         """Allocate the engine's slabs and queue the copy into them; None where the rank
-        cannot (every slot busy, or no room on the device: the engine then copies)."""
-        import torch
+        cannot (every slot busy, or no room on the device: the engine then copies).
 
+        Each slab is made of `pieces()` allocations, and each piece's copy is queued as soon
+        as that piece is mapped: the device copies the first piece while the rank allocates
+        the next ones (allocating 17.4 GB at once took 0.9-1.3 ms before its copy could
+        start)."""
         asked = time.perf_counter()
         if not self._sources or not self._slots.acquire(blocking=False):
             return None
         slabs: list[Any] = []
         fds: list[int] = []
+        cuts: list[list[int]] = []
+        first = 0.0
         try:
-            for n in self._sizes:
-                slabs.append(self._backend.allocate(n))
+            for source, n in zip(self._sources, self._sizes, strict=True):
+                cuts.append(pieces(n, self._backend.granularity))
+                offset = 0
+                for k in cuts[-1]:
+                    slabs.append(self._backend.allocate(k))
+                    self._queue([(slabs[-1].ptr, source.data_ptr() + offset,
+                                  min(k, n - offset))])
+                    first = first or time.perf_counter()
+                    offset += k
             allocated = time.perf_counter()
-            self._queue([(slab.ptr, source.data_ptr(), source.numel())
-                         for slab, source in zip(slabs, self._sources, strict=True)])
-            event = torch.cuda.Event()
-            event.record(self._stream)
-            queued = time.perf_counter()
+            event = self._record()
             fds.extend(slab.export_fd() for slab in slabs)
         except DeviceError as exc:
             log.info("the engine copies its slabs itself: the rank cannot make its copy (%s)",
@@ -184,7 +208,15 @@ class RankCopier:
             self._slots.release()
             return None
         what = f"{who}'s copy ({sum(self._sizes) / 1e9:.2f} GB)"
-        return Copy(slabs, fds, event, self._slots, what, (asked, allocated, queued))
+        return Copy(slabs, fds, event, self._slots, what, (asked, first, allocated), cuts)
+
+    def _record(self) -> Any:
+        """An event on the rank's stream after every copy queued so far."""
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
 
     def _queue(self, copies: list[tuple[int, int, int]]) -> None:
         """Queue (destination, source, bytes) device copies on the rank's stream: the driver's

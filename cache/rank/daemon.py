@@ -199,7 +199,9 @@ class CacheServer:
     def handle_open(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """open: send the slab fds (SCM_RIGHTS) and their sizes, which the client maps them at
         before it has read the manifest. In a copy mode on a GPU, the fds are of the engine's
-        own copy, which the rank has started making ("copying": ask `copied` before use)."""
+        own copy, which the rank has started making ("copying": ask `copied` before use); a
+        slab of it may be several allocations ("pieces": per slab, their sizes, an fd each,
+        mapped one after another into one range)."""
         lease.mode = f["mode"]
         sizes = list(self.manifest.slab_sizes)
         old = self._copies.pop(id(lease), None)  # an earlier open's copy, never asked for
@@ -210,7 +212,10 @@ class CacheServer:
         if copy is None:
             return {"ok": True, "slabs": len(self.fds), "sizes": sizes}, list(self.fds)
         self._copies[id(lease)] = copy
-        return {"ok": True, "slabs": len(copy.fds), "sizes": sizes, "copying": True}, copy.fds
+        reply = {"ok": True, "slabs": len(sizes), "sizes": sizes, "copying": True}
+        if copy.pieces and any(len(cut) > 1 for cut in copy.pieces):
+            reply["pieces"] = copy.pieces  # a slab's fds, one per allocation it is made of
+        return reply, copy.fds
 
     async def handle_copied(self, lease: Lease, f: dict[str, Any]) -> tuple[bytes, list[int]]:
         """copied: answered once the copy this connection's `open` started is done; by the

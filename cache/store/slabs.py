@@ -69,6 +69,10 @@ class Backend(Protocol):
     def import_fd(self, fd: int, size: int, *, readonly: bool) -> torch.Tensor:
         """Map an exported slab; returns a uint8 tensor that owns the mapping."""
 
+    def import_pieces(self, fds: list[int], pieces: tuple[int, ...], size: int, *,
+                      readonly: bool) -> torch.Tensor:
+        """Map a slab made of several exported allocations (sizes `pieces`) into one range."""
+
     def map_fd(self, fd: int, size: int, *, readonly: bool) -> SlabBytes:
         """Map an exported slab for the rank (as `Slab.buffer`); the fd stays open."""
 
@@ -152,6 +156,12 @@ class CpuBackend:
     def import_fd(self, fd: int, size: int, *, readonly: bool) -> torch.Tensor:
         """Map a slab another process sent; refuses one smaller than announced."""
         return _tensor_over(_mapping(fd, size, readonly), size)
+
+    def import_pieces(self, fds: list[int], pieces: tuple[int, ...], size: int, *,
+                      readonly: bool) -> torch.Tensor:
+        """Refused: a CPU rank sends each slab as one fd (only a GPU rank makes copies)."""
+        raise CacheBrokenError(f"cache sent a CPU slab as {len(fds)} pieces; a CPU rank "
+                               "sends one fd per slab (is the cache of another version?)")
 
     def map_fd(self, fd: int, size: int, *, readonly: bool) -> np.ndarray:
         """The same as a uint8 numpy array (the rank's own use: no torch)."""

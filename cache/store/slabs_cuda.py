@@ -237,35 +237,79 @@ class CudaBackend:
     def import_fd(self, fd: int, size: int, *, readonly: bool) -> torch.Tensor:
         """Map a slab another process exported; the fd stays open (the caller closes it)."""
         with _current(self.ctx):
+            handle, prop = self._import(fd)
             try:
-                # For a POSIX fd the void* osHandle is the fd itself: (void*)(intptr_t)fd.
-                handle = int(cu.out("cuMemImportFromShareableHandle", c_ulonglong,
-                                    c_void_p(fd), cu.MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
-            except DriverError as e:
-                raise CacheBrokenError(f"slab fd {fd} is not an importable CUDA allocation: "
-                                       f"{e}") from e
-            try:
-                prop = cu.MemAllocationProp()
-                cu.call("cuMemGetAllocationPropertiesFromHandle", byref(prop), handle)
-                on_device = prop.location.type == cu.MEM_LOCATION_TYPE_DEVICE
-                if not on_device or prop.location.id != self.index:
-                    where = f"cuda:{prop.location.id}" if on_device else \
-                        f"location type {prop.location.type}"
-                    raise CacheBrokenError(f"slab fd holds memory on {where}, but this backend "
-                                           f"maps {self.device}; pair ranks by device UUID")
                 # The exporter rounded up to a multiple of at least this: mapping no more.
                 length = _round_up(max(size, 1),
                                    _granularity(prop, cu.MEM_ALLOC_GRANULARITY_MINIMUM))
                 try:
                     mapping = self._map(handle, length, size, readonly)
                 except DriverError as e:  # H200, driver 580: NOT_SUPPORTED past the end
-                    if e.call != "cuMemMap" or e.error not in _TOO_SMALL:
+                    if not _past_the_end(e):
                         raise
-                    raise CacheBrokenError(f"slab fd holds fewer than the {size} bytes the "
-                                           f"manifest says ({e})") from e
+                    raise _too_small(e, size) from e
             finally:
                 _quietly("cuMemRelease", handle)  # the mapping keeps the allocation alive
         return mapping.tensor(self.device)
+
+    def import_pieces(self, fds: list[int], pieces: tuple[int, ...], size: int, *,
+                      readonly: bool) -> torch.Tensor:
+        """Map a slab made of several allocations (a rank's copy for the engine: rank/copies.py)
+        one after another into one range, with one access call for all of them; the fds stay
+        open."""
+        length = sum(pieces)
+        if len(fds) != len(pieces) or length < size or any(k % self.min_granularity
+                                                            for k in pieces):
+            raise CacheBrokenError(f"slab pieces {list(pieces)[:8]} (for {len(fds)} fds) do "
+                                   f"not make a slab of {size} bytes")
+        with _current(self.ctx):
+            ptr = int(cu.out("cuMemAddressReserve", c_ulonglong, length, self.granularity, 0,
+                             0))
+            at = 0
+            try:
+                for fd, k in zip(fds, pieces, strict=True):
+                    handle, _ = self._import(fd)
+                    try:
+                        cu.call("cuMemMap", ptr + at, k, 0, handle, 0)
+                    except DriverError as e:
+                        if not _past_the_end(e):
+                            raise
+                        raise _too_small(e, k) from e
+                    finally:
+                        _quietly("cuMemRelease", handle)  # the mapping keeps it alive
+                    at += k
+                cu.call("cuMemSetAccess", ptr, length,
+                        byref(cu.access_desc(self.index, readonly)), 1)
+            except BaseException:  # a driver error, or a piece that is not ours to map
+                if at:
+                    _quietly("cuMemUnmap", ptr, at)
+                _quietly("cuMemAddressFree", ptr, length)
+                raise
+        return _Mapping(self.ctx, ptr, length, size).tensor(self.device)
+
+    def _import(self, fd: int) -> tuple[int, cu.MemAllocationProp]:
+        """Import an exported allocation of this backend's device: its handle (the caller
+        releases it) and its properties. The context is current."""
+        try:
+            # For a POSIX fd the void* osHandle is the fd itself: (void*)(intptr_t)fd.
+            handle = int(cu.out("cuMemImportFromShareableHandle", c_ulonglong,
+                                c_void_p(fd), cu.MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+        except DriverError as e:
+            raise CacheBrokenError(f"slab fd {fd} is not an importable CUDA allocation: "
+                                   f"{e}") from e
+        try:
+            prop = cu.MemAllocationProp()
+            cu.call("cuMemGetAllocationPropertiesFromHandle", byref(prop), handle)
+            on_device = prop.location.type == cu.MEM_LOCATION_TYPE_DEVICE
+            if not on_device or prop.location.id != self.index:
+                where = f"cuda:{prop.location.id}" if on_device else \
+                    f"location type {prop.location.type}"
+                raise CacheBrokenError(f"slab fd holds memory on {where}, but this backend "
+                                       f"maps {self.device}; pair ranks by device UUID")
+        except DeviceError:
+            _quietly("cuMemRelease", handle)
+            raise
+        return handle, prop
 
     def device_info(self) -> dict[str, str]:
         """Fingerprint fields of the device."""
@@ -277,6 +321,16 @@ class CudaBackend:
                        cu.DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.dev)
         return {"device_uuid": cu.uuid(self.dev), "compute_capability": f"{major}.{minor}",
                 "driver": _driver_version(), "cuda": torch.version.cuda or ""}
+
+
+def _past_the_end(e: DriverError) -> bool:
+    """Whether cuMemMap failed the way it does for a mapping longer than the allocation."""
+    return e.call == "cuMemMap" and e.error in _TOO_SMALL
+
+
+def _too_small(e: DriverError, size: int) -> CacheBrokenError:
+    """A slab fd that holds fewer bytes than announced."""
+    return CacheBrokenError(f"slab fd holds fewer than the {size} bytes the manifest says ({e})")
 
 
 def _quietly(name: str, *args: Any) -> None:

@@ -260,3 +260,22 @@ def test_a_slab_is_cut_into_pieces_of_whole_granules(n: int) -> None:
     assert len(cut) == 1 or min(cut) >= copies.MIN_PIECE - granule
     if n >= copies.PIECES * copies.MIN_PIECE:
         assert len(cut) == copies.PIECES
+
+
+def test_a_copy_longer_than_the_engines_spin_is_waited_for(rank, monkeypatch) -> None:
+    """The engine polls for `copied` for SPIN_FOR_COPY, then sleeps on it as on any reply."""
+    from vlaunch.cache.client import connection
+
+    path, copier, _ = rank
+    monkeypatch.setattr(connection, "SPIN_FOR_COPY", 0.01)
+    copier.gate = threading.Event()
+    threading.Timer(0.3, copier.gate.set).start()
+    client = CacheClient(path)
+    try:
+        t0 = time.perf_counter()
+        tensors = client.handoff(lambda: FINGERPRINT, mode="copy", device="cpu")
+        assert time.perf_counter() - t0 >= 0.25  # it did wait for the copy
+    finally:
+        copier.gate.set()
+        client.close()
+    assert int(tensors["w"][255]) == 255

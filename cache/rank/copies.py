@@ -7,10 +7,10 @@ into them as soon as the `open` request arrives, then sends their fds. The engin
 read-write while the copy runs (they are its memory from then on: the rank lets go of its own
 handles), and the rank answers the engine's `copied` request once the copy is done.
 
-On an H200, a copy-mode `load()` of a 17.4 GB rank in a fresh engine process took 10.9-11.5
-ms this way against 12.4-13.7 ms the engine's way: 71-75% of a plain device-to-device copy_
-of the same bytes, from 60-66% (benchmarks/results/gpu_2026-12-01.md, calls 21-25; what the
-rest is made of is there too). Where the rank cannot take the copy on (no room for it on the
+On an H200, a copy-mode `load()` of a 17.4 GB rank in a fresh engine process took 9.8-10.3
+ms this way (each slab in four pieces, the reply sent by the copy's thread) against 12.4-13.7
+ms the engine's way: 79-83% of a plain device-to-device copy_ of the same bytes, from 60-66%
+(benchmarks/results/gpu_2026-12-01.md, calls 32-34; what the rest is made of is there too). Where the rank cannot take the copy on (no room for it on the
 device, or MAX_IN_FLIGHT copies already running), `start` returns None and the rank sends
 its own slabs: the engine copies them itself, as on a CPU rank.
 """

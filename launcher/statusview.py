@@ -48,6 +48,7 @@ def merge(snapshot: dict[str, Any], *, socket_dir: Path, devices: Mapping[int, s
         held = rank_bytes(detail) if detail else r.get("loaded_bytes", 0)  # loading: so far
         ranks[rank] = {**r, "device": devices.get(rank), "bytes": held,
                        "leases": detail.get("leases", []),
+                       "copies": detail.get("copies", {"in_flight": 0, "bytes": 0}),
                        "checkpoint": detail.get("checkpoint"),
                        "role": role, "group_rank": group_rank,
                        "socket": str(socket_path(socket_dir, group_rank, role))}

@@ -224,6 +224,9 @@ def test_a_gpu_rank_makes_the_engines_copy_and_lets_go_of_it(tmp_path: Path, soc
         assert reply["copying"] is True
         for fd in fds:
             os.close(fd)
+    copies = holders[0].status()["copies"]  # the rank's status counts them and their memory
+    assert copies["in_flight"] == MAX_IN_FLIGHT
+    assert size * MAX_IN_FLIGHT <= copies["bytes"] < size * MAX_IN_FLIGHT * 1.1
     got = load(str(path), mode="copy", **kw)  # the rank has no slot left: we copy ourselves
     assert torch.cuda.memory_reserved(0) >= reserved0 + size
     for key, want in tensors.items():

@@ -79,10 +79,10 @@ class MemfdCopier:
         self.gate: threading.Event | None = None  # set: copies finish once it is
         self.made: list[copies.Copy] = []
         self.released: list[str] = []
-        self.slots = threading.Semaphore(copies.MAX_IN_FLIGHT)
+        self.slots = copies.Slots()
 
     def start(self, who: str) -> copies.Copy | None:
-        if not self.slots.acquire(blocking=False):
+        if not self.slots.acquire():
             return None
         fd = os.memfd_create("test-rank-copy")
         os.ftruncate(fd, SIZE)
@@ -93,6 +93,9 @@ class MemfdCopier:
         copy = copies.Copy([handle], [fd], event, self.slots, f"{who}'s copy", (now, now, now))
         self.made.append(copy)
         return copy
+
+    def status(self) -> dict[str, int]:
+        return {"in_flight": self.slots.taken, "bytes": self.slots.taken * SIZE}
 
     def close(self) -> None:
         pass
@@ -175,6 +178,8 @@ def test_past_the_bound_the_engine_copies_for_itself(rank) -> None:
             assert reply["copying"] is True
             wire.close_fds(fds)
         time.sleep(COPY_SECONDS * 2)  # their copies are done: the fds still hold the slots
+        assert holders[0].status()["copies"] == {"in_flight": copies.MAX_IN_FLIGHT,
+                                                 "bytes": copies.MAX_IN_FLIGHT * SIZE}
         client = CacheClient(path)
         try:
             tensors = client.handoff(lambda: FINGERPRINT, mode="copy", device="cpu")
@@ -186,7 +191,13 @@ def test_past_the_bound_the_engine_copies_for_itself(rank) -> None:
         for holder in holders:
             holder.close()
     assert eventually(lambda: len(copier.released) == copies.MAX_IN_FLIGHT or None, 10)
-    assert copier.slots.acquire(blocking=False)  # free again
+    assert copier.slots.acquire()  # free again
+    copier.slots.release()
+    client = CacheClient(path)
+    try:
+        assert client.status()["copies"] == {"in_flight": 0, "bytes": 0}
+    finally:
+        client.close()
 
 
 def test_a_copy_the_device_failed_is_refused_and_let_go(rank) -> None:

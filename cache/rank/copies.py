@@ -10,9 +10,10 @@ handles), and the rank answers the engine's `copied` request once the copy is do
 On an H200, a copy-mode `load()` of a 17.4 GB rank in a fresh engine process took 9.8-10.3
 ms this way (each slab in four pieces, the reply sent by the copy's thread) against 12.4-13.7
 ms the engine's way: 79-83% of a plain device-to-device copy_ of the same bytes, from 60-66%
-(benchmarks/results/gpu_2026-12-01.md, calls 32-34; what the rest is made of is there too). Where the rank cannot take the copy on (no room for it on the
-device, or MAX_IN_FLIGHT copies already running), `start` returns None and the rank sends
-its own slabs: the engine copies them itself, as on a CPU rank.
+(benchmarks/results/gpu_2026-12-01.md, calls 32-34; what the rest is made of is there too).
+Where the rank cannot take the copy on (no room for it on the device, or MAX_IN_FLIGHT copies
+already running), `start` returns None and the rank sends its own slabs: the engine copies
+them itself, as on a CPU rank.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class Copy:
     """
 
     def __init__(self, slabs: list[Any], fds: list[int], event: Any,
-                 slot: threading.Semaphore, what: str, steps: tuple[float, ...],
+                 slot: Slots, what: str, steps: tuple[float, ...],
                  pieces: list[list[int]] | None = None) -> None:
         self.fds = fds
         self.pieces = pieces  # per slab, the sizes of the allocations it is made of
@@ -150,6 +151,29 @@ def _send_now(sock: socket.socket, frame: bytes) -> int:
         return 0
 
 
+class Slots:
+    """At most MAX_IN_FLIGHT copies at once, and how many are taken (the rank's status)."""
+
+    def __init__(self, count: int = MAX_IN_FLIGHT) -> None:
+        self._free = threading.Semaphore(count)
+        self._lock = threading.Lock()
+        self.taken = 0
+
+    def acquire(self) -> bool:
+        """Take a slot if one is free."""
+        if not self._free.acquire(blocking=False):
+            return False
+        with self._lock:
+            self.taken += 1
+        return True
+
+    def release(self) -> None:
+        """Give a slot back (a copy's handles and fds are gone)."""
+        with self._lock:
+            self.taken -= 1
+        self._free.release()
+
+
 class RankCopier:
     """Makes engines' copies of this rank's slabs on its GPU, on a stream of its own."""
 
@@ -161,7 +185,7 @@ class RankCopier:
         self._sources = [backend.map_fd(fd, n, readonly=True) for fd, n in zip(fds, sizes,
                                                                                strict=True)]
         self._stream = torch.cuda.Stream(device=backend.device)
-        self._slots = threading.Semaphore(MAX_IN_FLIGHT)
+        self._slots = Slots()
         if self._sources:  # the first copy's one-time costs (the copy path's first use) now
             scratch = torch.empty(256, dtype=torch.uint8, device=backend.device)
             self._queue([(scratch.data_ptr(), self._sources[0].data_ptr(),
@@ -179,7 +203,7 @@ class RankCopier:
         the next ones (allocating 17.4 GB at once took 0.9-1.3 ms before its copy could
         start)."""
         asked = time.perf_counter()
-        if not self._sources or not self._slots.acquire(blocking=False):
+        if not self._sources or not self._slots.acquire():
             return None
         slabs: list[Any] = []
         fds: list[int] = []
@@ -209,6 +233,14 @@ class RankCopier:
             return None
         what = f"{who}'s copy ({sum(self._sizes) / 1e9:.2f} GB)"
         return Copy(slabs, fds, event, self._slots, what, (asked, first, allocated), cuts)
+
+    def status(self) -> dict[str, int]:
+        """Copies for engines the rank holds device memory for (from `open` until the rank let
+        go of them: milliseconds each, unless an engine never asks `copied`), and their bytes."""
+        taken = self._slots.taken
+        granule = self._backend.granularity
+        each = sum(-(-max(n, 1) // granule) * granule for n in self._sizes)
+        return {"in_flight": taken, "bytes": taken * each}
 
     def _record(self) -> Any:
         """An event on the rank's stream after every copy queued so far."""

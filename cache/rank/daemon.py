@@ -419,6 +419,7 @@ class CacheServer:
                 "slabs": len(self.manifest.slab_sizes), "uptime": time.time() - self.started,
                 "artifacts": len(self.artifacts),
                 "leases": [x.to_status() for x in self.leases.values() if x is not exclude],
+                "copies": self.copier.status() if self.copier else {"in_flight": 0, "bytes": 0},
                 "checkpoint": self.integrity.status() if self.integrity else None,
                 "fingerprint": self.fingerprint,
                 "raw": "released" if self.raw_released else "held",

@@ -237,10 +237,11 @@ def test_a_copy_that_failed_or_does_not_match_returns_nothing(
         assert "memfd:test-copy" not in maps.read()
 
 
+@pytest.mark.parametrize("via", ["handoff", "map"])
 @pytest.mark.parametrize("pieces", [[[SLAB // 2, SLAB // 2]], [[SLAB // 2]], [[0, SLAB]],
                                     [["x"]], "x", [[SLAB], [SLAB]]])
 def test_a_copy_in_pieces_is_refused_where_they_cannot_be(
-        cache: Callable[[Answer], Path], pieces: Any) -> None:
+        cache: Callable[[Answer], Path], pieces: Any, via: str) -> None:
     """A slab of a rank's copy may come as several allocations ("pieces", an fd each); that
     is a GPU rank's, so a CPU engine refuses it, as it refuses pieces that do not cover their
     slab or are not sizes, with every fd closed and nothing mapped."""
@@ -257,8 +258,12 @@ def test_a_copy_in_pieces_is_refused_where_they_cannot_be(
     before = open_fds()
     client = CacheClient(cache(answer))
     try:
+        # not "sent 2 fds for 1 slabs": the pieces were read, and refused
         with pytest.raises(CacheBrokenError, match=r"pieces|piece size"):
-            client.handoff(lambda: FINGERPRINT, mode="copy", device="cpu")
+            if via == "handoff":
+                client.handoff(lambda: FINGERPRINT, mode="copy", device="cpu")
+            else:
+                client.map(client.manifest(), mode="copy", device="cpu")
     finally:
         client.close()
     for thread in threading.enumerate():

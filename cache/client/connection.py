@@ -154,7 +154,13 @@ class CacheClient:
                                    **({"layout": layout} if layout else {})})
         copying = _copying(reply, mode)
         copies: list[torch.Tensor] | None = [] if mode != "share" and not copying else None
-        slabs = import_slabs(fds, manifest.slab_sizes, device, copies, readonly=not copying)
+        try:
+            pieces = _slab_pieces(reply.get("pieces"), manifest.slab_sizes) if copying else None
+        except CacheBrokenError:
+            wire.close_fds(fds)
+            raise
+        slabs = import_slabs(fds, manifest.slab_sizes, device, copies, readonly=not copying,
+                             pieces=pieces)
         if copying:
             self.request({"op": "copied"})  # the cache's copy into them is done
         elif copies is not None:

@@ -264,7 +264,7 @@ def test_a_slab_is_cut_into_pieces_of_whole_granules(n: int) -> None:
     """The allocations a slab's copy is made of: whole granules that cover it, at most PIECES,
     none under MIN_PIECE (a smaller slab is one piece)."""
     granule = 2 << 20
-    cut = copies.pieces(n, granule)
+    cut = copies.piece_sizes(n, granule)
     total = -(-n // granule) * granule
     assert sum(cut) == total and all(k > 0 and k % granule == 0 for k in cut)
     assert 1 <= len(cut) <= copies.PIECES

@@ -139,9 +139,9 @@ async def write_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket,
                       timeout: float | None = None) -> None:
     """Send one frame (with fds) on a non-blocking socket; `message` may be a frame that
     protocol.encode already made (without fds), for a reply sent many times, or what is left
-    of one to send (nothing, when it is empty). A frame the
-    socket takes at once is sent without a trip through the event loop; a peer that leaves
-    the rest unread for `timeout` seconds raises TimeoutError."""
+    of one to send (nothing, when it is empty). A frame the socket takes at once is sent
+    without a trip through the event loop; a peer that leaves the rest unread for `timeout`
+    seconds raises TimeoutError."""
     if isinstance(message, bytes):
         if fds:
             raise ProtocolError("a pre-encoded frame carries no fds")

@@ -200,6 +200,46 @@ def test_every_field_of_an_engine_layout_must_match(model: Path, sockdir: Path,
         assert not miss.layout and miss.source == "disk" and "mismatch" in miss.layout_miss
 
 
+def test_an_engine_layout_load_sets_off_no_collection(model: Path, sockdir: Path, caches: list,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mapping an engine layout holds the collector off, as a raw load does: no collection in
+    the middle of the handoff, none due when it returns."""
+    from vlaunch.cache.client import layout as client_layout
+
+    cfg = ModelConfig.from_dir(model)
+    caches.append(spawn_cache(model, sockdir))
+    fields = layout_fields(cfg, "bfloat16")
+    raw = load(str(model), socket_dir=str(sockdir), device="cpu")
+    back = hand_back(engine_layout(raw, cfg, 1), model=str(model), fields=fields,
+                     socket_dir=str(sockdir), device="cpu", release_raw=False)
+    del raw, back
+    passes: list[int] = []
+    handing: list[int] = []  # passes counted when the layout's handoff began
+    checked = client_layout._checked_manifest
+
+    def begin(*args: object, **kw: object) -> object:
+        handing.append(len(passes))
+        return checked(*args, **kw)
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            passes.append(info["generation"])
+
+    monkeypatch.setattr(client_layout, "_checked_manifest", begin)
+    gc.collect()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(20, 10, 10)  # far fewer objects than the handoff makes
+    gc.callbacks.append(count)
+    try:
+        weights = load(str(model), socket_dir=str(sockdir), device="cpu", layout=fields)
+        after = gc.get_count()
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*thresholds)
+    assert weights.layout == el.layout_key(fields) and gc.isenabled()
+    assert len(passes) == handing[0] and after[0] < 20, (passes, handing, after)
+
+
 def test_layout_requests_are_bounded_and_checked(model: Path, sockdir: Path,
                                                  caches: list) -> None:
     cache = spawn_cache(model, sockdir)

@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from vlaunch.cache.client import collector
 from vlaunch.cache.client.connection import CacheClient, backend_for
 from vlaunch.cache.contract import engine_layout as el
 from vlaunch.cache.contract import wire
@@ -58,9 +59,10 @@ def load_layout(path: os.PathLike[str] | str, model: str, layout: Layout, device
     key = el.layout_key(checked)
     client = CacheClient(path, timeout=timeout)
     try:
-        manifest, copy = _checked_manifest(client, model, layout, device, checked, plan,
-                                           kernel_backends, loader, quantization)
-        tensors = client.map(manifest, mode=mode, device=device, layout=key)
+        with collector.paused():  # as for the raw layout (loader._from_cache)
+            manifest, copy = _checked_manifest(client, model, layout, device, checked, plan,
+                                               kernel_backends, loader, quantization)
+            tensors = client.map(manifest, mode=mode, device=device, layout=key)
     except BaseException:
         client.close()
         raise

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
 from collections.abc import Mapping
 from typing import Any
 
+from vlaunch.cache.client import collector
 from vlaunch.cache.client.connection import TRACE, CacheClient
 from vlaunch.cache.client.rewrites import check_rewrites
 from vlaunch.cache.client.weights import (
@@ -143,21 +143,16 @@ def _from_cache(path: os.PathLike[str], model: str, layout: Layout, device: str,
                 plan: str, kernel_backends: str, loader: str, timeout: float,
                 quantization: str | None = None, role: str = "target") -> Weights:
     client = CacheClient(path, timeout=timeout)  # may wait for the cache: GC stays on
-    collecting = gc.isenabled()
-    gc.disable()  # a collection pass would cost more than the rest of the handoff
     try:
-        tensors = client.handoff(lambda: expected_fingerprint(
-            model, layout, device, plan, kernel_backends, loader, path,
-            quantization=quantization, role=role), mode=mode,
-            device=device)
-        TRACE["handed"] = time.perf_counter()
+        with collector.paused():  # a collection pass would cost more than the handoff
+            tensors = client.handoff(lambda: expected_fingerprint(
+                model, layout, device, plan, kernel_backends, loader, path,
+                quantization=quantization, role=role), mode=mode,
+                device=device)
+            TRACE["handed"] = time.perf_counter()
     except BaseException:
         client.close()
         raise
-    finally:
-        if collecting:
-            _age_young_objects()
-            gc.enable()
     TRACE["collector"] = time.perf_counter()
     weights = Weights(tensors)
     TRACE["weights"] = time.perf_counter()
@@ -166,27 +161,6 @@ def _from_cache(path: os.PathLike[str], model: str, layout: Layout, device: str,
         client.close()
     TRACE["closed"] = time.perf_counter()
     return weights
-
-
-INTERPRETER_FROZEN = 1000
-"""At most this many frozen objects are the interpreter's, not an engine's (375 in 3.12)."""
-
-
-def _age_young_objects() -> None:
-    """Move the objects of the young GC generations into the oldest one, without collecting.
-
-    They are the handoff's (manifest records, tensors, the reply's lists) and what the engine
-    made just before it (vlaunch's modules, imported for the call), and they live as long as
-    the weights. Otherwise re-enabling the collector set off a collection of them at once:
-    2 of the 10 ms a first share load() of 289 tensors took on a CPU here, 0.3-0.4 ms of a
-    copy-mode one on an H200 host. gc.freeze() then gc.unfreeze() is that move (two list
-    splices, and the young counts reset); it is skipped where the engine has frozen a heap of
-    its own, which unfreeze() would thaw. Python 3.12 starts with 375 objects frozen (tuples
-    of its deep-frozen modules): thawing those into the oldest generation costs nothing.
-    """
-    if gc.get_freeze_count() <= INTERPRETER_FROZEN:
-        gc.freeze()
-        gc.unfreeze()
 
 
 def load_from_disk(model: str, layout: Layout, device: str, plan: str = DEFAULT_PLAN) -> Weights:

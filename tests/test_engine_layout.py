@@ -195,9 +195,12 @@ def test_every_field_of_an_engine_layout_must_match(model: Path, sockdir: Path,
             weights.layout_miss, weights.layout_miss
     same = load(str(model), socket_dir=str(sockdir), device="cpu", layout=dict(fields))
     assert same.layout == el.layout_key(fields)
+    fds = set(os.listdir("/proc/self/fd"))
     for where in ({"tensor_parallel_size": 2}, {"plan": "replicate"}):  # raw fields count too
         miss = load(str(model), socket_dir=str(sockdir), device="cpu", layout=fields, **where)
         assert not miss.layout and miss.source == "disk" and "mismatch" in miss.layout_miss
+    # the layout's slabs came with the open that went out with the hello: closed, not kept
+    assert set(os.listdir("/proc/self/fd")) <= fds
 
 
 def test_an_engine_layout_load_sets_off_no_collection(model: Path, sockdir: Path, caches: list,
@@ -215,17 +218,17 @@ def test_an_engine_layout_load_sets_off_no_collection(model: Path, sockdir: Path
     del raw, back
     passes: list[int] = []
     handing: list[int] = []  # passes counted when the layout's handoff began
-    checked = client_layout._checked_manifest
+    handoff = client_layout._handoff
 
     def begin(*args: object, **kw: object) -> object:
         handing.append(len(passes))
-        return checked(*args, **kw)
+        return handoff(*args, **kw)
 
     def count(phase: str, info: dict) -> None:
         if phase == "start":
             passes.append(info["generation"])
 
-    monkeypatch.setattr(client_layout, "_checked_manifest", begin)
+    monkeypatch.setattr(client_layout, "_handoff", begin)
     gc.collect()
     thresholds = gc.get_threshold()
     gc.set_threshold(20, 10, 10)  # far fewer objects than the handoff makes

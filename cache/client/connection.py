@@ -81,7 +81,23 @@ class CacheClient:
         with self._lock:
             self._send(message)
             reply, fds = self._recv()
-        return self._checked(reply, fds)
+        return self.checked(reply, fds)
+
+    def exchange(self, messages: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[int]]]:
+        """Send every request at once, then read every reply in order: one round trip. Error
+        replies come back as they are, for the caller to `checked()` in its own order."""
+        with self._lock:
+            for message in messages:
+                self._send(message)
+            replies: list[tuple[dict[str, Any], list[int]]] = []
+            try:
+                for _ in messages:
+                    replies.append(self._recv())
+            except BaseException:
+                for _, fds in replies:
+                    wire.close_fds(fds)
+                raise
+        return replies
 
     def notify(self, message: dict[str, Any]) -> None:
         """Send a request without waiting for its reply (read before the next request)."""
@@ -121,8 +137,9 @@ class CacheClient:
             f"the cache at {self.path} did not answer within {self.io_timeout:g} s (stopped or "
             "overloaded?); check the rank with vlaunch status, or raise VLAUNCH_IO_TIMEOUT")
 
-    def _checked(self, reply: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
-        """The reply if it is ok; else its fds are closed and its error raised."""
+    def checked(self, reply: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        """The reply if it is ok; else its fds are closed and its error raised (a mismatch as
+        FingerprintMismatchError, a busy cache as CacheUnavailableError)."""
         if reply.get("ok") is True:
             return reply, fds
         wire.close_fds(fds)
@@ -152,6 +169,11 @@ class CacheClient:
         `layout`: an engine layout's key (docs/engine-layout.md), else the raw layout."""
         reply, fds = self.request({"op": "open", "mode": mode,
                                    **({"layout": layout} if layout else {})})
+        return self.map_reply(reply, fds, manifest, mode=mode, device=device)
+
+    def map_reply(self, reply: dict[str, Any], fds: list[int], manifest: Manifest, *,
+                  mode: str, device: str) -> dict[str, torch.Tensor]:
+        """`map()` from an `open` reply already received (and checked): its fds are closed."""
         copying = _copying(reply, mode)
         copies: list[torch.Tensor] | None = [] if mode != "share" and not copying else None
         try:
@@ -236,9 +258,9 @@ class CacheClient:
                         wire.close_fds(mfds)
                         reply = self._recv()
                         owed -= 1
-                        self._checked(*reply)  # the hello's error comes first
-                        self._checked(orep, [])
-                        self._checked(mrep, [])
+                        self.checked(*reply)  # the hello's error comes first
+                        self.checked(orep, [])
+                        self.checked(mrep, [])
                         if bad_open:
                             raise bad_open
                         raise CacheBrokenError(f"cache at {self.path} sent fds with its "
@@ -254,12 +276,12 @@ class CacheClient:
                     TRACE["viewed"] = time.perf_counter()
                     reply = self._recv()
                     owed -= 1
-                    self._checked(*reply)  # the hello's error comes first
+                    self.checked(*reply)  # the hello's error comes first
                     if copying:
                         _spin_until_readable(self._sock, SPIN_FOR_COPY)
                         reply = self._recv()
                         owed -= 1
-                        self._checked(*reply)  # the cache's copy into our slabs is done
+                        self.checked(*reply)  # the cache's copy into our slabs is done
                     TRACE["hello"] = time.perf_counter()
                 except BaseException:
                     tensors.clear()
@@ -290,7 +312,7 @@ class CacheClient:
         self.mode, self.bytes_mapped = mode, manifest.nbytes if mode == "share" else 0
         if mode == "copy-release":
             self._send({"op": "drop"})
-            self._checked(*self._recv())
+            self.checked(*self._recv())
         elif mode == "share":
             self._send({"op": "mapped", "mode": mode, "bytes": self.bytes_mapped})
             self._unread += 1
@@ -330,7 +352,7 @@ class CacheClient:
             reply, fds = self._recv()
         if reply.get("error") == "miss":
             return None
-        reply, _ = self._checked(reply, fds)
+        reply, _ = self.checked(reply, fds)
         if not isinstance(reply.get("data"), str):
             raise CacheBrokenError(f"cache at {self.path} sent an artifact without data")
         return decode(reply["data"])

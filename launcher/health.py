@@ -52,6 +52,9 @@ class MetricsCollector:
                                    labels=["rank", "role"])
         total = GaugeMetricFamily("vlaunch_rank_total_bytes", "Bytes of a cache rank's shard "
                                   "(0 until its load begins).", labels=["rank", "role"])
+        copies = GaugeMetricFamily("vlaunch_rank_copy_bytes", "Device bytes a GPU cache rank "
+                                   "holds for copies it is making for copy-mode engines.",
+                                   labels=["rank", "role"])
         changed = GaugeMetricFamily("vlaunch_checkpoint_changed", "A checkpoint file changed "
                                     "on disk since the cache rank read it.",
                                     labels=["rank", "role"])
@@ -64,7 +67,8 @@ class MetricsCollector:
             loaded.add_metric(who, float(r.get("loaded_bytes", 0)))
             total.add_metric(who, float(r.get("total_bytes", 0)))
             changed.add_metric(who, float(bool((r.get("checkpoint") or {}).get("changed"))))
-        yield from (up, held, leases, changed, loaded, total)
+            copies.add_metric(who, float((r.get("copies") or {}).get("bytes", 0)))
+        yield from (up, held, leases, copies, changed, loaded, total)
         yield GaugeMetricFamily("vlaunch_loaded_bytes", "Bytes loaded by every cache rank of "
                                 "this launcher.", value=float(s.get("loaded_bytes", 0)))
         engine = s.get("engine") or {}

@@ -368,11 +368,14 @@ def test_metrics_name_a_draft_rank_by_its_group_and_role() -> None:
     from vlaunch.launcher.health import MetricsCollector
 
     status = {"ranks": {
-        0: {"state": "ready", "bytes": 10, "device": "cpu", "role": "target", "group_rank": 0},
+        0: {"state": "ready", "bytes": 10, "device": "cpu", "role": "target", "group_rank": 0,
+            "copies": {"in_flight": 1, "bytes": 8}},
         1: {"state": "ready", "bytes": 4, "device": "cpu", "role": "draft", "group_rank": 0}}}
     registry = CollectorRegistry(auto_describe=False)
     registry.register(MetricsCollector(lambda: status))  # type: ignore[arg-type]
     text = generate_latest(registry).decode()
     assert 'vlaunch_rank_bytes{device="cpu",rank="0",role="target"} 10.0' in text
     assert 'vlaunch_rank_bytes{device="cpu",rank="0",role="draft"} 4.0' in text
+    assert 'vlaunch_rank_copy_bytes{rank="0",role="target"} 8.0' in text
+    assert 'vlaunch_rank_copy_bytes{rank="0",role="draft"} 0.0' in text
     assert 'rank="1"' not in text

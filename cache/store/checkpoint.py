@@ -72,11 +72,13 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Find and validate the checkpoint at `path` (a directory or a .safetensors file)."""
     root, files, index_file = _locate(Path(path).absolute())
     weight_map: dict[str, str] = {}
+    paths: dict[str, Path] = {}
     index_bytes = b""
     if index_file is not None:
         index_bytes = index_file.read_bytes()
         weight_map = _parse_index(index_file, index_bytes)
-        files = _index_files(index_file, weight_map)
+        paths = _index_paths(index_file, weight_map)
+        files = tuple(sorted(paths.values()))
     tensors: dict[str, TensorEntry] = {}
     metadata: dict[Path, dict[str, str]] = {}
     headers: list[bytes] = []
@@ -90,7 +92,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
                 raise CheckpointError(file, f"tensor is also in {other}", tensor=entry.name)
             tensors[entry.name] = entry
     if index_file is not None:
-        _check_index(index_file, weight_map, tensors)
+        _check_index(index_file, weight_map, paths, tensors)
     return Checkpoint(root=root, files=files, tensors=tensors, index_file=index_file,
                       identity=_identity(root, files, headers, index_file, index_bytes),
                       metadata=metadata)
@@ -124,7 +126,7 @@ def checkpoint_identity(path: str | os.PathLike[str]) -> str:
                                     and not os.path.isabs(n) and ".." not in Path(n).parts
                                     for n in names):
                 raise ValueError("index needs validation")
-            files = tuple(sorted({root / n for n in names}))  # as _index_files
+            files = tuple(sorted({root / n for n in names}))  # as _index_paths
         headers = [_raw_header(file) for file in files]
         return _identity(root, files, headers, index_file, index_bytes)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error):
@@ -165,8 +167,8 @@ def _locate(path: Path) -> tuple[Path, tuple[Path, ...], Path | None]:
     return path, files, None
 
 
-def _index_files(index_file: Path, weight_map: dict[str, str]) -> tuple[Path, ...]:
-    """Return the files a weight map names, sorted; each must exist."""
+def _index_paths(index_file: Path, weight_map: dict[str, str]) -> dict[str, Path]:
+    """The path of each file a weight map names (its value -> the path); each must exist."""
     root = index_file.parent
     paths = {file: root / file for file in set(weight_map.values())}
     for file, path in sorted(paths.items()):
@@ -174,7 +176,7 @@ def _index_files(index_file: Path, weight_map: dict[str, str]) -> tuple[Path, ..
             tensor = next(t for t, f in weight_map.items() if f == file)
             raise CheckpointError(index_file, f"weight_map names {file}, which does not exist "
                                   "(an incomplete download?)", tensor=tensor)
-    return tuple(sorted(paths.values()))
+    return paths
 
 
 def _parse_index(index_file: Path, data: bytes) -> dict[str, str]:
@@ -200,11 +202,11 @@ def _parse_index(index_file: Path, data: bytes) -> dict[str, str]:
     return weight_map
 
 
-def _check_index(index_file: Path, weight_map: dict[str, str],
+def _check_index(index_file: Path, weight_map: dict[str, str], paths: dict[str, Path],
                  tensors: dict[str, TensorEntry]) -> None:
-    """Check that every tensor of the weight map lies in the file the map names."""
+    """Check that every tensor of the weight map lies in the file the map names (`paths`:
+    each named file's path, from _index_paths)."""
     root = index_file.parent
-    paths = {file: root / file for file in set(weight_map.values())}
     for tensor, file in weight_map.items():
         entry = tensors.get(tensor)
         if entry is None:

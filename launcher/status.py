@@ -52,6 +52,10 @@ def format_status(s: dict[str, Any]) -> str:
         if changed:  # docs/integrity.md: new engines get a mismatch until the rank restarts
             lines.append(f"rank {rank}: checkpoint changed on disk since loaded: "
                          f"{', '.join(changed)}")
+        copies = r.get("copies") or {}
+        if copies.get("in_flight"):  # docs/modes.md: a GPU rank makes copy-mode engines' copies
+            lines.append(f"rank {rank}: making {copies['in_flight']} copy-mode engine "
+                         f"copies ({copies.get('bytes', 0) / 1e9:.2f} GB of device memory)")
     if s.get("first_failure"):
         f = s["first_failure"]
         lines.append(f"first failure: rank {f['rank']} pid {f['pid']}: {f['description']}")

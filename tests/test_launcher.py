@@ -362,6 +362,19 @@ def test_an_engine_under_run_needs_no_flags(launch, tmp_path: Path) -> None:
     assert log.count("sd_notify to") == 1 and "Traceback" not in log, log
 
 
+def test_status_table_shows_the_copies_a_rank_is_making() -> None:
+    from vlaunch.launcher.status import format_status
+
+    rank = {"state": "ready", "pid": 7, "device": "cuda:0", "bytes": 10**9, "leases": [],
+            "last_exit": None}
+    status = {"phase": "serving", "caches_ready": True, "engine_ready": True,
+              "ranks": {"0": {**rank, "copies": {"in_flight": 2, "bytes": 3 * 10**9}},
+                        "1": {**rank, "copies": {"in_flight": 0, "bytes": 0}}}}
+    text = format_status(status)
+    assert "rank 0: making 2 copy-mode engine copies (3.00 GB of device memory)" in text
+    assert "rank 1: making" not in text
+
+
 def test_metrics_name_a_draft_rank_by_its_group_and_role() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 

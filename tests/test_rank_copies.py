@@ -280,12 +280,12 @@ def test_a_copy_longer_than_the_engines_spin_is_waited_for(rank, monkeypatch) ->
     path, copier, _ = rank
     monkeypatch.setattr(connection, "SPIN_FOR_COPY", 0.01)
     copier.gate = threading.Event()
-    threading.Timer(0.3, copier.gate.set).start()
     client = CacheClient(path)
     try:
         t0 = time.perf_counter()
+        threading.Timer(0.3, copier.gate.set).start()
         tensors = client.handoff(lambda: FINGERPRINT, mode="copy", device="cpu")
-        assert time.perf_counter() - t0 >= 0.25  # it did wait for the copy
+        assert time.perf_counter() - t0 >= 0.29  # it did wait for the copy
     finally:
         copier.gate.set()
         client.close()

@@ -21,19 +21,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from benchlib import cpu_rank
 from safetensors.torch import load_file, save_file
 
 from vlaunch.cache import load
-from vlaunch.cache.contract.progress import recv_ready
 
 
 def make_checkpoint(path: Path, size_mb: int) -> None:
@@ -124,15 +121,7 @@ def main() -> None:
         model = Path(tmp) / "m.safetensors"
         make_checkpoint(model, args.size_mb)
         sockdir = Path(tmp) / "s"
-        sockdir.mkdir(mode=0o700)
-        ours, theirs = socket.socketpair()
-        proc = subprocess.Popen([sys.executable, "-m", "vlaunch.cache", "--model", str(model),
-                                 "--socket-dir", str(sockdir), "--plan", "replicate",
-                                 "--ready-fd", str(theirs.fileno())], pass_fds=[theirs.fileno()])
-        theirs.close()
-        ready, fds = recv_ready(ours)  # progress frames come first, then the ready frame
-        for fd in fds:
-            os.close(fd)
+        proc, ready, channel = cpu_rank(model, sockdir)
         try:
             load_file(str(model))  # warm the page cache
             kw = {"socket_dir": str(sockdir), "plan": "replicate", "fallback": False,
@@ -149,6 +138,7 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait()
+            channel.close()
     gb = ready["bytes"] / 1e9
     rows = [("share handoff (call returns)", *call), ("share + touch every page", *touched),
             ("copy handoff", *copy)]

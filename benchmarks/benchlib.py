@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 
@@ -30,3 +32,23 @@ def bare_starts(device: str, reps: int) -> list[float]:
                               text=True).stdout
         out.append(float(text.split()[-1]) - t)
     return out
+
+
+def cpu_rank(model: Path, sockdir: Path
+             ) -> tuple[subprocess.Popen[bytes], dict[str, Any], socket.socket]:
+    """A CPU cache rank of `model` (plan replicate) serving in `sockdir` (made here, 0700),
+    once it is ready: its process, its ready frame (the fds that came with it closed) and
+    the ready channel, which the caller keeps open as a launcher does (engine layouts and
+    releases are reported on it)."""
+    from vlaunch.cache.contract import wire
+    from vlaunch.cache.contract.progress import recv_ready
+
+    sockdir.mkdir(mode=0o700)
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, "-m", "vlaunch.cache", "--model", str(model),
+                             "--socket-dir", str(sockdir), "--plan", "replicate",
+                             "--ready-fd", str(theirs.fileno())], pass_fds=[theirs.fileno()])
+    theirs.close()
+    ready, fds = recv_ready(ours)  # progress frames come first, then the ready frame
+    wire.close_fds(fds)
+    return proc, ready, ours

@@ -53,6 +53,22 @@ from vlaunch.cache.store.slabs_cuda import CudaBackend
 perf = time.perf_counter
 
 
+def _d2d(n: int, reps: int, pause: float = 0.0) -> list[float]:
+    """Seconds of a plain copy_ of n bytes between two allocations, reps times after a
+    warm-up, with `pause` seconds after each."""
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for i in range(reps + 1):
+        t0 = perf()
+        b.copy_(a)
+        torch.cuda.synchronize()
+        if i:
+            times.append(perf() - t0)
+        time.sleep(pause)
+    return times
+
+
 def _rank_side(sock: socket.socket, n: int) -> None:
     """The forked rank: a filled source slab, then one fresh copy per request."""
     backend = CudaBackend(0)
@@ -158,16 +174,7 @@ def split(n: int, reps: int, pause: float) -> None:
             time.sleep(pause)
     wire.send_frame(engine, {"quit": 1})
     os.waitpid(pid, 0)
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    d2d = []
-    for i in range(reps + 1):
-        t0 = perf()
-        b.copy_(a)
-        torch.cuda.synchronize()
-        if i:
-            d2d.append(perf() - t0)
-    base = statistics.median(d2d)
+    base = statistics.median(_d2d(n, reps))
     print(f"d2d copy_ of {n / 1e9:.2f} GB: median {base * 1e3:.2f} ms")
     print(f"{'destination':12s} {'total':>7s} {'% D2D':>6s} {'reply':>6s} {'import':>7s} "
           f"{'rank: 1st queued':>16s} {'all queued':>10s} {'done':>7s}  (ms, medians)")
@@ -217,14 +224,7 @@ def race(n: int, reps: int) -> None:
         del mapped, own
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for i in range(reps + 1):
-        t0 = perf()
-        b.copy_(a)
-        torch.cuda.synchronize()
-        if i:
-            rows["d2d copy_"].append(perf() - t0)
+    rows["d2d copy_"] = _d2d(n, reps)
     wire.send_frame(engine, {"quit": 1})
     os.waitpid(pid, 0)
     d2d = statistics.median(rows["d2d copy_"])
@@ -364,17 +364,7 @@ def pieces(n: int, reps: int, pause: float) -> None:
             if rep:
                 rows.setdefault(label, []).append(run)
             time.sleep(pause)
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    d2d = []
-    for i in range(reps + 1):
-        t0 = perf()
-        b.copy_(a)
-        torch.cuda.synchronize()
-        if i:
-            d2d.append(perf() - t0)
-        time.sleep(pause)
-    base = statistics.median(d2d)
+    base = statistics.median(_d2d(n, reps, pause))
     print(f"d2d copy_ of {n / 1e9:.2f} GB: median {base * 1e3:.2f} ms")
     print(f"{'destination':28s} {'1st copy queued':>15s} {'all queued':>10s} {'done':>8s} "
           f"{'% D2D':>6s} {'engine import':>13s}  (ms, medians)")

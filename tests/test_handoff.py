@@ -76,6 +76,13 @@ def cache(tmp_path: Path) -> Iterator[Callable[[Answer], Path]]:
     os.close(slab_fd)
 
 
+def _cache_hung_up() -> None:
+    """Wait for the scripted cache to see the client hang up (it closes its end then)."""
+    for thread in threading.enumerate():
+        if thread.name == "fake-cache":
+            thread.join(5)
+
+
 def open_fds() -> set[int]:
     """This process's open fds, less pipes (the lease watcher's wake pipe, opened by the
     process's first share handoff, is not a leak)."""
@@ -126,9 +133,7 @@ def test_an_open_reply_that_disagrees_with_the_manifest_is_refused(
             client.handoff(lambda: FINGERPRINT, mode=mode, device="cpu")
     finally:
         client.close()
-    for thread in threading.enumerate():  # the cache's end of the connection is closed too
-        if thread.name == "fake-cache":
-            thread.join(5)
+    _cache_hung_up()  # the cache's end of the connection is closed too
     assert open_fds() <= before  # the slab fd it was sent is closed, nothing is mapped
 
 
@@ -158,9 +163,7 @@ def test_a_mismatch_is_reported_before_a_broken_open_reply(
             client.handoff(lambda: {"vlaunch": "0.1.0"}, mode=mode, device="cpu")
     finally:
         client.close()
-    for thread in threading.enumerate():
-        if thread.name == "fake-cache":
-            thread.join(5)
+    _cache_hung_up()
     assert open_fds() <= before
 
 
@@ -228,9 +231,7 @@ def test_a_copy_that_failed_or_does_not_match_returns_nothing(
             client.handoff(lambda: FINGERPRINT, mode="copy", device="cpu")
     finally:
         client.close()
-    for thread in threading.enumerate():
-        if thread.name == "fake-cache":
-            thread.join(5)
+    _cache_hung_up()
     os.close(copy_fd)
     assert open_fds() <= before  # the copy's fd is closed and its mapping is gone
     with open("/proc/self/maps") as maps:
@@ -266,9 +267,7 @@ def test_a_copy_in_pieces_is_refused_where_they_cannot_be(
                 client.map(client.manifest(), mode="copy", device="cpu")
     finally:
         client.close()
-    for thread in threading.enumerate():
-        if thread.name == "fake-cache":
-            thread.join(5)
+    _cache_hung_up()
     for fd in fds:
         os.close(fd)
     assert open_fds() <= before

@@ -107,9 +107,10 @@ def _handoff(client: CacheClient, model: str, layout: Layout, device: str,
              checked: dict[str, str], mode: str, plan: str, kernel_backends: str, loader: str,
              quantization: str | None) -> tuple[list[str], dict[str, torch.Tensor]]:
     """The layout's copied names and its tensors, in one round trip: the listing, the hello,
-    the manifest and the open go out at once (four round trips one after another took ~1 ms
-    more than the raw layout's one, 320 tensors on this 2-core VM). Where the checkpoint cannot
-    be read here, the hello needs the identity the listing recorded: one request at a time."""
+    the manifest and the open go out at once (with four round trips one after another, and
+    the collector on, a 320-tensor layout took 7.9 ms against the raw layout's 6.2 on a 2-core
+    VM; now 6.4-6.6: benchmarks/results/cpu.md). Where the checkpoint cannot be read here,
+    the hello needs the identity the listing recorded: one request at a time."""
     from vlaunch.cache.client.weights import expected_fingerprint
 
     key = el.layout_key(checked)

@@ -217,22 +217,22 @@ class CacheServer:
             reply["pieces"] = copy.pieces  # a slab's fds, one per allocation it is made of
         return reply, copy.fds
 
-    async def handle_copied(self, lease: Lease, f: dict[str, Any]) -> tuple[bytes, list[int]]:
+    async def handle_copied(self, lease: Lease, f: dict[str, Any]
+                            ) -> tuple[dict[str, Any] | bytes, list[int]]:
         """copied: answered once the copy this connection's `open` started is done; by the
         copy's own thread when it can (rank/copies.py), then the reply left to send is none."""
         copy = self._copies.pop(id(lease), None)
         if copy is None:
-            return protocol.encode(protocol.error("refused", "copied follows an open whose "
-                                                  "reply said copying")), []
+            return protocol.error("refused", "copied follows an open whose reply said "
+                                  "copying"), []
         if lease.conn is not None:
             copy.answer_on(lease.conn, _COPIED)
         try:
             sent = await copy.done()
         except DeviceError as exc:
             log.error("rank %d: %s", self.rank, exc)
-            return protocol.encode(protocol.error(
-                "copy_failed", f"{exc}; the engine falls back to the disk (check the GPU: "
-                "nvidia-smi, dmesg)")), []
+            return protocol.error("copy_failed", f"{exc}; the engine falls back to the disk "
+                                  "(check the GPU: nvidia-smi, dmesg)"), []
         except BaseException:  # cancelled: the connection or the rank is going away
             copy.close()
             raise

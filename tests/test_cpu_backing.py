@@ -124,3 +124,37 @@ def test_a_rank_serves_file_slabs_bit_exactly(llama_ckpt: Path, sockdir: Path, c
     for name, t in ref.items():
         assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
     got.client.close()
+
+
+def _resident_kb(address: int) -> int:
+    """Rss of this process's mapping that holds `address` (its pages with page-table entries)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.parametrize("backing", ["memfd", "file"])
+def test_an_engine_maps_a_slab_populated(backing: str, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every page is mapped by the import itself, before any read (no fault per page)."""
+    monkeypatch.setenv("VLAUNCH_CPU_SLABS", backing)
+    monkeypatch.setenv("VLAUNCH_CPU_SLAB_DIR", str(tmp_path))
+    slab = CpuSlab(4 << 20)
+    slab.tensor().fill_(7)
+    slab.seal()
+    fd = slab.export_fd()
+    try:
+        mapped = CpuBackend().import_fd(fd, 4 << 20, readonly=True)
+        assert _resident_kb(mapped.data_ptr()) == 4 << 10
+        assert int(mapped[-1]) == 7
+        rank_side = CpuBackend().map_fd(fd, 4 << 20, readonly=True)  # the rank's: not populated
+        assert _resident_kb(rank_side.ctypes.data) == 0
+    finally:
+        os.close(fd)
+        slab.release()

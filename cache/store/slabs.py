@@ -92,8 +92,8 @@ class CpuSlab:
         self._map: mmap.mmap | None = mmap.mmap(self._fd, max(size, 1))
         # 2 MiB pages (or page-cache folios) for what the fill faults in: a client then maps
         # 2 MiB per page fault instead of 4 KiB. For a memfd this takes effect only where the
-        # host's shmem THP policy allows it (cpubacking). Populating in one call
-        # (MAP_POPULATE / MADV_POPULATE_READ) was measured and gained nothing with 4 KiB pages.
+        # host's shmem THP policy allows it (cpubacking); a client maps them populated
+        # (CpuBackend.import_fd).
         with contextlib.suppress(AttributeError, OSError):
             self._map.madvise(mmap.MADV_HUGEPAGE)
         self._array: np.ndarray | None = None
@@ -154,8 +154,15 @@ class CpuBackend:
         return CpuSlab(size)
 
     def import_fd(self, fd: int, size: int, *, readonly: bool) -> torch.Tensor:
-        """Map a slab another process sent; refuses one smaller than announced."""
-        return _tensor_over(_mapping(fd, size, readonly), size)
+        """Map a slab another process sent, populated; refuses one smaller than announced.
+
+        Populated: the page tables are filled in the mmap call (MAP_POPULATE) rather than by
+        one fault per page as the engine first reads each. With 2 MiB pages (a memfd under
+        `MADV_HUGEPAGE`), a 320 MiB slab mapped populated took 0.2 ms more and its first read
+        of every page 0.6 ms less (benchmarks/bench_cpu_handoff.py, results/cpu.md); with
+        4 KiB pages the two cost the same. An engine reads every weight on its first step.
+        """
+        return _tensor_over(_mapping(fd, size, readonly, populate=True), size)
 
     def import_pieces(self, fds: list[int], pieces: tuple[int, ...], size: int, *,
                       readonly: bool) -> torch.Tensor:
@@ -172,13 +179,17 @@ class CpuBackend:
         return {"device_uuid": "cpu", "compute_capability": "", "driver": ""}
 
 
-def _mapping(fd: int, size: int, readonly: bool) -> mmap.mmap:
-    """Map a slab fd; refuses one smaller than announced."""
+def _mapping(fd: int, size: int, readonly: bool, *, populate: bool = False) -> mmap.mmap:
+    """Map a slab fd (`populate`: page tables filled now); refuses one smaller than announced."""
     actual = os.fstat(fd).st_size
     if actual < size:
         raise CacheBrokenError(f"slab fd holds {actual} bytes, manifest says {size}")
     prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
-    return mmap.mmap(fd, max(size, 1), prot=prot)
+    flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+    return mmap.mmap(fd, max(size, 1), flags=flags, prot=prot)
+
+
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only, as memfd is
 
 
 def _array_over(buf: mmap.mmap | None, size: int) -> np.ndarray:

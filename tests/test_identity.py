@@ -91,6 +91,26 @@ def test_engine_reuses_the_memo_only_while_every_stat_matches(tmp_path: Path) ->
     assert rec.restat() == [NAME]
 
 
+@pytest.mark.parametrize("single", [False, True])
+def test_the_memo_is_found_from_the_socket_whatever_the_path_spelling(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, single: bool) -> None:
+    """The rank's memo sits by its socket; relative and trailing-slash paths hit it."""
+    root = _write(tmp_path / "a", llama_tensors())
+    model = root / NAME if single else root
+    rec, _ = identity.record(model)
+    identity.write_memo(identity.memo_path(tmp_path / "rank-0.sock"),
+                        rec._replace(data="from-the-memo"))
+    monkeypatch.chdir(tmp_path)
+    spellings = ["a/" + NAME, f"./a/{NAME}"] if single else ["a", "a/", "./a//"]
+    for spelling in spellings:
+        identity._SEEN.clear()
+        assert identity.identities(spelling, socket=tmp_path / "rank-0.sock") == (
+            rec.header, "from-the-memo"), spelling
+    shutil.copytree(root, tmp_path / "c")  # the same bytes in other files: read, not memo
+    identity._SEEN.clear()
+    other = "c/" + NAME if single else "c"
+    assert identity.identities(other, socket=tmp_path / "rank-0.sock")[1] != "from-the-memo"
+
 # ------------------------------------------------------------------------- real cache ranks
 
 

@@ -89,8 +89,7 @@ def expected_fingerprint(model: str, layout: Layout, device: str, plan: str = DE
     info = _DEVICE_INFO.get(device)
     if info is None:
         info = _DEVICE_INFO[device] = backend.device_info()
-    header, data = identities or identity.identities(
-        model, identity.memo_path(socket) if socket else None)
+    header, data = identities or identity.identities(model, socket=socket)
     return fp.build(checkpoint=header, checkpoint_data=data, plan=plan_identity(plan),
                     layout=layout.as_dict(), dtype="checkpoint", backend=backend.name,
                     device=info, kernel_backends=kernel_backends, loader=loader,

@@ -8,6 +8,7 @@ regex and imports no checkpoint code. Rules are `(regex, dim)` as plan.py descri
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable
@@ -73,6 +74,7 @@ def rules_identity(name: str, rules: Iterable[tuple[str, int | None]],
     return f"builtin:{name}:sha256:{hashlib.sha256(text.encode()).hexdigest()}"
 
 
+@functools.cache  # every engine start's fingerprint asks (a hash of the rules' text)
 def builtin_identity(spec: str) -> str:
     """The identity of the built-in plan `spec`; "" when `spec` names none."""
     if spec not in BUILTIN:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 from vlaunch.cache.contract.errors import CheckpointError
@@ -20,15 +19,10 @@ CONFIG_KEYS = ("quantization_config", "compression_config")
 MAX_CONFIG_BYTES = 16 << 20
 
 
-def config_dir(model: str | os.PathLike[str]) -> Path:
-    """The directory whose config.json describes `model` (a directory or a .safetensors file)."""
-    path = Path(model)
-    return path if path.is_dir() else path.parent
-
-
 def quantization_config(model: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The model's quantization config from config.json; None when it has none."""
-    path = config_dir(model) / "config.json"
+    where = os.fspath(model)  # plain strings: every engine start's fingerprint reads this
+    path = os.path.join(where if os.path.isdir(where) else os.path.dirname(where), "config.json")
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_CONFIG_BYTES + 1)

@@ -13,7 +13,8 @@ import psutil
 import pytest
 import torch
 
-from vlaunch.cache.contract.exitcodes import ExitStatus
+from vlaunch.cache.contract.errors import VlaunchError
+from vlaunch.cache.contract.exitcodes import EXIT_TABLE, ExitStatus
 
 from .conftest import eventually, spawn_cache
 from .test_launcher import Launcher, serving
@@ -22,6 +23,37 @@ from .test_launcher import Launcher, serving
 def _exit(cache) -> tuple[int, str]:  # type: ignore[no-untyped-def]
     status = cache.proc.wait(60)
     return status, cache.proc.stderr.read().decode()
+
+
+def _every_error_class() -> list[type[VlaunchError]]:
+    """VlaunchError and its subclasses, once every vlaunch module (bar the engine
+    integrations) is imported; from the source tree, as an editable install hides it."""
+    import importlib
+
+    root = Path(__file__).resolve().parents[1]
+    for top in ("cache", "launcher"):
+        for path in sorted((root / top).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__main__" or parts[:2] == ("cache", "integrations"):
+                continue
+            importlib.import_module(".".join(("vlaunch", *parts)).removesuffix(".__init__"))
+    found, todo = [], [VlaunchError]
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+def test_every_error_class_has_a_documented_status() -> None:
+    """Statuses are named in the class (`exit_status("USAGE")`) and looked up when read: a
+    misspelt name would fail only then, so every class's is read here."""
+    documented = {info.status for info in EXIT_TABLE}
+    classes = _every_error_class()
+    assert len(classes) > 15, classes
+    for cls in classes:
+        assert isinstance(cls.status, ExitStatus) and cls.status in documented, cls
+        assert cls.__new__(cls).status is cls.status  # read on an instance too
 
 
 def test_plan_that_does_not_divide_exits_78(llama_ckpt: Path, sockdir: Path) -> None:

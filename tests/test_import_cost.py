@@ -24,6 +24,7 @@ NOT_ON_THE_SHARE_PATH = (
     "vlaunch.cache.store.slabs_cuda",  # a CPU handoff needs no CUDA backend
     "vlaunch.cache.store.cudadrv",
     "vlaunch.cache.contract.launch",  # the rank's command line (click)
+    "vlaunch.cache.contract.exitcodes",  # an error's status is looked up when it is read
     "click",
     "tomllib",
 )

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from vlaunch.cache.contract.errors import VlaunchError
-from vlaunch.cache.contract.exitcodes import ExitStatus
+from vlaunch.cache.contract.errors import VlaunchError, exit_status
 
 log = logging.getLogger("vlaunch.cache")
 GiB = 1 << 30
@@ -14,7 +13,7 @@ GiB = 1 << 30
 class WeightBudgetError(VlaunchError):
     """The weights mapped from the cache do not fit the engine's memory budget."""
 
-    status = ExitStatus.BAD_PLAN  # 78: a configuration error; vlaunch run does not restart it
+    status = exit_status("BAD_PLAN")  # 78: a configuration error; vlaunch run does not restart it
 
 
 def check_external_weights(external: int, total: int, utilization: float,

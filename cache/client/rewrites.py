@@ -13,8 +13,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 
-from vlaunch.cache.contract.errors import VlaunchError
-from vlaunch.cache.contract.exitcodes import ExitStatus
+from vlaunch.cache.contract.errors import VlaunchError, exit_status
 
 log = logging.getLogger("vlaunch.cache")
 
@@ -22,7 +21,7 @@ log = logging.getLogger("vlaunch.cache")
 class ShareModeRewriteError(VlaunchError):
     """The engine will rewrite its weights in place, which share mode cannot allow."""
 
-    status = ExitStatus.BAD_PLAN  # 78: a configuration error; vlaunch run does not restart it
+    status = exit_status("BAD_PLAN")  # 78: a configuration error; vlaunch run does not restart it
 
 
 def check_rewrites(mode: str, rewrites: str | None) -> None:

@@ -18,8 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from .errors import VlaunchError
-from .exitcodes import ExitStatus
+from .errors import VlaunchError, exit_status
 
 STANDBY_ENV = "VLAUNCH_ENGINE_STANDBY"
 """Set to 1 in a standby engine's environment (absent, or 0, for an ordinary engine)."""
@@ -34,7 +33,7 @@ PROMOTE = b"PROMOTE\n"
 class StandbyError(VlaunchError):
     """The standby environment is malformed, or the launcher went away before promoting."""
 
-    status = ExitStatus.USAGE
+    status = exit_status("USAGE")
 
 
 def standby_env(promote_fd: int) -> dict[str, str]:

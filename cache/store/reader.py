@@ -26,8 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vlaunch.cache.contract.errors import CheckpointError, VlaunchError
-from vlaunch.cache.contract.exitcodes import ExitStatus
+from vlaunch.cache.contract.errors import CheckpointError, VlaunchError, exit_status
 from vlaunch.cache.store.progress import Progress
 from vlaunch.cache.store.slabs import host_array, on_device
 
@@ -50,7 +49,7 @@ STAGING: dict[str, Any] = {}  # the last CUDA load's staging: buffers, chunk, pi
 class ReadError(VlaunchError):
     """Reading the checkpoint failed."""
 
-    status = ExitStatus.IO_ERROR
+    status = exit_status("IO_ERROR")
 
 
 def host_view(t: SlabBytes) -> memoryview:

@@ -47,7 +47,7 @@ class Lease:
     """One connected client and what it has mapped."""
 
     pid: int
-    conn: socket.socket | None = field(default=None, repr=False, compare=False)
+    conn: socket.socket = field(repr=False, compare=False)
     client: str = ""
     mode: str = ""
     bytes: int = 0
@@ -225,8 +225,7 @@ class CacheServer:
         if copy is None:
             return protocol.error("refused", "copied follows an open whose reply said "
                                   "copying"), []
-        if lease.conn is not None:
-            copy.answer_on(lease.conn, _COPIED)
+        copy.answer_on(lease.conn, _COPIED)
         try:
             sent = await copy.done()
         except DeviceError as exc:

@@ -76,7 +76,7 @@ def pread_into(fd: int, view: memoryview, offset: int, file: str) -> None:
 
 
 def fill(specs: list[SliceSpec], manifest: Manifest, slabs: list[SlabBytes], *,
-         threads: int = 8, chunk: int | None = None, label: str = "loading") -> None:
+         threads: int, chunk: int | None = None, label: str = "loading") -> None:
     """Read every slice into its place in the slabs (`chunk`: the most bytes one read
     spans; default CHUNK, or CUDA_CHUNK for CUDA slabs, whose staging it sizes). Host slabs
     may be numpy arrays or CPU tensors (the disk fallback's)."""

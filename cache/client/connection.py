@@ -152,10 +152,11 @@ class CacheClient:
 
     def hello(self, fingerprint: fp.Fingerprint) -> fp.Fingerprint:
         """Check our fingerprint against the cache's; a mismatch raises with every field."""
-        reply, _ = self.request(self._hello(fingerprint))
+        reply, _ = self.request(self.hello_request(fingerprint))
         return reply["fingerprint"]
 
-    def _hello(self, fingerprint: fp.Fingerprint) -> dict[str, Any]:
+    def hello_request(self, fingerprint: fp.Fingerprint) -> dict[str, Any]:
+        """The `hello` frame for our fingerprint (an engine layout's adds its key)."""
         return {"op": "hello", "fingerprint": fingerprint, "client": self.client,
                 "pid": os.getpid()}
 
@@ -215,7 +216,7 @@ class CacheClient:
             hello_sent = False
             try:
                 if mode == "share":
-                    self._send(self._hello(fingerprint()))
+                    self._send(self.hello_request(fingerprint()))
                     owed, hello_sent = owed + 1, True
                 TRACE["asked"] = time.perf_counter()
                 _while_the_cache_answers(mode, device)
@@ -248,7 +249,7 @@ class CacheClient:
                     mrep, mfds = self._recv()
                     owed -= 1
                     if not hello_sent:
-                        self._send(self._hello(fingerprint()))
+                        self._send(self.hello_request(fingerprint()))
                         owed, hello_sent = owed + 1, True
                     if copying:  # answered when the cache's copy into our slabs is done: last
                         self._send({"op": "copied"})

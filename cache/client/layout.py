@@ -124,7 +124,7 @@ def _handoff(client: CacheClient, model: str, layout: Layout, device: str,
     replies = client.exchange([
         {"op": "layouts"},
         # a layout with other fields answers a mismatch that lists every differing field
-        {**client._hello(el.extend(base, checked)), "layout": key},
+        {**client.hello_request(el.extend(base, checked)), "layout": key},
         {"op": "manifest", "layout": key},
         {"op": "open", "mode": mode, "layout": key}])
     for _, fds in replies[:3]:  # none expected: never keep what a broken cache sends
@@ -156,7 +156,7 @@ def _checked_manifest(client: CacheClient, model: str, layout: Layout, device: s
     base = _raw_fingerprint(client, model, layout, device, plan, kernel_backends, loader,
                             quantization, recorded)
     # a layout with other fields answers a mismatch that lists every differing field
-    client.request({**client._hello(el.extend(base, checked)), "layout": key})
+    client.request({**client.hello_request(el.extend(base, checked)), "layout": key})
     reply, _ = client.request({"op": "manifest", "layout": key})
     manifest = Manifest.from_wire(reply["manifest"])
     return manifest, _copy_names(reply.get("copy"), manifest)

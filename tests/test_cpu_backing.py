@@ -158,3 +158,31 @@ def test_an_engine_maps_a_slab_populated(backing: str, tmp_path: Path,
     finally:
         os.close(fd)
         slab.release()
+
+
+def _anon_huge_kb(address: int, size: int) -> int:
+    """AnonHugePages of this process's mappings that overlap [address, address + size)."""
+    inside, kb = False, 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start < address + size and address < end
+        elif inside and head == "AnonHugePages:":
+            kb += int(line.split()[1])
+    return kb
+
+
+def test_a_cpu_copy_of_a_slab_is_made_in_huge_pages() -> None:
+    """The engine's own copy asks for 2 MiB pages before the copy faults them in (on a host
+    whose THP policy is `madvise`, where nothing else would give them)."""
+    policy = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    if "[madvise]" not in policy:
+        pytest.skip(f"THP policy is not madvise here ({policy.strip()})")
+    from vlaunch.cache.store.slabs import empty_for_copy
+
+    size = 64 << 20
+    copy = empty_for_copy(size, "cpu")
+    copy.fill_(1)  # the first write faults the pages in
+    assert _anon_huge_kb(copy.data_ptr(), size) >= (size >> 10) // 2
+    assert int(copy.sum()) == size

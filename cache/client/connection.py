@@ -592,9 +592,9 @@ def import_slabs(fds: list[int], sizes: tuple[int, ...], device: str,
                                                     readonly=readonly))
                 at += len(cut)
         if copies is not None:
-            import torch
+            from vlaunch.cache.store.slabs import empty_for_copy
 
-            copies.extend(torch.empty(n, dtype=torch.uint8, device=device) for n in sizes)
+            copies.extend(empty_for_copy(n, device) for n in sizes)
             for destination, slab in zip(copies, mapped, strict=True):
                 destination.copy_(slab, non_blocking=True)
         return mapped

@@ -29,9 +29,23 @@ from typing import Any
 from vlaunch.cache.contract.waiting import until
 from vlaunch.cache.reference.refmodel import make_checkpoint
 
-CLIENT = ("import sys; from vlaunch.cache import load; "
-          "w = load(sys.argv[1], socket_dir=sys.argv[2], mode='copy-release', fallback=False, "
-          "device=sys.argv[3]); print(w.source, w.bytes_outside, flush=True)")
+# The engine: imports, load() timed alone (what a copy-release start adds to an engine's),
+# then the device memory in use while it holds its weights: with the rank's own slabs handed
+# over it is what the cache held (plus the client's CUDA context); with a copy, one slab more.
+CLIENT = """import sys, time
+import torch
+torch.zeros(1, device=sys.argv[3])  # torch imported and CUDA up, as in an engine
+from vlaunch.cache import load
+t = time.perf_counter()
+w = load(sys.argv[1], socket_dir=sys.argv[2], mode='copy-release', fallback=False,
+         device=sys.argv[3])
+ms = (time.perf_counter() - t) * 1e3
+used = -1.0
+if sys.argv[3].startswith("cuda"):
+    torch.cuda.synchronize(); free, total = torch.cuda.mem_get_info(sys.argv[3])
+    used = (total - free) / 2**20
+print(w.source, w.bytes_outside, f"{ms:.1f}", f"{used:.0f}", flush=True)
+"""
 
 
 def used_mib(device: str) -> float | None:
@@ -104,8 +118,10 @@ def main() -> int:
         t0 = time.perf_counter()
         out = subprocess.run([sys.executable, "-c", CLIENT, str(model), str(sockdir),
                               args.device], capture_output=True, text=True, check=True)
-        print(f"copy-release client: {out.stdout.strip()} in "
-              f"{time.perf_counter() - t0:.1f} s, exited", flush=True)
+        source, outside, ms, used = out.stdout.split()[-4:]
+        print(f"copy-release client: {source}, bytes_outside {outside}, load() {ms} ms"
+              + (f", device used while it held its weights {used} MiB" if kind == "cuda"
+                 else "") + f"; {time.perf_counter() - t0:.1f} s in all, exited", flush=True)
         after = until(lambda: (s := status(sockdir)) and s["ranks"]["0"]["bytes"] == 0 and s,
                       60, what="/status at 0 bytes")
         if kind == "cuda":

@@ -29,7 +29,7 @@ from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.sockdir import socket_path
 from vlaunch.cache.store.plan import LLAMA_PLAN, Layout
 
-from .conftest import CacheProc, spawn_cache
+from .conftest import CacheProc, eventually, spawn_cache
 
 ALL_DTYPES = {
     "f64": torch.float64, "f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
@@ -179,6 +179,84 @@ def test_copy_release_drops_the_cache_copy(llama_ckpt: Path, sockdir: Path, cach
     ref = load_file(str(sorted(llama_ckpt.glob("*.safetensors"))[0]))
     for name, t in ref.items():
         assert _same_bits(got[name], t) and _same_bits(again[name], t)
+
+
+def _mapping_of(address: int) -> str:
+    """The /proc/self/maps line of the mapping that holds `address`."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        if start <= address < end:
+            return line
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_copy_release_with_nobody_else_takes_the_slabs_without_a_copy(
+        llama_ckpt: Path, sockdir: Path, caches) -> None:
+    """The rank hands its own slabs over: the engine maps them writable (privately on a CPU,
+    since the memfd is sealed) instead of copying them, and may write into them."""
+    caches.append(spawn_cache(llama_ckpt, sockdir))
+    ref = load_file(str(sorted(llama_ckpt.glob("*.safetensors"))[0]))
+    got = load(str(llama_ckpt), socket_dir=str(sockdir), mode="copy-release", fallback=False,
+               device="cpu")
+    name = next(iter(ref))
+    line = _mapping_of(got[name].data_ptr())
+    assert "memfd:vlaunch-slab" in line and line.split()[1] == "rw-p", line
+    for key, want in ref.items():
+        assert _same_bits(got[key], want), key
+    got[name].view(-1)[0] += 1  # ours to write
+    assert not _same_bits(got[name], ref[name])
+    client = CacheClient(socket_path(sockdir, 0))
+    assert client.status()["state"] == "released"
+    client.close()
+
+
+def test_copy_release_next_to_a_share_engine_copies(llama_ckpt: Path, sockdir: Path,
+                                                    caches) -> None:
+    """With another engine mapping the slabs they are not handed over: the copy-release
+    engine gets a copy, and its writes never reach the share engine's tensors."""
+    caches.append(spawn_cache(llama_ckpt, sockdir))
+    ref = load_file(str(sorted(llama_ckpt.glob("*.safetensors"))[0]))
+    shared = load(str(llama_ckpt), socket_dir=str(sockdir), fallback=False, device="cpu")
+    got = load(str(llama_ckpt), socket_dir=str(sockdir), mode="copy-release", fallback=False,
+               device="cpu")
+    name = next(iter(ref))
+    assert "memfd:" not in _mapping_of(got[name].data_ptr())
+    got[name].view(-1)[0] += 1
+    for key, want in ref.items():
+        assert _same_bits(shared[key], want), key
+
+
+def test_a_copy_release_engine_that_fails_its_hello_leaves_the_cache_serving(
+        llama_ckpt: Path, sockdir: Path, caches) -> None:
+    """The slabs go only once the engine says `drop` (after its fingerprint matched): until
+    then another engine's open is refused as busy, and an engine that leaves (a mismatch)
+    gives them back untouched."""
+    caches.append(spawn_cache(llama_ckpt, sockdir))
+    taker = CacheClient(socket_path(sockdir, 0))
+    reply, fds = taker.request({"op": "open", "mode": "copy-release"})
+    wire.close_fds(fds)
+    assert reply.get("handover") is True and len(fds) == 1
+    other = CacheClient(socket_path(sockdir, 0))
+    with pytest.raises(CacheUnavailableError, match="handing its slabs over"):
+        other.request({"op": "open", "mode": "share"})
+    other.close()
+    bad = expected_fingerprint(str(llama_ckpt), Layout.from_global(0, 1, 1, 1), "cpu")
+    with pytest.raises(FingerprintMismatchError):
+        taker.hello({**bad, "checkpoint": "another checkpoint"})
+    taker.close()
+    ref = load_file(str(sorted(llama_ckpt.glob("*.safetensors"))[0]))
+
+    def serving() -> object:
+        try:
+            return load(str(llama_ckpt), socket_dir=str(sockdir), fallback=False,
+                        device="cpu")
+        except CacheUnavailableError:  # until the rank has seen the taker leave
+            return None
+
+    again = eventually(serving, 30, what="the rank serving again")
+    assert again.source == "cache"
+    for key, want in ref.items():
+        assert _same_bits(again[key], want), key
 
 
 def test_share_tensors_survive_sigkill_of_the_cache(llama_ckpt: Path, sockdir: Path, caches,

@@ -146,6 +146,9 @@ def test_copy_release_frees_the_cache_device_memory(tmp_path: Path, sockdir: Pat
     assert got.source == "cache" and got.bytes_outside == 0
     for key, want in tensors.items():
         assert _same_bits_on_host(got[key], want), key
+    # Alone on the rank, we were handed its own slab (no copy): mapped writable, ours.
+    got["big"][:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8, device=DEVICE)
+    assert got["big"][:4].tolist() == [1, 2, 3, 4]
     # One copy left on the device, ours: the cache's slab was freed once we had taken it.
     assert _settles(lambda: abs(free0 - torch.cuda.mem_get_info(0)[0]) < size * 0.1)
     client = CacheClient(socket_path(sockdir, 0))

@@ -207,6 +207,44 @@ def test_a_copy_the_cache_makes_is_waited_for_and_becomes_the_engines(
         os.close(copy_fd)
 
 
+@pytest.mark.parametrize("mode", ["share", "copy", "copy-release"])
+@pytest.mark.parametrize("via", ["handoff", "map"])
+def test_slabs_handed_over_are_taken_as_our_own_in_copy_release_only(
+        cache: Callable[[Answer], Path], mode: str, via: str) -> None:
+    """A rank that hands its slabs over (copy-release, nobody else mapping them) sends them
+    with "handover": the engine maps them writable, privately (the memfd is sealed against
+    shared writes), copies nothing and says `drop`. In any other mode the word is ignored:
+    share maps read-only, copy copies into memory of its own."""
+    import torch
+
+    seen: list[str] = []
+
+    def answer(req: dict[str, Any], slab_fd: int) -> tuple[dict[str, Any], list[int]]:
+        seen.append(req["op"])
+        if req["op"] == "open":
+            os.pwrite(slab_fd, b"\x02" * SLAB, 0)
+            return {"ok": True, "slabs": 1, "sizes": [SLAB], "handover": True}, [slab_fd]
+        return honest(req, slab_fd)
+
+    client = CacheClient(cache(answer))
+    try:
+        if via == "handoff":
+            tensors = client.handoff(lambda: FINGERPRINT, mode=mode, device="cpu")
+        else:
+            tensors = client.map(client.manifest(), mode=mode, device="cpu")
+        w = tensors["w"].view(-1).view(dtype=torch.uint8)
+        assert bool((w == 2).all())
+        where = next(line for line in Path("/proc/self/maps").read_text().splitlines()
+                     if int(line.split("-")[0], 16) <= w.data_ptr() < int(
+                         line.split()[0].split("-")[1], 16))
+        perms = where.split()[1]
+        want = {"share": "r--s", "copy": "rw-p", "copy-release": "rw-p"}[mode]
+        assert perms == want and (("test-slab" in where) == (mode != "copy")), where
+        assert ("drop" in seen) == (mode == "copy-release")
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("wrong", ["copied", "hello"])
 def test_a_copy_that_failed_or_does_not_match_returns_nothing(
         cache: Callable[[Answer], Path], wrong: str) -> None:

@@ -175,15 +175,16 @@ class CacheClient:
     def map_reply(self, reply: dict[str, Any], fds: list[int], manifest: Manifest, *,
                   mode: str, device: str) -> dict[str, torch.Tensor]:
         """`map()` from an `open` reply already received (and checked): its fds are closed."""
-        copying = _copying(reply, mode)
-        copies: list[torch.Tensor] | None = [] if mode != "share" and not copying else None
+        copying, handed_over = _copying(reply, mode), _handed_over(reply, mode)
+        copies: list[torch.Tensor] | None = [] if mode != "share" and not (
+            copying or handed_over) else None
         try:
             pieces = _slab_pieces(reply.get("pieces"), manifest.slab_sizes) if copying else None
         except CacheBrokenError:
             wire.close_fds(fds)
             raise
         slabs = import_slabs(fds, manifest.slab_sizes, device, copies, readonly=not copying,
-                             pieces=pieces)
+                             pieces=pieces, handed_over=handed_over)
         if copying:
             self.request({"op": "copied"})  # the cache's copy into them is done
         elif copies is not None:
@@ -234,17 +235,20 @@ class CacheClient:
                 if orep.get("ok") is not True or bad_open:
                     wire.close_fds(ofds)
                 copying = _copying(orep, mode) and not bad_open  # the cache copies for us
+                handed_over = _handed_over(orep, mode) and not bad_open  # no copy at all
                 TRACE["replies"] = time.perf_counter()
                 mapped: list[torch.Tensor] = []
                 copies: list[torch.Tensor] = []
                 tensors: dict[str, torch.Tensor] = {}
-                own = mode != "share" and not copying  # we copy the slabs into memory we own
+                # we copy the slabs into memory we own
+                own = mode != "share" and not (copying or handed_over)
                 try:
                     if orep.get("ok") is True and not bad_open:
                         # our copies start as each slab is mapped
                         mapped.extend(import_slabs(ofds, sizes, device, copies if own else None,
                                                    readonly=not copying,
-                                                   pieces=pieces if copying else None))
+                                                   pieces=pieces if copying else None,
+                                                   handed_over=handed_over))
                     TRACE["imported"] = time.perf_counter()
                     mrep, mfds = self._recv()
                     owed -= 1
@@ -550,6 +554,13 @@ def _copying(reply: dict[str, Any], mode: str) -> bool:
     return reply.get("ok") is True and reply.get("copying") is True and mode != "share"
 
 
+def _handed_over(reply: dict[str, Any], mode: str) -> bool:
+    """Whether an open reply's fds are the rank's own slabs, handed over for us to map as our
+    own (copy-release when nobody else maps them; the rank then serves nothing)."""
+    return reply.get("ok") is True and reply.get("handover") is True and \
+        mode == "copy-release" and reply.get("copying") is not True
+
+
 def _spin_until_readable(sock: socket.socket, seconds: float) -> None:
     """Poll `sock` without sleeping until it is readable, for at most `seconds`.
 
@@ -566,10 +577,11 @@ def _spin_until_readable(sock: socket.socket, seconds: float) -> None:
 
 def import_slabs(fds: list[int], sizes: tuple[int, ...], device: str,
                  copies: list[torch.Tensor] | None = None, *,
-                 readonly: bool = True,
-                 pieces: list[tuple[int, ...]] | None = None) -> list[torch.Tensor]:
+                 readonly: bool = True, pieces: list[tuple[int, ...]] | None = None,
+                 handed_over: bool = False) -> list[torch.Tensor]:
     """Map each slab fd (read-only unless the slabs are our own copy); closes every fd. A slab
     made of `pieces` (a rank's copy for us) comes as an fd per piece, mapped into one range.
+    Slabs `handed_over` (copy-release, nobody else mapping them) are mapped as our own.
     With `copies`, also copy each slab into memory of our own (appended to `copies` in order):
     every slab is mapped first, then each destination allocated, then one copy per slab
     queued on the current stream.
@@ -582,7 +594,10 @@ def import_slabs(fds: list[int], sizes: tuple[int, ...], device: str,
         if len(fds) != (sum(map(len, pieces)) if pieces else len(sizes)):
             raise CacheBrokenError(f"cache sent {len(fds)} fds for {len(sizes)} slabs")
         backend = backend_for(device)
-        if pieces is None:
+        if handed_over:
+            mapped = [backend.import_handed_over(fd, size)
+                      for fd, size in zip(fds, sizes, strict=True)]
+        elif pieces is None:
             mapped = [backend.import_fd(fd, size, readonly=readonly)
                       for fd, size in zip(fds, sizes, strict=True)]
         else:

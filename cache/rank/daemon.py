@@ -72,6 +72,7 @@ class CacheServer:
         self.allowed_uids = allowed_uids
         self.artifacts = artifacts if artifacts is not None else ArtifactStore()
         self.state = "serving"
+        self._handed_to: int | None = None  # the lease the raw slabs went to (copy-release)
         self.leases: dict[int, Lease] = {}
         self.started = time.time()
         self._release = release
@@ -157,6 +158,10 @@ class CacheServer:
             copy = self._copies.pop(id(lease), None) if lease else None
             if copy is not None:  # an engine that left in the middle of its copy-mode handoff
                 copy.close()
+            if lease is not None and self._handed_to == id(lease):  # left before its drop
+                self._handed_to = None
+                log.info("rank %d: pid %d left before taking the slabs handed over; serving "
+                         "them again", self.rank, lease.pid)
             self.connections.remove(cid)
             conn.close()
 
@@ -207,6 +212,12 @@ class CacheServer:
         old = self._copies.pop(id(lease), None)  # an earlier open's copy, never asked for
         if old is not None:
             old.close()
+        if self._handed_to not in (None, id(lease)):
+            return protocol.error("busy", "the cache is handing its slabs over to a "
+                                  "copy-release engine; it serves nothing once that engine has "
+                                  "them"), []
+        if f["mode"] == "copy-release" and self._nobody_else_maps(lease):
+            return self._hand_over(lease, sizes)
         copy = self.copier.start(f"rank {self.rank}: pid {lease.pid}") \
             if self.copier and f["mode"] != "share" else None
         if copy is None:
@@ -216,6 +227,29 @@ class CacheServer:
         if copy.pieces and any(len(cut) > 1 for cut in copy.pieces):
             reply["pieces"] = copy.pieces  # a slab's fds, one per allocation it is made of
         return reply, copy.fds
+
+    def _nobody_else_maps(self, lease: Lease) -> bool:
+        """Whether no other connection has opened the raw layout (a share engine maps it; a
+        copy-mode one may be reading it) and no copy of it is in flight."""
+        others = any(other.mode for other in self.leases.values() if other is not lease)
+        copying = bool(self._copies) or bool(self.copier and self.copier.status()["in_flight"])
+        return not (others or copying or self.raw_released)
+
+    def _hand_over(self, lease: Lease, sizes: list[int]) -> tuple[dict[str, Any], list[int]]:
+        """copy-release with nobody else on the raw layout: send the slabs themselves, for
+        the engine to map writable as its own (no copy, never two copies on the device).
+
+        The engine's fingerprint is checked after this (its `hello` follows the `open`), so
+        nothing is given up yet: other engines' opens are refused as busy until the engine
+        says `drop` (it writes nothing before), and then the rank serves nothing and the
+        launcher drops its escrowed duplicates. An engine that leaves without `drop` (a
+        mismatch) wrote nothing into them (on a CPU its mapping is copy-on-write anyway), and
+        the rank serves again."""
+        log.info("rank %d: copy-release by pid %d: handing the slabs over (%.2f GB, no copy)",
+                 self.rank, lease.pid, sum(sizes) / 1e9)
+        self._handed_to = id(lease)
+        return {"ok": True, "slabs": len(sizes), "sizes": sizes, "handover": True}, \
+            list(self.fds)
 
     async def handle_copied(self, lease: Lease, f: dict[str, Any]
                             ) -> tuple[dict[str, Any] | bytes, list[int]]:
@@ -245,11 +279,12 @@ class CacheServer:
         return {"ok": True}, []
 
     def handle_drop(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        """drop: after a copy-release handoff, free our copy."""
+        """drop: after a copy-release handoff, free our copy (or, handed over, our fds)."""
         if lease.mode != "copy-release":
             return protocol.error("refused", "drop is only allowed after open(copy-release)"), []
-        log.info("rank %d: copy-release by pid %d: dropping the cache's copy", self.rank,
-                 lease.pid)
+        log.info("rank %d: copy-release by pid %d: %s", self.rank, lease.pid,
+                 "the slabs are its own now" if self._handed_to == id(lease)
+                 else "dropping the cache's copy")
         self.drop(later=True)  # answer first: freeing a large slab takes a while
         return {"ok": True}, []
 
@@ -427,7 +462,7 @@ class CacheServer:
     def drop(self, *, later: bool = False) -> None:
         """Close our fds and mappings; memory goes once every client has unmapped."""
         self._close_raw()
-        self.state = "released"
+        self.state, self._handed_to = "released", None
         self._send_escrow(protocol.event("release", layout="raw"), [])  # the launcher's too
         release, self._release = self._release, None
         if release and later:

@@ -73,6 +73,9 @@ class Backend(Protocol):
                       readonly: bool) -> torch.Tensor:
         """Map a slab made of several exported allocations (sizes `pieces`) into one range."""
 
+    def import_handed_over(self, fd: int, size: int) -> torch.Tensor:
+        """Map, writable and as our own, a slab its rank handed over (copy-release)."""
+
     def map_fd(self, fd: int, size: int, *, readonly: bool) -> SlabBytes:
         """Map an exported slab for the rank (as `Slab.buffer`); the fd stays open."""
 
@@ -164,6 +167,12 @@ class CpuBackend:
         """
         return _tensor_over(_mapping(fd, size, readonly, populate=True), size)
 
+    def import_handed_over(self, fd: int, size: int) -> torch.Tensor:
+        """Map a slab its rank handed over (copy-release) writable: privately, copy on write,
+        since the slab is sealed against shared writes (and a file slab's fd is read-only);
+        the engine's writes stay its own, and nothing is copied until it writes."""
+        return _tensor_over(_mapping(fd, size, False, populate=True, private=True), size)
+
     def import_pieces(self, fds: list[int], pieces: tuple[int, ...], size: int, *,
                       readonly: bool) -> torch.Tensor:
         """Refused: a CPU rank sends each slab as one fd (only a GPU rank makes copies)."""
@@ -179,13 +188,16 @@ class CpuBackend:
         return {"device_uuid": "cpu", "compute_capability": "", "driver": ""}
 
 
-def _mapping(fd: int, size: int, readonly: bool, *, populate: bool = False) -> mmap.mmap:
-    """Map a slab fd (`populate`: page tables filled now); refuses one smaller than announced."""
+def _mapping(fd: int, size: int, readonly: bool, *, populate: bool = False,
+             private: bool = False) -> mmap.mmap:
+    """Map a slab fd (`populate`: page tables filled now; `private`: copy on write); refuses
+    one smaller than announced."""
     actual = os.fstat(fd).st_size
     if actual < size:
         raise CacheBrokenError(f"slab fd holds {actual} bytes, manifest says {size}")
     prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
-    flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
+    flags = (mmap.MAP_PRIVATE if private else mmap.MAP_SHARED) | \
+        (_MAP_POPULATE if populate else 0)
     return mmap.mmap(fd, max(size, 1), flags=flags, prot=prot)
 
 

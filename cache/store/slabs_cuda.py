@@ -252,6 +252,11 @@ class CudaBackend:
                 _quietly("cuMemRelease", handle)  # the mapping keeps the allocation alive
         return mapping.tensor(self.device)
 
+    def import_handed_over(self, fd: int, size: int) -> torch.Tensor:
+        """Map a slab its rank handed over (copy-release) writable: once the rank has dropped
+        its handle, this mapping is all that holds the allocation."""
+        return self.import_fd(fd, size, readonly=False)
+
     def import_pieces(self, fds: list[int], pieces: tuple[int, ...], size: int, *,
                       readonly: bool) -> torch.Tensor:
         """Map a slab made of several allocations (a rank's copy for the engine: rank/copies.py)

@@ -19,7 +19,7 @@ from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.sockdir import socket_path
 from vlaunch.cache.store import artifacts as A
 
-from .conftest import CacheProc, free_port, spawn_cache
+from .conftest import CacheProc, eventually, free_port, spawn_cache
 
 TOKEN = "t" * 32
 KEY = A.artifact_key({"seed": "test"})
@@ -127,6 +127,60 @@ def test_stalled_and_oversized_peers_are_dropped(source) -> None:
     assert "frame too large" in reply["message"]
     big.close()
     assert _serving(src)
+
+
+def _seed_peer(port: int) -> socket.socket:
+    peer = socket.create_connection(("127.0.0.1", port), timeout=10)
+    wire.send_frame(peer, {"op": "seed_auth", "token": TOKEN})
+    assert wire.recv_frame(peer)[0]["ok"] is True
+    return peer
+
+
+def test_seeding_and_a_copy_release_handover_exclude_each_other(
+        llama_ckpt: Path, tmp_path: Path, caches) -> None:
+    """A slab handed over to a copy-release engine is written by it: no seed stream may read
+    it. While a handover is pending seeding is refused; while a stream runs, a copy-release
+    engine gets a copy instead of the slabs."""
+    from safetensors.torch import save_file
+
+    big = tmp_path / "big"
+    big.mkdir()  # a slab larger than two sockets buffer, so that a stream can stay in flight
+    save_file({"lm_head.weight": torch.ones(4096, 4096, dtype=torch.bfloat16)},
+              str(big / "model.safetensors"))
+    src, port = _source(big, tmp_path)
+    caches.append(src)
+    taker = CacheClient(socket_path(src.socket_dir, 0))
+    reply, fds = taker.request({"op": "open", "mode": "copy-release"})
+    wire.close_fds(fds)
+    assert reply.get("handover") is True
+    peer = _seed_peer(port)
+    wire.send_frame(peer, {"op": "seed_manifest"})
+    refused, _ = wire.recv_frame(peer)
+    assert refused.get("ok") is not True and "handing its slabs over" in refused["message"]
+    peer.close()
+    taker.close()  # left without `drop`: the slabs are the rank's again
+
+    def seeding() -> bool:
+        with _seed_peer(port) as p:
+            wire.send_frame(p, {"op": "seed_manifest"})
+            return wire.recv_frame(p)[0].get("ok") is True
+
+    eventually(seeding, 30, what="seeding served again")
+    # a stream that the peer does not read stays in flight
+    slow = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    slow.settimeout(10)
+    slow.connect(("127.0.0.1", port))
+    wire.send_frame(slow, {"op": "seed_auth", "token": TOKEN})
+    assert wire.recv_frame(slow)[0]["ok"] is True
+    wire.send_frame(slow, {"op": "seed_slab", "slab": 0})
+    assert wire.recv_frame(slow)[0]["ok"] is True  # the stream has begun
+    copier = CacheClient(socket_path(src.socket_dir, 0))
+    reply, fds = copier.request({"op": "open", "mode": "copy-release"})
+    wire.close_fds(fds)
+    assert reply.get("ok") is True and "handover" not in reply
+    copier.close()
+    slow.close()
 
 
 def test_truncated_stream_fails_the_seed(llama_ckpt: Path, tmp_path: Path, caches,

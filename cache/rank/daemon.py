@@ -73,6 +73,7 @@ class CacheServer:
         self.artifacts = artifacts if artifacts is not None else ArtifactStore()
         self.state = "serving"
         self._handed_to: int | None = None  # the lease the raw slabs went to (copy-release)
+        self.seed_streams = 0  # slabs a seeding replica is being sent (rank/seed.py)
         self.leases: dict[int, Lease] = {}
         self.started = time.time()
         self._release = release
@@ -230,10 +231,15 @@ class CacheServer:
 
     def _nobody_else_maps(self, lease: Lease) -> bool:
         """Whether no other connection has opened the raw layout (a share engine maps it; a
-        copy-mode one may be reading it) and no copy of it is in flight."""
+        copy-mode one may be reading it), and no copy of it or seed stream is in flight."""
         others = any(other.mode for other in self.leases.values() if other is not lease)
         copying = bool(self._copies) or bool(self.copier and self.copier.status()["in_flight"])
-        return not (others or copying or self.raw_released)
+        return not (others or copying or self.seed_streams or self.raw_released)
+
+    @property
+    def handing_over(self) -> bool:
+        """Whether a copy-release engine is taking the raw slabs (until its `drop`)."""
+        return self._handed_to is not None
 
     def _hand_over(self, lease: Lease, sizes: list[int]) -> tuple[dict[str, Any], list[int]]:
         """copy-release with nobody else on the raw layout: send the slabs themselves, for

@@ -324,7 +324,6 @@ class SeedSource:
             raise SeedError("the seed token is shorter than 16 characters; use a long random "
                             "one (openssl rand -hex 32)")
         self.server, self.token, self.timeout = server, token.encode(), timeout
-        self._mapped: list[SlabBytes] | None = None
 
     async def start(self, host: str, port: int) -> asyncio.AbstractServer:
         """Listen on host:port (the caller closes the returned server)."""
@@ -380,6 +379,9 @@ class SeedSource:
         server = self.server
         if server.state != "serving":
             raise ProtocolError("this cache released its copy; it cannot seed")
+        if server.handing_over:
+            raise ProtocolError("this cache is handing its slabs over to a copy-release "
+                                "engine; it cannot seed")
         if op == "seed_manifest":
             await self._send(writer, {"ok": True, "fingerprint": server.fingerprint,
                                       "manifest": server.manifest.to_wire(),
@@ -393,27 +395,26 @@ class SeedSource:
             raise ProtocolError(f"{op} is not a seeding request")
 
     async def _stream_slab(self, index: int, writer: asyncio.StreamWriter) -> None:
+        """Stream one slab from a mapping of our own, made for this stream and dropped after
+        it: a mapping kept for later would hold the memory after a copy-release. While it
+        runs the rank hands no slab over (`CacheServer.seed_streams`)."""
         sizes = self.server.manifest.slab_sizes
         if index >= len(sizes):
             raise ProtocolError(f"no slab {index}")
-        slab = self._slabs()[index]
-        await self._send(writer, {"ok": True, "slab": index, "nbytes": sizes[index]})
+        from vlaunch.cache.client.connection import backend_for
         from vlaunch.cache.store.reader import chunks
 
-        for part in chunks(slab[:sizes[index]]):
-            for at in range(0, len(part), CHUNK):
-                writer.write(part[at:at + CHUNK])
-                await asyncio.wait_for(writer.drain(), self.timeout)
-
-    def _slabs(self) -> list[SlabBytes]:
-        """The cache's own slabs, mapped read-only once (from its fds)."""
-        if self._mapped is None:
-            from vlaunch.cache.client.connection import backend_for
-
-            backend = backend_for(self.server.device)
-            self._mapped = [backend.map_fd(fd, size, readonly=True) for fd, size in
-                            zip(self.server.fds, self.server.manifest.slab_sizes, strict=True)]
-        return self._mapped
+        self.server.seed_streams += 1
+        try:
+            slab = backend_for(self.server.device).map_fd(self.server.fds[index], sizes[index],
+                                                          readonly=True)
+            await self._send(writer, {"ok": True, "slab": index, "nbytes": sizes[index]})
+            for part in chunks(slab[:sizes[index]]):
+                for at in range(0, len(part), CHUNK):
+                    writer.write(part[at:at + CHUNK])
+                    await asyncio.wait_for(writer.drain(), self.timeout)
+        finally:
+            self.server.seed_streams -= 1
 
 
 def source_port(base: int, rank: int) -> int:

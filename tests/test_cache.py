@@ -239,6 +239,8 @@ def test_a_copy_release_engine_that_fails_its_hello_leaves_the_cache_serving(
     other = CacheClient(socket_path(sockdir, 0))
     with pytest.raises(CacheUnavailableError, match="handing its slabs over"):
         other.request({"op": "open", "mode": "share"})
+    with pytest.raises(CacheUnavailableError, match="nothing to verify"):  # vlaunch verify
+        other.request({"op": "digest", "start": 0, "count": 10})
     other.close()
     bad = expected_fingerprint(str(llama_ckpt), Layout.from_global(0, 1, 1, 1), "cpu")
     with pytest.raises(FingerprintMismatchError):

@@ -73,7 +73,7 @@ class CacheServer:
         self.artifacts = artifacts if artifacts is not None else ArtifactStore()
         self.state = "serving"
         self._handed_to: int | None = None  # the lease the raw slabs went to (copy-release)
-        self.seed_streams = 0  # slabs a seeding replica is being sent (rank/seed.py)
+        self.raw_readers = 0  # reads of the raw slabs in flight: seed streams, digests
         self.leases: dict[int, Lease] = {}
         self.started = time.time()
         self._release = release
@@ -231,10 +231,11 @@ class CacheServer:
 
     def _nobody_else_maps(self, lease: Lease) -> bool:
         """Whether no other connection has opened the raw layout (a share engine maps it; a
-        copy-mode one may be reading it), and no copy of it or seed stream is in flight."""
+        copy-mode one may be reading it), and the rank itself is not reading it (a copy, a
+        seed stream or a digest in flight)."""
         others = any(other.mode for other in self.leases.values() if other is not lease)
         copying = bool(self._copies) or bool(self.copier and self.copier.status()["in_flight"])
-        return not (others or copying or self.seed_streams or self.raw_released)
+        return not (others or copying or self.raw_readers or self.raw_released)
 
     @property
     def handing_over(self) -> bool:

@@ -185,9 +185,17 @@ class Integrity:
         if not self.server.fds:
             return protocol.error("released", "this rank no longer holds its checkpoint-shaped "
                                   "slabs, so there is nothing to verify"), []
+        if self.server.handing_over:  # the engine taking them may write into them
+            return protocol.error("busy", "the cache is handing its slabs over to a "
+                                  "copy-release engine; there is nothing to verify"), []
         if f["start"] == 0 or self._digests is None:
             loop = asyncio.get_running_loop()
-            self._digests = await loop.run_in_executor(None, self.digests, self.server.manifest)
+            self.server.raw_readers += 1  # no handover while the slabs are read
+            try:
+                self._digests = await loop.run_in_executor(None, self.digests,
+                                                           self.server.manifest)
+            finally:
+                self.server.raw_readers -= 1
         names = list(self._digests)
         page = names[f["start"]:f["start"] + min(f["count"], DIGEST_PAGE)]
         return {"ok": True, "total": len(names),

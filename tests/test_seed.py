@@ -147,7 +147,9 @@ def test_seeding_and_a_copy_release_handover_exclude_each_other(
     big.mkdir()  # a slab larger than two sockets buffer, so that a stream can stay in flight
     save_file({"lm_head.weight": torch.ones(4096, 4096, dtype=torch.bfloat16)},
               str(big / "model.safetensors"))
-    src, port = _source(big, tmp_path)
+    port = free_port()  # a stream stalled by its peer stays in flight for the whole test
+    src = spawn_cache(big, _dir(tmp_path, "src"), "--seed-listen-port", str(port),
+                      "--seed-timeout", "60", env=_env())
     caches.append(src)
     taker = CacheClient(socket_path(src.socket_dir, 0))
     reply, fds = taker.request({"op": "open", "mode": "copy-release"})

@@ -226,6 +226,27 @@ def test_copy_release_next_to_a_share_engine_copies(llama_ckpt: Path, sockdir: P
         assert _same_bits(shared[key], want), key
 
 
+def test_copy_release_after_a_lease_that_kept_its_tensors_copies(
+        llama_ckpt: Path, sockdir: Path, caches) -> None:
+    """An engine may end its lease and keep its tensors (`CacheClient.close()`): the rank
+    cannot see that mapping, so while that process lives no slab is handed over (on a GPU
+    the new owner's writes would land in the other engine's weights)."""
+    caches.append(spawn_cache(llama_ckpt, sockdir))
+    ref = load_file(str(sorted(llama_ckpt.glob("*.safetensors"))[0]))
+    shared = load(str(llama_ckpt), socket_dir=str(sockdir), fallback=False, device="cpu")
+    shared.client.close()  # the lease ends; the tensors, and their mappings, stay
+    status = CacheClient(socket_path(sockdir, 0))
+    eventually(lambda: not status.status()["leases"], 30, what="the lease gone")
+    status.close()
+    got = load(str(llama_ckpt), socket_dir=str(sockdir), mode="copy-release", fallback=False,
+               device="cpu")
+    name = next(iter(ref))
+    assert "memfd:" not in _mapping_of(got[name].data_ptr())  # a copy
+    got[name].view(-1)[0] += 1
+    for key, want in ref.items():
+        assert _same_bits(shared[key], want), key
+
+
 def test_a_copy_release_engine_that_fails_its_hello_leaves_the_cache_serving(
         llama_ckpt: Path, sockdir: Path, caches) -> None:
     """The slabs go only once the engine says `drop` (after its fingerprint matched): until

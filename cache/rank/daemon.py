@@ -74,6 +74,7 @@ class CacheServer:
         self.state = "serving"
         self._handed_to: int | None = None  # the lease the raw slabs went to (copy-release)
         self.raw_readers = 0  # reads of the raw slabs in flight: seed streams, digests
+        self._raw_mappers: dict[int, float] = {}  # pid -> start time of each that opened raw
         self.leases: dict[int, Lease] = {}
         self.started = time.time()
         self._release = release
@@ -219,6 +220,7 @@ class CacheServer:
                                   "them"), []
         if f["mode"] == "copy-release" and self._nobody_else_maps(lease):
             return self._hand_over(lease, sizes)
+        self._raw_mappers.setdefault(lease.pid, _start_time(lease.pid))
         copy = self.copier.start(f"rank {self.rank}: pid {lease.pid}") \
             if self.copier and f["mode"] != "share" else None
         if copy is None:
@@ -235,7 +237,16 @@ class CacheServer:
         seed stream or a digest in flight)."""
         others = any(other.mode for other in self.leases.values() if other is not lease)
         copying = bool(self._copies) or bool(self.copier and self.copier.status()["in_flight"])
-        return not (others or copying or self.raw_readers or self.raw_released)
+        return not (others or copying or self.raw_readers or self.raw_released
+                    or self._mappers_alive())
+
+    def _mappers_alive(self) -> bool:
+        """Whether a process that opened the raw layout before may still map it. A lease can
+        end with its tensors kept (`CacheClient.close()`), so an ended connection proves
+        nothing: only that process's exit does (checked by pid and start time)."""
+        self._raw_mappers = {pid: started for pid, started in self._raw_mappers.items()
+                             if _start_time(pid) == started}
+        return bool(self._raw_mappers)
 
     @property
     def handing_over(self) -> bool:
@@ -476,6 +487,17 @@ class CacheServer:
             asyncio.get_running_loop().call_soon(release)
         elif release:
             release()
+
+
+def _start_time(pid: int) -> float:
+    """When process `pid` started (0.0 when there is none): a pid and its start time name one
+    process, whatever reuses the pid later."""
+    import psutil
+
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return 0.0
 
 
 def socket_path_taken(path: Path, why: str) -> Exception:

@@ -220,7 +220,8 @@ class CacheServer:
                                   "them"), []
         if f["mode"] == "copy-release" and self._nobody_else_maps(lease):
             return self._hand_over(lease, sizes)
-        self._raw_mappers.setdefault(lease.pid, _start_time(lease.pid))
+        if lease.pid not in self._raw_mappers:  # off the reply's path (reads /proc)
+            asyncio.get_running_loop().call_soon(self._remember_mapper, lease.pid)
         copy = self.copier.start(f"rank {self.rank}: pid {lease.pid}") \
             if self.copier and f["mode"] != "share" else None
         if copy is None:
@@ -239,6 +240,13 @@ class CacheServer:
         copying = bool(self._copies) or bool(self.copier and self.copier.status()["in_flight"])
         return not (others or copying or self.raw_readers or self.raw_released
                     or self._mappers_alive())
+
+    def _remember_mapper(self, pid: int) -> None:
+        """Note a process that opened the raw layout (its lease's mode covers it until then);
+        the dead are forgotten whenever more than a few are noted."""
+        self._raw_mappers.setdefault(pid, _start_time(pid))
+        if len(self._raw_mappers) > 64:
+            self._mappers_alive()
 
     def _mappers_alive(self) -> bool:
         """Whether a process that opened the raw layout before may still map it. A lease can

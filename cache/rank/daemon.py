@@ -15,6 +15,7 @@ import os
 import socket
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -255,6 +256,16 @@ class CacheServer:
         self._raw_mappers = {pid: started for pid, started in self._raw_mappers.items()
                              if _start_time(pid) == started}
         return bool(self._raw_mappers)
+
+    @contextlib.contextmanager
+    def reading_raw(self) -> Iterator[None]:
+        """The rank itself reads its raw slabs in this block (a seed stream, digests): no
+        handover meanwhile."""
+        self.raw_readers += 1
+        try:
+            yield
+        finally:
+            self.raw_readers -= 1
 
     @property
     def handing_over(self) -> bool:

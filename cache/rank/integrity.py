@@ -190,12 +190,9 @@ class Integrity:
                                   "copy-release engine; there is nothing to verify"), []
         if f["start"] == 0 or self._digests is None:
             loop = asyncio.get_running_loop()
-            self.server.raw_readers += 1  # no handover while the slabs are read
-            try:
+            with self.server.reading_raw():  # no handover while the slabs are read
                 self._digests = await loop.run_in_executor(None, self.digests,
                                                            self.server.manifest)
-            finally:
-                self.server.raw_readers -= 1
         names = list(self._digests)
         page = names[f["start"]:f["start"] + min(f["count"], DIGEST_PAGE)]
         return {"ok": True, "total": len(names),

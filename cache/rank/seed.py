@@ -397,15 +397,14 @@ class SeedSource:
     async def _stream_slab(self, index: int, writer: asyncio.StreamWriter) -> None:
         """Stream one slab from a mapping of our own, made for this stream and dropped after
         it: a mapping kept for later would hold the memory after a copy-release. While it
-        runs the rank hands no slab over (`CacheServer.raw_readers`)."""
+        runs the rank hands no slab over (`CacheServer.reading_raw`)."""
         sizes = self.server.manifest.slab_sizes
         if index >= len(sizes):
             raise ProtocolError(f"no slab {index}")
         from vlaunch.cache.client.connection import backend_for
         from vlaunch.cache.store.reader import chunks
 
-        self.server.raw_readers += 1
-        try:
+        with self.server.reading_raw():
             slab = backend_for(self.server.device).map_fd(self.server.fds[index], sizes[index],
                                                           readonly=True)
             await self._send(writer, {"ok": True, "slab": index, "nbytes": sizes[index]})
@@ -413,8 +412,6 @@ class SeedSource:
                 for at in range(0, len(part), CHUNK):
                     writer.write(part[at:at + CHUNK])
                     await asyncio.wait_for(writer.drain(), self.timeout)
-        finally:
-            self.server.raw_readers -= 1
 
 
 def source_port(base: int, rank: int) -> int:

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vlaunch.engine")
 
+LOG_STEP = 64 << 20
+"""A rank logs its memory line again once a figure moved this much since its last line."""
 FIELDS = ("rank", "weights_shared", "weights_own", "torch_allocated", "torch_reserved",
           "kv_cache", "device_bytes")
 
@@ -186,20 +188,38 @@ def _nvml() -> Any:
     return _NVML[0]
 
 
-def gather_memory(state: RankState, *, log_it: bool = False) -> list[RankMemory]:
-    """Every rank's memory, on every rank: each rank calls this at the same point (an
-    all-gather at tp > 1). `log_it`: this rank logs its own line."""
-    import torch
-    import torch.distributed as dist
-
+def own_memory(state: RankState) -> RankMemory:
+    """This rank's memory now."""
     if state.weights_split is None:  # where the weights are does not change once loaded
         tensors = list(state.model.weights.values())
         if state.draft is not None:
             tensors += list(state.draft.weights.values())
         state.weights_split = weight_split(tensors, state.device)
-    mine = rank_memory(state.rank, state.weights_split, state.device)
-    if log_it:
+    return rank_memory(state.rank, state.weights_split, state.device)
+
+
+def moved(now: RankMemory, then: RankMemory | None) -> bool:
+    """Whether `now` differs from the last logged figures by LOG_STEP bytes or more, in torch's
+    reserved memory or the process's device memory (a line is due)."""
+    if then is None:
+        return True
+    pairs = [(now.torch_reserved, then.torch_reserved)]
+    if now.device_bytes is not None and then.device_bytes is not None:
+        pairs.append((now.device_bytes, then.device_bytes))
+    return any(abs(a - b) >= LOG_STEP for a, b in pairs)
+
+
+def gather_memory(state: RankState, *, log_it: bool = False) -> list[RankMemory]:
+    """Every rank's memory, on every rank: each rank calls this at the same point (an
+    all-gather at tp > 1). Each rank logs its own line when `log_it`, and whenever its figures
+    moved by LOG_STEP since its last line (the first request's activations, for one)."""
+    import torch
+    import torch.distributed as dist
+
+    mine = own_memory(state)
+    if log_it or moved(mine, state.memory_logged):
         log.info("%s", mine.line())
+        state.memory_logged = mine
     if state.tp_size == 1:
         return [mine]
     row = torch.tensor(mine.to_row(), dtype=torch.float64, device=state.comm_device)

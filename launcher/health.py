@@ -20,6 +20,8 @@ from prometheus_client.core import GaugeMetricFamily
 from vlaunch.cache.contract.errors import UsageError
 from vlaunch.cache.contract.http import reply, reply_json
 
+from .memory import memory_metrics
+
 log = logging.getLogger("vlaunch.launcher")
 
 PROBES = {
@@ -74,6 +76,7 @@ class MetricsCollector:
         engine = s.get("engine") or {}
         yield GaugeMetricFamily("vlaunch_engine_restarts", "Engine restarts so far.",
                                 value=float(engine.get("restarts", 0)))
+        yield from memory_metrics(s)
 
 
 class HealthServer:

@@ -10,15 +10,14 @@ tensor inside one of torch's allocator segments is the engine's own, anything el
 mapping (the cache's VMM slabs); on CPU a tensor inside a shared mapping (the cache's memfd
 or file slabs) is shared, anything in private memory is the engine's own. `device_bytes` is
 the process's device memory as NVML reports it (the driver's per-process figure nvidia-smi
-shows; it leaves out the mapped slabs, which the cache rank owns); None on CPU or where NVML
-cannot say (no library, another PID namespace). `other` is what the process holds beyond
-torch's reserved memory: the CUDA context, NCCL's buffers, cuBLAS workspaces, kernels
-(docs/memory.md).
+shows; it leaves out the mapped slabs, which the cache rank owns: contract/nvml.py); None on
+CPU or where NVML cannot say (no library, another PID namespace). `other` is what the
+process holds beyond torch's reserved memory: the CUDA context, NCCL's buffers, cuBLAS
+workspaces, kernels (docs/memory.md).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -138,54 +137,18 @@ def _slab_mappings() -> list[tuple[int, int]]:
     return ranges
 
 
-class _ProcessInfo(ctypes.Structure):
-    """NVML's nvmlProcessInfo_v1_t, the layout of the unversioned legacy entry point."""
-
-    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
-
-
-_NVML: list[Any] = []  # the loaded, initialised library (empty until first use; None: absent)
-
-
 def process_device_bytes(device: str) -> int | None:
     """This process's memory on `device` per NVML (what nvidia-smi shows), or None."""
     import os
 
     import torch
 
-    lib = _nvml()
-    if lib is None:
-        return None
-    try:
-        uuid = str(torch.cuda.get_device_properties(torch.device(device)).uuid)
-        handle = ctypes.c_void_p()
-        if lib.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}".encode(), ctypes.byref(handle)) != 0:
-            return None
-        count = ctypes.c_uint(64)
-        infos = (_ProcessInfo * 64)()
-        if lib.nvmlDeviceGetComputeRunningProcesses(handle, ctypes.byref(count), infos) != 0:
-            return None
-        mine = [infos[i].usedGpuMemory for i in range(min(count.value, 64))
-                if infos[i].pid == os.getpid()]
-    except (AttributeError, OSError, RuntimeError):
-        return None
-    # absent: the driver sees this process under another PID (a container's namespace)
-    return int(mine[0]) if mine and mine[0] < (1 << 62) else None
+    from vlaunch.cache.contract.nvml import NVML
 
-
-def _nvml() -> Any:
-    """libnvidia-ml, initialised once per process; None without it."""
-    if not _NVML:
-        lib = None
-        try:
-            lib = ctypes.CDLL("libnvidia-ml.so.1")
-            if lib.nvmlInit_v2() != 0:
-                lib = None
-        except (OSError, AttributeError) as exc:
-            log.debug("NVML is not available (%s): no per-process device figure", exc)
-            lib = None
-        _NVML.append(lib)
-    return _NVML[0]
+    if not NVML.available:
+        return None
+    uuid = str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+    return NVML.process_bytes(os.getpid(), f"GPU-{uuid}")
 
 
 def own_memory(state: RankState) -> RankMemory:

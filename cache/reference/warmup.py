@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from vlaunch.cache.client.layout import release_cached
 from vlaunch.cache.reference.memory import RankMemory, own_memory
 from vlaunch.cache.reference.workers import decode
 
@@ -94,20 +95,19 @@ def warm_up(state: RankState, n_tokens: int, *, free: bool) -> WarmupReport:
     ms = (time.perf_counter() - start) * 1000
     uss_warm, warm = me.memory_full_info().uss, own_memory(state)
     if free:
-        release_cached(state.device)
+        give_back(state.device)
     report = WarmupReport(state.rank, n_tokens, ms, before, warm, own_memory(state), free,
                           (uss_before, uss_warm, me.memory_full_info().uss))
     log.info("%s", report.line())
     return report
 
 
-def release_cached(device: str) -> None:
-    """Give the allocator's unused cached memory back: to the driver on CUDA, to the OS on
-    the CPU (glibc only; elsewhere nothing)."""
+def give_back(device: str) -> None:
+    """Give the allocator's unused cached memory back: to the driver on CUDA
+    (client.layout.release_cached), glibc's free heap to the OS on the CPU (elsewhere
+    nothing)."""
     if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.empty_cache()
+        release_cached(device)
         return
     with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
         ctypes.CDLL(None).malloc_trim(0)

@@ -123,3 +123,25 @@ def test_metrics_leave_an_absent_device_figure_out() -> None:
     assert samples[("vlaunch_device_used_bytes", (("device", A),))] == 22 * GiB
     assert samples[("vlaunch_device_total_bytes", (("device", A),))] == 80 * GiB
     assert not [k for k in samples if ("process", "standby") in k[1]]
+
+
+def test_the_status_table_shows_each_childs_memory() -> None:
+    from vlaunch.launcher.status import format_status
+
+    entry = {"rss": 3 * 10**9, "uss": 10**9, "pss": 2 * 10**9}
+    mem = {"ranks": {"1": {**entry, "device_bytes": 17 * 10**9},
+                     "0": {**entry, "device_bytes": 16 * 10**9}},
+           "engine": {**entry, "device_bytes": None}, "standby": None,
+           "devices": [{"uuid": A, "index": 0, "total_bytes": 141 * 10**9,
+                        "used_bytes": 40 * 10**9, "vlaunch_bytes": 33 * 10**9}],
+           "device_absent": None}
+    text = format_status({"phase": "serving", "caches_ready": True, "engine_ready": True,
+                          "ranks": {}, "memory": mem})
+    lines = text.splitlines()
+    assert "memory rank 0   rss 3.00 GB  uss 1.00 GB  pss 2.00 GB  device 16.00 GB" in lines
+    assert lines.index("memory rank 0   rss 3.00 GB  uss 1.00 GB  pss 2.00 GB  device "
+                       "16.00 GB") < lines.index("memory rank 1   rss 3.00 GB  uss 1.00 GB  "
+                                                 "pss 2.00 GB  device 17.00 GB")
+    assert "memory engine   rss 3.00 GB  uss 1.00 GB  pss 2.00 GB  device absent" in lines
+    assert f"gpu 0 {A}: used 40.00 of 141.00 GB, vlaunch 33.00 GB" in lines
+    assert "standby" not in text

@@ -24,8 +24,7 @@ from vlaunch.cache.store.cpubacking import slab_dir
 
 from .conftest import eventually
 from .test_launcher import launch  # noqa: F401  (a fixture)
-
-PROMPT = [3, 1, 4, 1, 5]
+from .test_standby import generate
 
 
 def slab_digests(pids: list[int]) -> dict[int, str]:
@@ -45,14 +44,6 @@ def slab_digests(pids: list[int]) -> dict[int, str]:
             except FileNotFoundError:  # an fd closed meanwhile
                 continue
     return out
-
-
-def generate(port_file: Path) -> list[int]:
-    url = f"http://127.0.0.1:{port_file.read_text().strip()}/generate"
-    body = json.dumps({"tokens": PROMPT, "max_new_tokens": 4}).encode()
-    req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())["tokens"]
 
 
 def serving(port_file: Path) -> list[int] | None:
@@ -146,7 +137,7 @@ def test_warmup_tokens_0_serves_without_a_warm_up(tmp_path: Path) -> None:
                              str(model), "--port-file", str(port_file), "--warmup-tokens", "0",
                              "--socket-dir", str(tmp_path / "none")], stderr=log.open("wb"))
     try:
-        assert len(eventually(lambda: serving(port_file), 120, what=log.read_text)) == 4
+        assert len(eventually(lambda: serving(port_file), 120, what=log.read_text)) == 6
         assert stats(port_file)["warmup"] is None
     finally:
         proc.send_signal(signal.SIGTERM)

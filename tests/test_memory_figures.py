@@ -145,3 +145,17 @@ def test_the_status_table_shows_each_childs_memory() -> None:
     assert "memory engine   rss 3.00 GB  uss 1.00 GB  pss 2.00 GB  device absent" in lines
     assert f"gpu 0 {A}: used 40.00 of 141.00 GB, vlaunch 33.00 GB" in lines
     assert "standby" not in text
+
+
+def test_a_rank_logs_its_memory_again_once_a_figure_moved_64_mib() -> None:
+    from vlaunch.cache.reference.memory import LOG_STEP, RankMemory, moved
+
+    first = RankMemory(0, 8 * GiB, 0, 32 << 20, 512 << 20, 0, 600 << 20)
+    assert moved(first, None)  # nothing logged yet
+    assert not moved(RankMemory(0, 8 * GiB, 0, 40 << 20, 560 << 20, 0, 650 << 20), first)
+    # the first request's activations: reserved and device memory grow by gigabytes
+    assert moved(RankMemory(0, 8 * GiB, 0, 32 << 20, 2 * GiB, 0, 4 * GiB), first)
+    assert moved(RankMemory(0, 8 * GiB, 0, 32 << 20, 512 << 20, 0, (600 << 20) + LOG_STEP),
+                 first)
+    cpu = RankMemory(0, GiB, 0, 0, 0, 0, None)  # the CPU: no device figure, no torch figures
+    assert not moved(cpu, cpu)

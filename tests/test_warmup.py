@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from vlaunch.cache.contract.standby import PROMOTE, standby_env
-from vlaunch.cache.reference.options import ConfigError, parse_args
+from vlaunch.cache.reference.http import MAX_PROMPT_TOKENS
+from vlaunch.cache.reference.options import MAX_WARMUP_TOKENS, ConfigError, parse_args
 from vlaunch.cache.reference.refmodel import make_checkpoint
 from vlaunch.cache.reference.warmup import dummy_prompt
 from vlaunch.cache.store.cpubacking import slab_dir
@@ -70,8 +71,10 @@ def test_warmup_options() -> None:
     opts = parse_args(["--model", "m"])
     assert opts.warmup_tokens == 8 and not opts.standby_keep_memory
     assert parse_args(["--model", "m", "--warmup-tokens", "0"]).warmup_tokens == 0
-    with pytest.raises(ConfigError, match="--warmup-tokens must be >= 0"):
-        parse_args(["--model", "m", "--warmup-tokens", "-1"])
+    for bad in ("-1", str(MAX_PROMPT_TOKENS + 1)):
+        with pytest.raises(ConfigError, match=r"--warmup-tokens must be in 0\.\.256 "):
+            parse_args(["--model", "m", "--warmup-tokens", bad])
+    assert MAX_WARMUP_TOKENS == MAX_PROMPT_TOKENS
 
 
 def test_a_standby_warms_up_before_parking_and_writes_nothing_to_the_cache(

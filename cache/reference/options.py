@@ -14,6 +14,8 @@ from vlaunch.cache.contract.launch import EngineEnv
 from vlaunch.cache.contract.protocol import MODES
 
 EX_CONFIG = 78
+MAX_WARMUP_TOKENS = 256
+"""The longest warm-up prompt: http.MAX_PROMPT_TOKENS, the longest a request may send."""
 TP_BACKENDS = ("auto", "nccl", "gloo")
 """The values of --tp-backend (backend.py chooses for auto)."""
 
@@ -131,8 +133,9 @@ def parse_args(argv: Sequence[str] | None) -> EngineOptions:
         raise ConfigError(f"--port must be in 0..65535, got {opts.port}")
     if opts.speculative_tokens < 1:
         raise ConfigError(f"--speculative-tokens must be >= 1, got {opts.speculative_tokens}")
-    if opts.warmup_tokens < 0:
-        raise ConfigError(f"--warmup-tokens must be >= 0, got {opts.warmup_tokens}")
+    if not 0 <= opts.warmup_tokens <= MAX_WARMUP_TOKENS:
+        raise ConfigError(f"--warmup-tokens must be in 0..{MAX_WARMUP_TOKENS} (the longest "
+                          f"prompt a request may send), got {opts.warmup_tokens}")
     if not opts.timeout >= 0:
         raise ConfigError(f"--timeout must be >= 0, got {opts.timeout}")
     return opts

@@ -126,9 +126,8 @@ def memory_metrics(status: Mapping[str, Any]) -> Iterator[GaugeMetricFamily]:
     for who, e in entries:
         for kind, gauge in host.items():
             gauge.add_metric(who, float(e[kind]))
-        for uuid, nbytes in (e.get("device_by_uuid") or {}).items():
-            if e.get("device_bytes") is not None:
-                device.add_metric([*who, uuid], float(nbytes))
+        for uuid, nbytes in (e.get("device_by_uuid") or {}).items():  # {} when absent
+            device.add_metric([*who, uuid], float(nbytes))
     yield from (*host.values(), device)
     total = GaugeMetricFamily("vlaunch_device_total_bytes", "A GPU's memory (NVML).",
                               labels=["device"])

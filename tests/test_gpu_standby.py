@@ -8,6 +8,7 @@ Run on a GPU machine with `pytest -m gpu tests/test_gpu_standby.py` (needs nvidi
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -73,5 +74,11 @@ def test_tp2_on_one_gpu_warm_standby_and_device_memory(launch, tmp_path: Path) -
     eventually(lambda: port_file.exists() or None, 30, what=la.text)
     assert generate(port_file) == before
     assert la.text().count("warm-up (prefill 8 tokens + 1 decode step)") >= 4
+    # the standby gave back what its warm-up left cached before it parked
+    url = f"http://127.0.0.1:{port_file.read_text().strip()}/stats"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        warm = json.loads(r.read())["warmup"]
+    assert warm["freed"] and warm["warm"]["torch_reserved"] > warm["kept"]["torch_reserved"]
+    assert warm["warm"]["device_bytes"] > warm["kept"]["device_bytes"]
     la.proc.send_signal(signal.SIGTERM)
     assert la.wait_exit() == 0

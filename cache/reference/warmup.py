@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,10 +28,12 @@ import psutil
 
 from vlaunch.cache.client.layout import release_cached
 from vlaunch.cache.reference.memory import RankMemory, own_memory
-from vlaunch.cache.reference.workers import decode
 
 if TYPE_CHECKING:
     from vlaunch.cache.reference.workers import RankState
+
+Decode = Callable[["RankState", list[int], int], list[int]]
+"""This rank's part of a generation (workers.decode): the path a real request takes."""
 
 log = logging.getLogger("vlaunch.engine")
 
@@ -85,8 +88,9 @@ def dummy_prompt(n_tokens: int, vocab_size: int) -> list[int]:
     return [1 + i % max(1, vocab_size - 1) for i in range(n_tokens)]
 
 
-def warm_up(state: RankState, n_tokens: int, *, free: bool) -> WarmupReport:
-    """Run this rank's part of the warm-up (every rank at once at tp > 1); logs one line."""
+def warm_up(state: RankState, n_tokens: int, decode: Decode, *, free: bool) -> WarmupReport:
+    """Run this rank's part of the warm-up through `decode` (every rank at once at tp > 1);
+    logs one line."""
     me = psutil.Process()
     uss_before, before = me.memory_full_info().uss, own_memory(state)
     start = time.perf_counter()

@@ -208,7 +208,7 @@ def run_warmup(state: RankState, n_tokens: int, *, free: bool) -> Any:
     if state.tp_size > 1:
         dist.broadcast(torch.tensor([OP_WARMUP, n_tokens, int(free)], dtype=torch.int64,
                                     device=state.comm_device), src=0)
-    return warm_up(state, n_tokens, free=free)
+    return warm_up(state, n_tokens, decode, free=free)
 
 
 def broadcast_stop(state: RankState) -> None:
@@ -245,7 +245,7 @@ def run_worker(opts: EngineOptions) -> int:
         if op == OP_STOP:
             break
         if op == OP_WARMUP:
-            warm_up(state, n_tokens, free=bool(max_new))
+            warm_up(state, n_tokens, decode, free=bool(max_new))
             gather_memory(state)
             continue
         tokens = torch.empty(n_tokens, dtype=torch.int64, device=state.comm_device)

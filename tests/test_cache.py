@@ -131,6 +131,28 @@ def test_every_fingerprint_field_mismatch_is_reported(llama_ckpt: Path, one_cach
     client.close()
 
 
+def test_at_one_rank_plans_that_split_nothing_agree(llama_ckpt: Path, one_cache) -> None:
+    """A cache on the default plan and an engine that names `replicate` hold the same bytes at
+    TP 1: the two-container layout with each side on its own default must not be refused."""
+    got = load(str(llama_ckpt), socket_dir=str(one_cache.socket_dir), plan="replicate",
+               fallback=False, timeout=10)
+    assert got.source == "cache"
+    ref = load_file(str(sorted(llama_ckpt.glob("*.safetensors"))[0]))
+    for name, want in ref.items():
+        assert _same_bits(got[name], want), name
+    got.client.close()
+
+
+def test_plans_that_split_differently_are_still_refused(llama_ckpt: Path, sockdir: Path,
+                                                        caches) -> None:
+    """At TP 2 the default plan and `replicate` hold different bytes: refused, both named."""
+    caches.append(spawn_cache(llama_ckpt, sockdir, tp=2))
+    with pytest.raises(FingerprintMismatchError, match="plan") as err:
+        load(str(llama_ckpt), socket_dir=str(sockdir), rank=0, tensor_parallel_size=2,
+             plan="replicate", fallback=False, timeout=5)
+    assert [m[0] for m in err.value.mismatches] == ["plan"]
+
+
 def test_fallback_true_loads_from_disk_with_one_warning(llama_ckpt: Path, one_cache, sockdir,
                                                         caplog) -> None:
     caplog.set_level(logging.WARNING, "vlaunch.cache")

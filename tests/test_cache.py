@@ -8,6 +8,8 @@ import logging
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -492,6 +494,44 @@ def test_share_mapping_lives_exactly_as_long_as_its_tensors(llama_ckpt: Path,
     gc.collect()
     assert slab_maps() == before
     c.close()
+
+
+def test_a_share_lease_ends_with_its_tensors_a_close_or_the_process(
+        llama_ckpt: Path, sockdir: Path, caches) -> None:
+    """The three ends of a lease the docs name (lifecycle.md): the last tensor freed, the
+    client's close() (the tensors stay valid), the engine process's exit."""
+    one_cache = spawn_cache(llama_ckpt, sockdir)
+    caches.append(one_cache)
+    path = socket_path(sockdir, 0)
+    watcher = CacheClient(path)
+
+    def leases() -> int:
+        return len(watcher.status()["leases"])
+
+    ref = load_file(str(sorted(llama_ckpt.glob("*.safetensors"))[0]))
+    name = next(iter(ref))
+    got = load(str(llama_ckpt), socket_dir=str(one_cache.socket_dir), fallback=False)
+    assert leases() == 1
+    del got
+    gc.collect()
+    eventually(lambda: leases() == 0, 30, what="the lease ended with the last tensor")
+    got = load(str(llama_ckpt), socket_dir=str(one_cache.socket_dir), fallback=False)
+    assert leases() == 1
+    got.client.close()
+    eventually(lambda: leases() == 0, 30, what="the lease ended by close()")
+    assert _same_bits(got[name], ref[name])  # the mapping outlives the lease
+    code = (f"from vlaunch.cache import load; import sys, time; w = load({str(llama_ckpt)!r}, "
+            f"socket_dir={str(one_cache.socket_dir)!r}, fallback=False); print('up', "
+            "flush=True); time.sleep(120)")
+    engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert engine.stdout is not None and engine.stdout.readline() == "up\n"
+        assert leases() == 1
+    finally:
+        engine.kill()
+        engine.wait(30)
+    eventually(lambda: leases() == 0, 30, what="the lease ended with the process")
+    watcher.close()
 
 
 def _respawned(cache: CacheProc, model: Path, sockdir: Path, rank: int, tp: int) -> CacheProc:

@@ -21,7 +21,6 @@ from vlaunch.cache.reference.http import MAX_PROMPT_TOKENS
 from vlaunch.cache.reference.options import MAX_WARMUP_TOKENS, ConfigError, parse_args
 from vlaunch.cache.reference.refmodel import make_checkpoint
 from vlaunch.cache.reference.warmup import dummy_prompt
-from vlaunch.cache.store.cpubacking import slab_dir
 
 from .conftest import eventually
 from .test_launcher import launch  # noqa: F401  (a fixture)
@@ -29,15 +28,15 @@ from .test_standby import generate
 
 
 def slab_digests(pids: list[int]) -> dict[int, str]:
-    """blake2b of every CPU slab these processes hold open (a memfd, or an unnamed file:
-    cpubacking.py), by inode."""
+    """blake2b of every CPU slab (a sealed memfd: cpubacking.py) these processes hold open, by
+    inode."""
     out: dict[int, str] = {}
     for pid in pids:
         for fd in os.listdir(f"/proc/{pid}/fd"):
             link = f"/proc/{pid}/fd/{fd}"
             try:
                 target = os.readlink(link)
-                if not target.startswith(("/memfd:", slab_dir() + "/#")):
+                if not target.startswith("/memfd:vlaunch-slab"):
                     continue
                 inode = os.stat(link).st_ino
                 with open(link, "rb") as f:  # reopens the same slab

@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,8 @@ class Executor:
         self.directory = spec.socket_dir
         self.memory: dict[str, Any] | None = None  # the children's last memory sample
         self.sampler = MemorySampler(any(d.startswith("cuda") for d in spec.devices.values()))
+        # a thread of its own: the default pool's threads block in the ranks' channels
+        self._memory_pool = ThreadPoolExecutor(1, thread_name_prefix="vlaunch-memory")
         self.display = LoadDisplay()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.handlers: dict[type, Callable[[Any], Awaitable[None]]] = {
@@ -415,7 +418,7 @@ class Executor:
         loop = asyncio.get_running_loop()
         while True:
             if self.health is not None:
-                self.memory = await loop.run_in_executor(None, self.sampler.sample,
+                self.memory = await loop.run_in_executor(self._memory_pool, self.sampler.sample,
                                                          self._memory_roots())
                 self._publish()
             await asyncio.sleep(MEMORY_EVERY)
@@ -454,6 +457,7 @@ class Executor:
         for rank in self.spec.slots:
             _clear_stale(self.spec, rank)
         self.escrow.close()
+        self._memory_pool.shutdown(wait=False)
         self._drop_channel("standby_channel")
         self._drop_channel("engine_channel")
         self.notifier.close()

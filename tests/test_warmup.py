@@ -80,13 +80,14 @@ def test_a_standby_warms_up_before_parking_and_writes_nothing_to_the_cache(
         launch, tmp_path: Path) -> None:  # noqa: F811
     model = make_checkpoint(tmp_path / "tiny", hidden=64, layers=2, heads=4, kv_heads=2,
                             intermediate=128, vocab=256)
-    la = launch(model, tp=2)  # the caches alone: engines started here, by hand
+    # TP 1 keeps it short: the workers' warm-up is in test_engine's and test_standby's TP 2 runs
+    la = launch(model, tp=1)  # the cache alone: engines started here, by hand
     snap = la.wait_for(lambda s: s["caches_ready"])
     ranks = [r["pid"] for r in snap["ranks"].values()]
     engine = [sys.executable, "-m", "vlaunch.cache.reference.engine", "--model", str(model),
-              "--tensor-parallel-size", "2", "--socket-dir", str(la.sockdir), "--no-fallback"]
+              "--socket-dir", str(la.sockdir), "--no-fallback"]
     log = (tmp_path / "engines.log").open("ab")
-    # a first engine hands the engine layout back to the caches, then stops
+    # a first engine hands the engine layout back to the cache, then stops
     first = subprocess.Popen([*engine, "--port-file", str(tmp_path / "port1")], stderr=log)
     try:
         expected = eventually(lambda: serving(tmp_path / "port1"), 120,
@@ -95,7 +96,7 @@ def test_a_standby_warms_up_before_parking_and_writes_nothing_to_the_cache(
         first.send_signal(signal.SIGTERM)
         assert first.wait(60) == 0
     before = slab_digests(ranks)
-    assert len(before) == 2  # each rank's engine layout (it replaced the raw layout)
+    assert len(before) == 1  # the engine layout (it replaced the raw layout)
 
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(tmp_path / "standby-notify.sock"))
@@ -110,7 +111,7 @@ def test_a_standby_warms_up_before_parking_and_writes_nothing_to_the_cache(
         notify.settimeout(120)
         assert b"PARKED=1" in notify.recv(4096)
         text = (tmp_path / "engines.log").read_text()
-        assert text.count("warm-up (prefill 8 tokens + 1 decode step)") == 4  # 2 ranks, twice
+        assert text.count("warm-up (prefill 8 tokens + 1 decode step)") == 2  # both engines
         # parked and warm: the cache's bytes are those before the standby existed
         assert slab_digests(ranks) == before
         assert not port_file.exists()  # no port while parked

@@ -216,16 +216,21 @@ def table(results: list[dict[str, Any]]) -> str:
     """A Markdown table: each variant's median, ratio and what its parked standby held."""
     base = results[0]["median_s"]
     rows = ["| variant | kill -> first token, median (each) | ratio | parked standby USS / "
-            "device MiB | warm-up ms |", "| --- | --- | --- | --- | --- |"]
+            "device MiB | warm-up ms | rank 0 device MiB: before -> warm -> kept |",
+            "| --- | --- | --- | --- | --- | --- |"]
     for r in results:
         each = ", ".join(f"{t:.3f}" for t in r["kill_to_first_token_s"])
         dev = r.get("standby_device_mib")
         held = "-" if not r["standby"] else \
             f"{r['standby_uss_mib']:.0f} / {'absent' if dev is None else f'{dev:.0f}'}"
-        warm = (r.get("warmup") or {}).get("ms")
+        report = r.get("warmup") or {}
+        warm = report.get("ms")
+        steps = [(report.get(k) or {}).get("device_bytes") for k in ("before", "warm", "kept")]
+        cost = "-" if not report else "absent" if None in steps else \
+            " -> ".join(f"{b / 2**20:.0f}" for b in steps)  # type: ignore[operator]
         rows.append(f"| {r['variant']} | {r['median_s']:.3f} s ({each}) | "
                     f"{base / r['median_s']:.1f}x | {held} | "
-                    f"{'-' if warm is None else f'{warm:.1f}'} |")
+                    f"{'-' if warm is None else f'{warm:.1f}'} | {cost} |")
     return "\n".join(rows)
 
 

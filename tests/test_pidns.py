@@ -40,16 +40,6 @@ pytestmark = pytest.mark.skipif(
     reason="PID namespaces need unshare(1) and root here")
 
 
-def _pidfds() -> bool:
-    """Whether this kernel hands out a socket peer's pidfd (SO_PEERPIDFD, Linux 6.5)."""
-    a, b = socket.socketpair()
-    with a, b:
-        fd = peers.peer_pidfd(a)
-    if fd is not None:
-        os.close(fd)
-    return fd is not None
-
-
 @pytest.fixture
 def caches() -> Iterator[list[CacheProc]]:
     """Caches in PID namespaces of their own, stopped afterwards."""
@@ -134,23 +124,23 @@ def test_copy_release_waits_for_an_opener_in_another_namespace_to_exit(
     try:
         eventually(lambda: not _status(sockdir)["leases"], 30, what="the keeper's lease gone")
         blocked = _status(sockdir)["handover_blocked"]
-        if _pidfds():
+        if peers.peer_pidfds():
             assert blocked.startswith("a process that opened them before still runs"), blocked
         else:
             assert "another PID namespace" in blocked and "SO_PEERPIDFD" in blocked, blocked
     finally:
         keeper.communicate(timeout=30)  # stdin closed: it exits
-    if _pidfds():
+    if peers.peer_pidfds():
         eventually(lambda: _status(sockdir)["handover_blocked"] == "", 30,
                    what="the rank seeing the keeper exit")
     got = load(str(llama_ckpt), socket_dir=str(sockdir), mode="copy-release", fallback=False,
                device="cpu")
-    assert _handed_over(got[next(iter(got))]) == _pidfds()
+    assert _handed_over(got[next(iter(got))]) == peers.peer_pidfds()
     ref = load_file(str(sorted(llama_ckpt.glob("*.safetensors"))[0]))
     assert all(got[key].equal(want) for key, want in ref.items())
     del got
     log = _log(cache)
-    if _pidfds():
+    if peers.peer_pidfds():
         assert "handing the slabs over" in log, log
     else:
         assert "a copy, not the slabs themselves" in log, log
@@ -271,7 +261,7 @@ def test_a_standby_worker_reopens_the_pipe_in_a_pid_namespace_without_its_proc()
 
 def test_openers_follow_a_pidfd_and_forget_the_exited(caplog: pytest.LogCaptureFixture) -> None:
     """The bookkeeping alone: one pidfd per opener, closed once its process has exited."""
-    if not _pidfds():
+    if not peers.peer_pidfds():
         pytest.skip("this kernel gives no socket peer's pidfd (SO_PEERPIDFD: Linux 6.5)")
     openers = Openers(0)
     listener = socket.socket(socket.AF_UNIX)

@@ -53,6 +53,19 @@ def peer_pidfd(sock: socket.socket) -> int | None:
         return None  # ENOPROTOOPT: an older kernel; ENODATA: no peer credentials at all
 
 
+def peer_pidfds() -> bool:
+    """Whether this kernel hands out a socket peer's pidfd (SO_PEERPIDFD, Linux 6.5)."""
+    a, b = socket.socketpair()
+    with a, b:
+        try:
+            fd = peer_pidfd(a)
+        except PeerGone:
+            return True
+    if fd is not None:
+        os.close(fd)
+    return fd is not None
+
+
 def pidfd_exited(pidfd: int) -> bool:
     """Whether the process of `pidfd` has exited (the pidfd polls readable then)."""
     poller = select.poll()

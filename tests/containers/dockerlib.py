@@ -16,7 +16,7 @@ from itertools import count
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "docs" / "examples"
 IMAGE_ENV = "VLAUNCH_TEST_IMAGE"
 START_S = 300.0

@@ -1,17 +1,9 @@
-"""The Docker recipes of docs/docker.md, run as written, on the image of docs/examples/Dockerfile.
-
-Marker `containers` (not in the default run): `.ci/containers.sh` builds the image from this
-checkout and runs `pytest -m containers` with VLAUNCH_TEST_IMAGE set. Without that image the
-tests fail; they never skip. The checkpoint is `vlaunch demo`'s (two tensor-parallel ranks on
-CPU); the engine is the reference engine. Every container, volume and Compose project a test
-creates is named by dockerlib.unique and removed afterwards.
-"""
+"""The Docker recipes of docs/docker.md, run as written, on the image of docs/examples/Dockerfile
+(marker `containers`: see conftest.py)."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -20,9 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import eventually
-from tests.dockerlib import (
+from tests.containers.dockerlib import (
     EXAMPLES,
-    IMAGE_ENV,
     START_S,
     Events,
     cleanup,
@@ -42,49 +33,9 @@ from tests.dockerlib import (
 from vlaunch.cache.contract import peers
 from vlaunch.cache.contract.exitcodes import ExitStatus
 
-pytestmark = pytest.mark.containers
+pytestmark = [pytest.mark.containers, pytest.mark.timeout(900)]
 
 SOCKETS = "/run/vlaunch"  # the two-container layout's socket directory (docs/docker.md)
-
-
-@pytest.fixture(scope="session")
-def image() -> str:
-    """The image of docs/examples/Dockerfile built from this checkout (.ci/containers.sh)."""
-    tag = os.environ.get(IMAGE_ENV, "")
-    if not tag:
-        pytest.fail(f"{IMAGE_ENV} is not set: .ci/containers.sh builds the image from this "
-                    "checkout and runs this suite against it")
-    docker("image", "inspect", tag)  # fails loudly when it is not there
-    return tag
-
-
-@pytest.fixture(scope="session")
-def models(demo_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A models directory as the recipes mount it (VLAUNCH_MODELS): llama/ is the demo
-    checkpoint, readable by the containers' user."""
-    root = tmp_path_factory.mktemp("models")
-    shutil.copytree(demo_ckpt, root / "llama")
-    for path in (root, *root.rglob("*")):
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    return root
-
-
-@pytest.fixture
-def recipe_env(image: str, models: Path) -> dict[str, str]:
-    """The recipes' variables: this image, these models, a name of the test's own and an
-    engine port on 127.0.0.1 that Docker picks."""
-    return {"VLAUNCH_IMAGE": image, "VLAUNCH_MODELS": str(models),
-            "VLAUNCH_NAME": unique("llama"), "VLAUNCH_PORT": "127.0.0.1:"}
-
-
-def _pidfds() -> bool:
-    """Whether this kernel (the containers' too) gives a socket peer's pidfd (Linux 6.5)."""
-    a, b = socket.socketpair()
-    with a, b:
-        fd = peers.peer_pidfd(a)
-    if fd is not None:
-        os.close(fd)
-    return fd is not None
 
 
 def _serving(container: str, socket_dir: str = "") -> dict | None:
@@ -122,8 +73,15 @@ def test_one_container_restarts_the_engine_against_the_caches_and_stops_with_0(
     ranks = {r: (info["pid"], info["loaded_bytes"]) for r, info in first["ranks"].items()}
     old = {lease["pid"] for info in first["ranks"].values() for lease in info["leases"]}
     kill_in(name, first["engine"]["pid"])
-    snap = _wait(lambda: (s := _serving(name)) and s["engine"]["restarts"] == 1 and s,
-                 "the restarted engine serving", name)
+
+    def restarted() -> dict | None:  # the launcher refreshes each rank's leases every few s
+        snap = _serving(name)
+        if not snap or snap["engine"]["restarts"] != 1:
+            return None
+        leases = [lease for info in snap["ranks"].values() for lease in info["leases"]]
+        return snap if leases and not {lease["pid"] for lease in leases} & old else None
+
+    snap = _wait(restarted, "the restarted engine serving, leased", name)
     # the launcher's report: the same ranks, never reloaded, each leased to the new engine's
     # processes for every byte it holds (weights from the caches, not the disk)
     assert {r: (i["pid"], i["loaded_bytes"]) for r, i in snap["ranks"].items()} == ranks
@@ -203,10 +161,11 @@ def test_two_containers_replace_the_engine_and_outlive_the_cache(
     tokens = generate(address)
     first = _cache_status(name)
     ranks = {r: (i["pid"], i["loaded_bytes"]) for r, i in first["ranks"].items()}
-    for info in first["ranks"].values():  # across PID namespaces the engine is pid 0
+    for rank in (0, 1):  # across PID namespaces the engine is pid 0
+        info = _rank_status(name, rank)
         [lease] = info["leases"]
         assert lease["pid"] == peers.UNKNOWN_PID and lease["client"].startswith("pid ")
-        assert lease["bytes"] == info["bytes"] > 0
+        assert lease["bytes"] == sum(info["bytes_held"].values()) > 0
     cache_log = logs(f"{name}-cache")
     assert cache_log.count("adopted from pid") == 2 and "in another PID namespace" in cache_log
 
@@ -265,18 +224,18 @@ def test_copy_release_across_containers_waits_for_the_other_engine_to_exit(
     _wait(lambda: "mapped" in logs(keeper), "the keeper's mapping", keeper, 120)
     _wait(lambda: not _rank_status(name)["leases"], "its lease gone", keeper)
     blocked = _rank_status(name)["handover_blocked"]
-    if _pidfds():
+    if peers.peer_pidfds():
         assert blocked.startswith("a process that opened them before still runs"), blocked
     else:
         assert "another PID namespace" in blocked and "SO_PEERPIDFD" in blocked, blocked
     docker("rm", "-f", keeper)
-    if _pidfds():
+    if peers.peer_pidfds():
         _wait(lambda: _rank_status(name)["handover_blocked"] == "",
               "the cache seeing the keeper gone", f"{name}-cache", 60)
     got = docker(*_engine_container(env, f"{name}-probe", COPY_RELEASE, "--rm"))
-    assert got.split() == (["handed", "over"] if _pidfds() else ["copy"]), got
+    assert got.split() == (["handed", "over"] if peers.peer_pidfds() else ["copy"]), got
     text = logs(f"{name}-cache")
-    assert ("handing the slabs over" in text) == _pidfds(), text
+    assert ("handing the slabs over" in text) == peers.peer_pidfds(), text
 
 
 # ------------------------------------------------------------------------------ Compose

@@ -42,8 +42,8 @@ def check_proc() -> None:
         return
     there = proc_pid()
     where = f"pid {there} there" if there is not None else "not visible there"
-    raise UsageError(f"/proc shows another PID namespace than the launcher's (it is pid "
-                     f"{os.getpid()} here, {where}): its final sweep would kill processes that "
+    raise UsageError(f"/proc is another PID namespace's than the launcher's: it is pid "
+                     f"{os.getpid()} here, {where}; its final sweep would kill processes that "
                      "are not its own; mount a /proc for this PID namespace (unshare --pid "
                      "--fork --mount-proc; container runtimes do)")
 

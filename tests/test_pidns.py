@@ -226,7 +226,7 @@ def test_the_launcher_refuses_a_proc_of_another_pid_namespace(tmp_path: Path) ->
                         "--", "sleep", "60"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == ExitStatus.USAGE, r.stderr
-    assert "/proc shows another PID namespace than the launcher's (it is pid 1 here" in r.stderr
+    assert "/proc is another PID namespace's than the launcher's: it is pid 1 here" in r.stderr
     assert not (tmp_path / "s").exists()  # nothing started, nothing left
 
 

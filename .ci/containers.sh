@@ -79,5 +79,6 @@ echo "image $image: $(docker image inspect --format '{{.Size}}' "$image" \
 
 # 6. The suite, against that image.
 step "pytest -m containers"
-VLAUNCH_TEST_IMAGE=$image "$python" -m pytest -m containers -n 0 -p no:cacheprovider
+VLAUNCH_TEST_IMAGE=$image "$python" -m pytest -m containers -n 0 -p no:cacheprovider \
+    tests/containers
 step "done"

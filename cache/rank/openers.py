@@ -1,15 +1,17 @@
 """The processes that opened a rank's raw layout, and whether any of them may still map it.
 
 A lease can end with its tensors kept (`CacheClient.close()`), so an ended connection proves
-nothing: only the opener's exit does. Each opener is followed by the best handle there is: a
-pidfd from its socket (SO_PEERPIDFD, Linux 6.5; it works across PID namespaces), else its pid
-and start time read from /proc (when the pid is known and /proc is this namespace's). An opener
-that neither names (another PID namespace on an older kernel) stays unknown for the rank's life:
+nothing: only the opener's exit does. An opener this process can name (its pid, and /proc of
+this PID namespace) is followed by pid and start time, which holds nothing open. One it cannot
+(pid 0: another PID namespace) is followed by a pidfd of its socket (SO_PEERPIDFD, Linux 6.5),
+one fd each, which the event loop watches: it is closed the moment that process exits. With
+neither (another PID namespace on an older kernel) the openers are unknown for the rank's life:
 a copy-release engine then gets a copy, never the slabs themselves.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -21,12 +23,12 @@ log = logging.getLogger("vlaunch.cache")
 
 PRUNE_AT = 64
 """Openers noted before the exited ones are forgotten."""
-MAX_OPENERS = 1024
-"""Live openers followed at most (a pidfd each); past that the rank stops following them and
-treats every later one as unknown."""
+MAX_OPENERS = 256
+"""Live openers followed at most; past that the rank stops following them (and closes their
+pidfds): from then on one may always be alive."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Opener:
     pid: int
     pidfd: int = -1
@@ -50,6 +52,7 @@ class Openers:
         self.rank = rank
         self._openers: list[_Opener] = []
         self._by_pid: dict[int, _Opener] = {}  # the latest opener of each known pid
+        self._proc_ours = peers.proc_is_ours()  # /proc names the pids SO_PEERCRED gives
         self.unknown = ""
 
     def __len__(self) -> int:
@@ -60,16 +63,16 @@ class Openers:
         takes its start time from /proc, for `note_by_pid` to read off the reply's path."""
         if self.unknown:
             return True
+        if pid != peers.UNKNOWN_PID and self._proc_ours:
+            return False
         try:
             pidfd = peers.peer_pidfd(conn)
         except peers.PeerGone:
             return True  # it exited already, and its mappings with it
         if pidfd is None:
-            if pid == peers.UNKNOWN_PID or not peers.proc_is_ours():
-                self.give_up("a process in another PID namespace opened them, and this kernel "
-                             "gives no pidfd of a socket's peer (SO_PEERPIDFD: Linux 6.5)")
-                return True
-            return False
+            self.give_up("a process in another PID namespace opened them, and this kernel "
+                         "gives no pidfd of a socket's peer (SO_PEERPIDFD: Linux 6.5)")
+            return True
         known = self._by_pid.get(pid)
         if known is not None and known.pidfd >= 0 and known.alive():
             os.close(pidfd)  # a live pid names one process: followed already
@@ -106,13 +109,15 @@ class Openers:
     def close(self) -> None:
         """Close every pidfd held."""
         for opener in self._openers:
-            opener.close()
+            self._close(opener)
         self._openers, self._by_pid = [], {}
 
     def _add(self, opener: _Opener) -> None:
         self._openers.append(opener)
         if opener.pid != peers.UNKNOWN_PID:
             self._by_pid[opener.pid] = opener
+        if opener.pidfd >= 0:  # readable once the process has exited
+            asyncio.get_running_loop().add_reader(opener.pidfd, self._exited, opener)
         if len(self._openers) > PRUNE_AT:
             self._prune()
         if len(self._openers) > MAX_OPENERS:
@@ -124,10 +129,25 @@ class Openers:
             if opener.alive():
                 kept.append(opener)
                 continue
-            opener.close()
-            if self._by_pid.get(opener.pid) is opener:
-                del self._by_pid[opener.pid]
+            self._forget(opener)
         self._openers = kept
+
+    def _exited(self, opener: _Opener) -> None:
+        """An opener's pidfd polled readable: it has exited, and its mappings with it."""
+        if opener in self._openers:
+            self._openers.remove(opener)
+        self._forget(opener)
+
+    def _forget(self, opener: _Opener) -> None:
+        self._close(opener)
+        if self._by_pid.get(opener.pid) is opener:
+            del self._by_pid[opener.pid]
+
+    @staticmethod
+    def _close(opener: _Opener) -> None:
+        if opener.pidfd >= 0:
+            asyncio.get_running_loop().remove_reader(opener.pidfd)
+        opener.close()
 
 
 def start_time(pid: int) -> float:

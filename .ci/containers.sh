@@ -5,8 +5,9 @@
 # `pytest -m containers` against it. Any step that cannot run fails the run.
 #
 # Environment: VLAUNCH_CI_IMAGE (the image built, vlaunch-ci/vlaunch:latest), VLAUNCH_CI_BASE
-# (vlaunch-ci/base:bookworm), PYTHON (the test venv's, .venv/bin/python), TORCH_WHEELS (a
-# directory whose torch wheel goes into the build, /opt/wheels; none there: PyPI's CPU index).
+# (vlaunch-ci/base:bookworm), PYTHON (the test venv's, .venv/bin/python), TORCH_SPEC
+# (torch==2.13.0), TORCH_WHEELS (a directory whose CPU torch wheel goes into the build,
+# /opt/wheels; none there: one from PyTorch's CPU index, else PyPI's default build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 image=${VLAUNCH_CI_IMAGE:-vlaunch-ci/vlaunch:latest}
@@ -62,8 +63,12 @@ wheel=$(find "${TORCH_WHEELS:-/opt/wheels}" -maxdepth 1 -name 'torch-*+cpu-*.whl
         | sort | tail -n 1)
 if [[ -n $wheel ]]; then
     cp "$wheel" "$context/dist/"
-else
-    build_args+=(--build-arg "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu")
+elif ! "$python" -m pip download -q --no-deps --only-binary :all: --timeout 30 --retries 1 \
+        -d "$context/dist" \
+        --index-url https://download.pytorch.org/whl/cpu "$torch_spec"; then
+    echo "containers: no CPU torch wheel (none in ${TORCH_WHEELS:-/opt/wheels}, and" \
+        "download.pytorch.org did not serve one): the image gets PyPI's default torch," \
+        "with its CUDA libraries (a few GB more)" >&2
 fi
 cert=${PIP_CERT:-${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}}
 if [[ -f $cert ]]; then

@@ -125,6 +125,9 @@ def _run(opts: RankArgs, rank: int) -> int:
         server = CacheServer(rank=rank, fingerprint=fingerprint, manifest=manifest, fds=fds,
                              device=backend.device, release=release, artifacts=store,
                              layouts=layouts, raw_released=raw_released, copier=copier)
+        if opts.adopt_fd >= 0:
+            server.openers.give_up("its slabs were adopted from a rank that exited, and the "
+                                   "engines that mapped them then may still")
         from vlaunch.cache.rank.integrity import Integrity
 
         server.integrity = Integrity(server, opts.model, opts.plan, lock.socket).start()

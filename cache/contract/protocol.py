@@ -115,9 +115,12 @@ REQUESTS: dict[str, dict[str, tuple[type, bool]]] = {
     "artifact_put": {"kind": (_STR, True), "key": (_STR, True), "data": (_STR, True)},
     "artifact_list": {},
     "digest": {"start": (_INT, True), "count": (_INT, True)},  # vlaunch verify, a page a time
-    # seeding over TCP: the token comes first, then the manifest, then each slab's raw bytes
+    # seeding over TCP: the token comes first on every connection, then the manifest, then
+    # byte ranges of the slabs (or, for seeding ranks of earlier versions, whole slabs), each
+    # answered by a header and the raw bytes
     "seed_auth": {"token": (_STR, True)},
     "seed_manifest": {},
+    "seed_range": {"slab": (_INT, True), "offset": (_INT, True), "nbytes": (_INT, True)},
     "seed_slab": {"slab": (_INT, True)},
     # engine-shaped layouts (docs/engine-layout.md; `layout` above names one by its key):
     # list them, allocate slabs for one (fds back), commit its manifest rows

@@ -82,9 +82,11 @@ def close_fds(fds: list[int]) -> None:
 
 
 async def read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, *,
-                     max_body: int, frame_timeout: float) -> dict[str, Any]:
-    """Read one fd-less frame; a peer that stalls mid-frame is cut off after frame_timeout."""
-    head = await _read_exact(loop, sock, protocol.HEADER_SIZE, None)
+                     max_body: int, frame_timeout: float,
+                     idle_timeout: float | None = None) -> dict[str, Any]:
+    """Read one fd-less frame; a peer that stalls mid-frame is cut off after frame_timeout
+    (and one that sends nothing, after idle_timeout when given)."""
+    head = await _read_exact(loop, sock, protocol.HEADER_SIZE, idle_timeout)
     header = protocol.decode_header(head, max_body=max_body)
     if header.nfds:
         raise ProtocolError("requests may not carry file descriptors")

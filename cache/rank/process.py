@@ -216,7 +216,8 @@ def _seed_or_load(opts: RankArgs, backend: Any, rank: int, store: Any
             seeded = seed_into(opts.seed, opts.seed_token, rank,
                                _fingerprint(opts, backend, shard), shard.manifest,
                                shard.tensors, backend.device, timeout=opts.seed_timeout,
-                               role=opts.role, world=_layout(opts).world_size)
+                               role=opts.role, world=_layout(opts).world_size,
+                               streams=opts.seed_streams)
         except BaseException:
             shard.tensors.clear()
             for slab in shard.slabs:
@@ -229,9 +230,10 @@ def _seed_or_load(opts: RankArgs, backend: Any, rank: int, store: Any
         return _load(opts, backend, rank)
     for kind, key, data in seeded.artifacts:
         store.put(kind, key, data)
-    log.info("seeded %.2f GB and %d artifact(s) from %s in %.2fs (%.2f GB/s); serving on our "
-             "own", seeded.manifest.nbytes / 1e9, len(seeded.artifacts), opts.seed,
-             seeded.seconds, seeded.manifest.nbytes / 1e9 / max(seeded.seconds, 1e-9))
+    log.info("seeded %.2f GB and %d artifact(s) from %s in %.2fs (%.2f GB/s%s); serving on "
+             "our own", seeded.manifest.nbytes / 1e9, len(seeded.artifacts), opts.seed,
+             seeded.seconds, seeded.manifest.nbytes / 1e9 / max(seeded.seconds, 1e-9),
+             f", {seeded.streams} streams" if seeded.streams else "")
     return _finish(opts, backend, shard, seeded.manifest)
 
 
@@ -304,7 +306,7 @@ async def _serve(server: Any, lock: RankLock, opts: RankArgs) -> None:
         loop.add_signal_handler(sig, stop.set)
     seeding = None
     if opts.seed_listen_port and opts.seed_token:
-        from vlaunch.cache.rank.seed import SeedSource, source_port
+        from vlaunch.cache.rank.seedsource import SeedSource, source_port
 
         seeding = await SeedSource(server, opts.seed_token, timeout=opts.seed_timeout).start(
             opts.seed_listen_host, source_port(opts.seed_listen_port, seat(

@@ -1,6 +1,8 @@
 """Which way should seeding move a shard across hosts? The candidates, measured on loopback
 for the same bytes in the same run, against a plain multi-stream socket copy.
 
+Every buffer is a memfd mapping under MADV_HUGEPAGE, as a rank's slabs are.
+
 - raw: the baseline. A sender process writes the bytes of a memfd (filled with the shard) on
   --streams TCP connections, 1/N each (`socket.sendall` of the mapping; `sendfile` too, and
   the faster of the two is the baseline); the receiver `recv_into`s a fresh mapping.
@@ -49,7 +51,7 @@ def memfd_with(path: str, size: int) -> tuple[int, mmap.mmap]:
     os.ftruncate(fd, size)
     with open(path, "rb") as fh:
         data = fh.read(size)
-    buf = mmap.mmap(fd, size)
+    buf = huge(mmap.mmap(fd, size))
     buf[:len(data)] = data
     return fd, buf
 
@@ -58,8 +60,16 @@ def fresh(size: int) -> mmap.mmap:
     """A fresh shared mapping of a memfd (no page touched yet)."""
     fd = os.memfd_create("bench-dst")
     os.ftruncate(fd, size)
-    buf = mmap.mmap(fd, size)
+    buf = huge(mmap.mmap(fd, size))
     os.close(fd)
+    return buf
+
+
+def huge(buf: mmap.mmap) -> mmap.mmap:
+    """Ask for 2 MiB pages, as a rank's slabs do (CpuSlab): the same page faults on every
+    candidate's side."""
+    with contextlib.suppress(AttributeError, OSError):
+        buf.madvise(mmap.MADV_HUGEPAGE)
     return buf
 
 

@@ -119,8 +119,8 @@ def measure(count: int, per: int, repeats: int, plan: str, tmp: Path) -> dict[st
             kw = {"socket_dir": str(rank.sockdir), "plan": plan, "fallback": False,
                   "device": "cpu"}
             load(str(many), **kw)  # warm: the memo, the backend, the code paths
-            handoff.append(timed(lambda: load(str(many), **kw)))
-            handoff_touch.append(timed(lambda: touch(load(str(many), **kw))))
+            handoff.append(timed(lambda kw=kw: load(str(many), **kw)))
+            handoff_touch.append(timed(lambda kw=kw: touch(load(str(many), **kw))))
         finally:
             rank.stop()
         load_file(str(many))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vlaunch.cache.contract.errors import CacheBrokenError
@@ -149,19 +150,30 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 def pack(items: list[tuple[str, str, tuple[int, ...]]], *, backend: str, alignment: int,
          max_slab: int) -> Manifest:
     """Lay (name, dtype, shape) out in as few slabs as `max_slab` allows, aligned."""
+    from vlaunch.cache.store.dtypes import DTYPES
     from vlaunch.cache.store.dtypes import nbytes as size_of
 
     sizes: list[int] = [0]
     records = []
+    append, new, prod = records.append, tuple.__new__, math.prod
+    whole = {name: d.bits >> 3 for name, d in DTYPES.items() if not d.bits & 7}
+    strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # MoE experts share a few shapes
+    slab, used = 0, 0
     for name, dtype, shape in items:
-        nbytes = size_of(dtype, shape)
-        offset = -(-sizes[-1] // alignment) * alignment
-        if offset + nbytes > max_slab and sizes[-1] > 0:
+        shape = tuple(shape)
+        size = whole.get(dtype)
+        nbytes = prod(shape) * size if size is not None else size_of(dtype, shape)
+        offset = -(-used // alignment) * alignment
+        if offset + nbytes > max_slab and used > 0:
+            sizes[-1] = used
             sizes.append(0)
-            offset = 0
-        records.append(TensorRecord(name, dtype, tuple(shape), contiguous_stride(tuple(shape)),
-                                    len(sizes) - 1, offset, nbytes))
-        sizes[-1] = offset + nbytes
+            slab, offset = slab + 1, 0
+        stride = strides.get(shape)
+        if stride is None:
+            stride = strides[shape] = contiguous_stride(shape)
+        append(new(TensorRecord, (name, dtype, shape, stride, slab, offset, nbytes, None)))
+        used = offset + nbytes
+    sizes[-1] = used
     sizes = [-(-s // alignment) * alignment or alignment for s in sizes]
     return Manifest(backend, tuple(sizes), tuple(records))
 
@@ -201,5 +213,6 @@ def _packed_view(slab: torch.Tensor, t: TensorRecord) -> torch.Tensor:
 
 def with_checksums(manifest: Manifest, checksums: dict[str, int]) -> Manifest:
     """The same manifest with each tensor's checksum filled in."""
-    tensors = tuple(t._replace(checksum=checksums.get(t.name)) for t in manifest.tensors)
+    new, get = tuple.__new__, checksums.get
+    tensors = tuple(new(TensorRecord, (*t[:7], get(t.name))) for t in manifest.tensors)
     return Manifest(manifest.backend, manifest.slab_sizes, tensors)

@@ -78,6 +78,8 @@ class SliceSpec:
     groups: int = 1  # the dim holds `groups` equal blocks (fused gate|up), each split in parts
 
     def __post_init__(self) -> None:
+        if self.dim is None and self.parts == 1 and self.groups == 1 and self.part == 0:
+            return  # replicated: nothing to check (most tensors of an MoE checkpoint)
         if not 0 <= self.part < self.parts:
             raise ValueError(f"part {self.part} is not in 0..{self.parts - 1}")
         pieces = self.parts * self.groups
@@ -314,11 +316,40 @@ def plan_rank(ckpt: Checkpoint, plan: ShardPlan, layout: Layout) -> list[SliceSp
     stage_of = _stage_filter(ckpt, layout.pp_size)
     owns = _expert_filter(ckpt, plan, layout)
     whole_groups = act_order(quantization_config(ckpt.root))
+    rules = _rules_for(plan)
     slices = []
     for entry in ckpt.tensors.values():
         if stage_of(entry.name) in (None, layout.pp_rank) and owns(entry.name):
-            slices.append(_slice(entry, plan, layout, whole_groups))
+            slices.append(_slice(entry, plan, layout, whole_groups, rules))
     return slices
+
+
+_DIGITS = str.maketrans("123456789", "000000000")
+
+
+def _rules_for(plan: ShardPlan) -> Callable[[str], tuple[int | None, int]]:
+    """`name -> (split dim, fused blocks)` for `plan`, each rule matched once per group of
+    names that differ only in their digits (layer and expert indices: the 100k tensors of an
+    MoE checkpoint are a few hundred groups). Grouping holds only where no pattern can tell
+    one digit from another: none holds a digit (a literal, a count, an escape) or a named
+    character escape; otherwise every name is matched on its own."""
+    patterns = [p.pattern for p, _ in plan.rules] + [p.pattern for p, _ in plan.fused]
+
+    def decide(name: str) -> tuple[int | None, int]:
+        return plan.split_dim(name), plan.blocks(name)
+
+    if any(re.search(r"[0-9]|\\N\{", p) for p in patterns):  # type: ignore[arg-type]
+        return decide
+    known: dict[str, tuple[int | None, int]] = {}
+
+    def grouped(name: str) -> tuple[int | None, int]:
+        key = name.translate(_DIGITS)
+        found = known.get(key)
+        if found is None:
+            found = known[key] = decide(key)
+        return found
+
+    return grouped
 
 
 _EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")  # one expert's tensor: experts.N.w1.weight
@@ -354,9 +385,12 @@ def _expert_filter(ckpt: Checkpoint, plan: ShardPlan, layout: Layout) -> Callabl
 
 
 def _slice(entry: TensorEntry, plan: ShardPlan, layout: Layout,
-           whole_groups: bool = False) -> SliceSpec:
-    """Return the tensor-parallel (or expert-parallel) slice of `entry` that rank `layout` holds."""
-    dim, blocks = plan.split_dim(entry.name), plan.blocks(entry.name)
+           whole_groups: bool = False,
+           rules: Callable[[str], tuple[int | None, int]] | None = None) -> SliceSpec:
+    """Return the tensor-parallel (or expert-parallel) slice of `entry` that rank `layout` holds
+    (`rules`: the plan's rules for a name, as `_rules_for` gives them)."""
+    dim, blocks = rules(entry.name) if rules else (plan.split_dim(entry.name),
+                                                   plan.blocks(entry.name))
     parts, part, across = layout.tp_size, layout.tp_rank, "tp size"
     if plan.experts == "ep" and _EXPERT.search(entry.name):
         dim = None  # a whole expert, on the rank that owns it (plan_rank filters)

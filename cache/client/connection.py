@@ -42,6 +42,8 @@ IO_TIMEOUT = 30.0
 SPIN_FOR_COPY = 0.1
 """Seconds an engine polls for the reply that its copy is done before it sleeps on it: the
 copy of a shard of up to ~200 GB on an H200 (4.3 TB/s read + write)."""
+MANIFEST = {"op": "manifest", "form": "columns"}
+"""The manifest request: its columns form, checked and viewed in bulk (store/columns.py)."""
 _BACKENDS: dict[str, Backend] = {}
 TRACE: dict[str, float] = {}
 """The last handoff's steps (time.perf_counter() at start, asked (every request sent: in share
@@ -161,8 +163,9 @@ class CacheClient:
                 "pid": os.getpid()}
 
     def manifest(self) -> Manifest:
-        """The validated manifest of the rank."""
-        return Manifest.from_wire(self.request({"op": "manifest"})[0]["manifest"])
+        """The validated manifest of the rank (its columns form: checked in bulk)."""
+        reply = self.request(MANIFEST)[0]
+        return Manifest.from_wire(reply["manifest"], reply.get("tail"))
 
     def map(self, manifest: Manifest, *, mode: str = "share", device: str = "cpu",
             layout: str = "") -> dict[str, torch.Tensor]:
@@ -212,7 +215,7 @@ class CacheClient:
             TRACE.clear()
             TRACE["start"] = time.perf_counter()
             self._send({"op": "open", "mode": mode})
-            self._send({"op": "manifest"})
+            self._send(MANIFEST)
             owed = 2  # replies not read yet; on an error, a later request reads them
             hello_sent = False
             try:
@@ -270,7 +273,7 @@ class CacheClient:
                             raise bad_open
                         raise CacheBrokenError(f"cache at {self.path} sent fds with its "
                                                "manifest")
-                    manifest = Manifest.from_wire(mrep["manifest"])
+                    manifest = Manifest.from_wire(mrep["manifest"], mrep.get("tail"))
                     if manifest.slab_sizes != sizes:
                         raise CacheBrokenError(
                             f"cache at {self.path} sent slabs of {list(sizes)[:8]} bytes for a "

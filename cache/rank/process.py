@@ -336,6 +336,8 @@ def _check_socket_path(path: Any) -> None:
 
 def _report_ready(server: Any, lock: RankLock, opts: RankArgs) -> None:
     """Tell whoever waits: the launcher (ready fd, with escrow), systemd, and the log."""
+    from vlaunch.cache.store import columns
+
     rank = server.rank
     log.info("ready: serving %.2f GB on %s", server.manifest.nbytes / 1e9, lock.socket)
     if opts.ready_fd >= 0:
@@ -344,7 +346,7 @@ def _report_ready(server: Any, lock: RankLock, opts: RankArgs) -> None:
             wire.send_frame(sock, protocol.event(
                 "ready", rank=rank, pid=os.getpid(), socket=str(lock.socket), at=time.time(),
                 bytes=server.manifest.nbytes, device=server.device,
-                manifest=server.manifest.to_wire(), fingerprint=server.fingerprint),
+                manifest=columns.to_json(server.manifest), fingerprint=server.fingerprint),
                 server.fds)
         except OSError:
             sock.close()

@@ -381,12 +381,14 @@ def _entry(file: Path, name: str, info: object, data_start: int, size: int) -> T
 def _check_overlaps(file: Path, entries: list[TensorEntry]) -> None:
     """Raise if two non-empty tensors share a byte; `entries` is sorted by begin."""
     last: TensorEntry | None = None  # the non-empty tensor that ends furthest
+    furthest = -1  # where it ends
     for entry in entries:
         if entry.nbytes == 0:
             continue
-        if last is not None and entry.begin < last.end:
+        end = entry.begin + entry.nbytes
+        if last is not None and entry.begin < furthest:
             raise CheckpointError(file, f"overlaps tensor {last.name!r} (bytes {entry.begin}.."
                                   f"{entry.end} and {last.begin}..{last.end} of the file)",
                                   tensor=entry.name)
-        if last is None or entry.end > last.end:
-            last = entry
+        if last is None or end > furthest:
+            last, furthest = entry, end

@@ -52,11 +52,17 @@ class Manifest(NamedTuple):
                              t.nbytes, t.checksum] for t in self.tensors]}
 
     @classmethod
-    def from_wire(cls, obj: Any) -> Manifest:
-        """Validate a manifest received from a cache; every field is checked before use."""
+    def from_wire(cls, obj: Any, tail: Any = None) -> Manifest:
+        """Validate a manifest received from a cache, in rows or in columns (`tail`: the raw
+        tail of the frame that brought them: store/columns.py); every field is checked
+        before use."""
         try:
+            if isinstance(obj, dict) and obj.get("form") == "columns":
+                from vlaunch.cache.store import columns
+
+                return columns.decode(obj, tail)
             return _parse(obj)
-        except (TypeError, ValueError, KeyError, IndexError) as exc:
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             raise CacheBrokenError(f"invalid manifest from cache: {exc}") from exc
 
 
@@ -184,6 +190,10 @@ def views(manifest: Manifest, slabs: list[torch.Tensor]) -> dict[str, torch.Tens
 
     from vlaunch.cache.store.dtypes import is_plain, to_torch
 
+    if not isinstance(manifest.tensors, tuple):  # the columns form: made in bulk
+        from vlaunch.cache.store.columns import views_of
+
+        return views_of(manifest, slabs)
     typed: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}  # (slab, dtype) -> view, size
     out = {}
     strided = torch.as_strided

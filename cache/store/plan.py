@@ -92,6 +92,15 @@ class SliceSpec:
         elif split_problem(self.dtype, self.full_shape, self.dim, pieces):
             raise ValueError(split_problem(self.dtype, self.full_shape, self.dim, pieces))
 
+    @classmethod
+    def whole(cls, entry: TensorEntry) -> SliceSpec:
+        """A replicated slice of `entry`: nothing to check, so made without the dataclass's
+        frozen __init__, which costs several times more (every tensor of an MoE checkpoint)."""
+        spec = object.__new__(cls)
+        spec.__dict__.update(name=entry.name, dtype=entry.dtype, full_shape=entry.shape,
+                             dim=None, part=0, parts=1, source=entry, groups=1)
+        return spec
+
     @property
     def shape(self) -> tuple[int, ...]:
         """The slice's own shape."""
@@ -324,7 +333,7 @@ def plan_rank(ckpt: Checkpoint, plan: ShardPlan, layout: Layout) -> list[SliceSp
     return slices
 
 
-_DIGITS = str.maketrans("123456789", "000000000")
+_DIGITS = bytes.maketrans(b"123456789", b"000000000")
 
 
 def _rules_for(plan: ShardPlan) -> Callable[[str], tuple[int | None, int]]:
@@ -338,15 +347,17 @@ def _rules_for(plan: ShardPlan) -> Callable[[str], tuple[int | None, int]]:
     def decide(name: str) -> tuple[int | None, int]:
         return plan.split_dim(name), plan.blocks(name)
 
+    if not patterns:
+        return lambda name: (None, 1)
     if any(re.search(r"[0-9]|\\N\{", p) for p in patterns):  # type: ignore[arg-type]
         return decide
-    known: dict[str, tuple[int | None, int]] = {}
+    known: dict[bytes, tuple[int | None, int]] = {}
 
     def grouped(name: str) -> tuple[int | None, int]:
-        key = name.translate(_DIGITS)
+        key = name.encode().translate(_DIGITS)  # ASCII digits only: bytes.translate is fast
         found = known.get(key)
         if found is None:
-            found = known[key] = decide(key)
+            found = known[key] = decide(key.decode())
         return found
 
     return grouped
@@ -403,7 +414,7 @@ def _slice(entry: TensorEntry, plan: ShardPlan, layout: Layout,
     if dim == 0 and whole_groups and _GROUPED.search(entry.name):
         dim = None  # GPTQ act order: a row-parallel layer's ranks need every group's scales
     if dim is None:
-        parts, part, blocks = 1, 0, 1
+        return SliceSpec.whole(entry)
     shape = "[" + ",".join(map(str, entry.shape)) + "]"
     if dim is not None and dim >= len(entry.shape):
         raise PlanError(f"plan {plan.name}: tensor {entry.name!r} of shape {shape} has no "

@@ -1,0 +1,217 @@
+"""Seeding on several TCP streams: bit-exact at TP 2 x PP 2 across two launchers, and each
+failure (a wrong token, other weights, a stalled source, a source that dies mid-stream)
+refused or fallen back as documented, with nothing partial ever served."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from vlaunch.cache import CacheClient, load
+from vlaunch.cache.contract.exitcodes import ExitStatus
+from vlaunch.cache.contract.sockdir import socket_path
+
+from .conftest import CacheProc, free_port, spawn_cache
+from .test_launcher import Launcher
+
+TOKEN = "s" * 32
+ENV = {**os.environ, "VLAUNCH_SEED_TOKEN": TOKEN}
+
+
+def _dir(tmp: Path, name: str) -> Path:
+    d = tmp / name
+    d.mkdir(mode=0o700)
+    return d
+
+
+def held(sockdir: Path, model: Path, rank: int, tp: int, pp: int) -> dict[str, torch.Tensor]:
+    """A rank's tensors as its cache serves them (copied out)."""
+    return dict(load(str(model), rank=rank, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                     socket_dir=str(sockdir), mode="copy", fallback=False, timeout=10,
+                     device="cpu"))
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Bit for bit."""
+    return set(a) == set(b) and all(
+        a[k].view(-1).view(torch.uint8).equal(b[k].view(-1).view(torch.uint8)) for k in a)
+
+
+@pytest.mark.slow
+def test_a_tp2_pp2_replica_seeded_across_two_launchers_is_bit_exact(
+        llama_ckpt: Path, tmp_path: Path) -> None:
+    port = free_port()
+    sizes = ("--tensor-parallel-size", "2", "--pipeline-parallel-size", "2")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    os.environ["VLAUNCH_SEED_TOKEN"] = TOKEN  # the Launcher passes os.environ on
+    try:
+        source = Launcher(tmp_path / "a", llama_ckpt, *sizes, "--seed-listen-port", str(port))
+        source.wait_for(lambda s: s["phase"] == "serving")
+        new = Launcher(tmp_path / "b", llama_ckpt, *sizes, "--seed",
+                       f"tcp://127.0.0.1:{port}", "--seed-streams", "3")
+        new.wait_for(lambda s: s["phase"] == "serving")
+    finally:
+        os.environ.pop("VLAUNCH_SEED_TOKEN")
+    try:
+        want = {r: held(source.sockdir, llama_ckpt, r, 2, 2) for r in range(4)}
+        source.proc.send_signal(signal.SIGTERM)  # the new replica serves on its own
+        assert source.wait_exit() == 0
+        for rank in range(4):
+            assert same(held(new.sockdir, llama_ckpt, rank, 2, 2), want[rank]), rank
+        text = new.text()
+        assert text.count("seeded ") == 4 and "streams); serving on our own" in text
+    finally:
+        source.close()
+        new.close()
+
+
+@pytest.mark.slow
+def test_a_wrong_token_or_other_weights_end_the_new_replica_with_76(
+        llama_ckpt: Path, tmp_path: Path) -> None:
+    port = free_port()
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+    os.environ["VLAUNCH_SEED_TOKEN"] = TOKEN
+    source = Launcher(tmp_path / "a", llama_ckpt, "--seed-listen-port", str(port))
+    try:
+        source.wait_for(lambda s: s["phase"] == "serving")
+        os.environ["VLAUNCH_SEED_TOKEN"] = "w" * 32
+        wrong = Launcher(tmp_path / "b", llama_ckpt, "--seed", f"tcp://127.0.0.1:{port}")
+        assert wrong.wait_exit(120) == ExitStatus.SEED_FAILED
+        assert "wrong or missing seed token" in wrong.text()
+        os.environ["VLAUNCH_SEED_TOKEN"] = TOKEN
+        other = Launcher(tmp_path / "c", llama_ckpt, "--seed", f"tcp://127.0.0.1:{port}",
+                         "--kernel-backends", "fi-9")
+        assert other.wait_exit(120) == ExitStatus.SEED_FAILED
+        assert "seed source holds different weights" in other.text()
+        for failed in (wrong, other):  # never served: no socket was bound
+            assert not list(failed.sockdir.glob("*.sock"))
+        assert source.status()["phase"] == "serving"
+    finally:
+        os.environ.pop("VLAUNCH_SEED_TOKEN", None)
+        for la in (source, locals().get("wrong"), locals().get("other")):
+            if la is not None:
+                la.close()
+
+
+# A seed source that speaks the protocol but misbehaves once bytes flow: it serves the real
+# fingerprint and manifest (from a file), then sends the first half of every range and
+# stalls ("stall") or waits to be killed ("die"), saying "streaming" when it got there.
+FAKE = r"""
+import json, socket, sys, threading, time
+from vlaunch.cache.contract import wire
+mode, info = sys.argv[1], json.load(open(sys.argv[2]))
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+
+def serve(conn):
+    while True:
+        msg, _ = wire.recv_frame(conn)
+        if msg["op"] == "seed_auth":
+            wire.send_frame(conn, {"ok": True})
+        elif msg["op"] == "seed_manifest":
+            wire.send_frame(conn, {"ok": True, "fingerprint": info["fingerprint"],
+                                   "manifest": info["manifest"], "artifacts": [],
+                                   "ranges": True, "streams": 16})
+        else:
+            wire.send_frame(conn, {"ok": True, "slab": msg["slab"], "offset": msg["offset"],
+                                   "nbytes": msg["nbytes"]})
+            conn.sendall(b"\1" * (msg["nbytes"] // 2))
+            print("streaming", flush=True)
+            time.sleep(600)
+
+while True:
+    conn, _ = listener.accept()
+    threading.Thread(target=serve, args=(conn,), daemon=True).start()
+"""
+
+
+@pytest.fixture(scope="module")
+def real(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A real rank's fingerprint and manifest, for the fake sources to serve."""
+    src = spawn_cache(llama_ckpt, _dir(tmp_path_factory.mktemp("real"), "s"))
+    client = CacheClient(socket_path(src.socket_dir, 0))
+    try:
+        info = {"fingerprint": client.status()["fingerprint"],
+                "manifest": client.manifest().to_wire()}
+    finally:
+        client.close()
+        src.stop()
+    return info
+
+
+def fake_source(tmp: Path, mode: str, info: dict[str, Any]) -> tuple[subprocess.Popen[str],
+                                                                     int]:
+    path = tmp / "info.json"
+    path.write_text(json.dumps(info))
+    proc = subprocess.Popen([sys.executable, "-c", FAKE, mode, str(path)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
+
+
+def seeding(llama_ckpt: Path, tmp: Path, port: int, *args: str, timeout: str = "1",
+            wait: bool = False) -> CacheProc:
+    return spawn_cache(llama_ckpt, _dir(tmp, "new"), "--seed", f"tcp://127.0.0.1:{port}",
+                       "--seed-timeout", timeout, *args, env=ENV, wait=wait)
+
+
+def stderr(c: CacheProc) -> str:
+    return c.proc.stderr.read().decode() if c.proc.stderr else ""
+
+
+def test_a_stalled_source_fails_the_seed_and_nothing_partial_is_served(
+        llama_ckpt: Path, tmp_path: Path, real: dict[str, Any], caches) -> None:
+    fake, port = fake_source(tmp_path, "stall", real)
+    try:
+        new = seeding(llama_ckpt, tmp_path, port)
+        caches.append(new)
+        assert new.proc.wait(60) == ExitStatus.SEED_FAILED
+        assert "stalled: no byte in time" in stderr(new)
+        assert not list(new.socket_dir.glob("*.sock"))
+    finally:
+        fake.kill()
+        fake.wait()
+
+
+def test_with_fallback_a_stalled_seed_loads_from_disk_instead(
+        llama_ckpt: Path, tmp_path: Path, real: dict[str, Any], caches) -> None:
+    from safetensors.torch import load_file
+
+    fake, port = fake_source(tmp_path, "stall", real)
+    try:
+        new = seeding(llama_ckpt, tmp_path, port, "--seed-fallback", wait=True)
+        caches.append(new)
+        assert new.ready, stderr(new)
+        want: dict[str, torch.Tensor] = {}
+        for f in sorted(llama_ckpt.glob("*.safetensors")):
+            want.update(load_file(str(f)))
+        assert same(held(new.socket_dir, llama_ckpt, 0, 1, 1), want)  # none of the halves
+        new.stop()
+        assert "loading from disk instead (--seed-fallback)" in stderr(new)
+    finally:
+        fake.kill()
+        fake.wait()
+
+
+def test_a_source_that_dies_mid_stream_fails_the_seed(
+        llama_ckpt: Path, tmp_path: Path, real: dict[str, Any], caches) -> None:
+    fake, port = fake_source(tmp_path, "die", real)
+    new = seeding(llama_ckpt, tmp_path, port, timeout="60")
+    caches.append(new)
+    assert fake.stdout is not None and fake.stdout.readline().strip() == "streaming"
+    fake.send_signal(signal.SIGKILL)  # mid-range: half of it sent
+    fake.wait()
+    assert new.proc.wait(60) == ExitStatus.SEED_FAILED
+    log = stderr(new)
+    assert "truncated" in log or "reset" in log, log
+    assert not list(new.socket_dir.glob("*.sock"))

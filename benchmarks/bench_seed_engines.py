@@ -46,13 +46,18 @@ GB = 1e9
 
 
 def memfd_with(path: str, size: int) -> tuple[int, mmap.mmap]:
-    """A memfd of `size` bytes holding the start of the file at `path` (zeros past its end)."""
+    """A memfd of `size` bytes holding the start of the checkpoint at `path` (a file, or a
+    directory's .safetensors files one after another; zeros past their end)."""
     fd = os.memfd_create("bench-src")
     os.ftruncate(fd, size)
-    with open(path, "rb") as fh:
-        data = fh.read(size)
     buf = huge(mmap.mmap(fd, size))
-    buf[:len(data)] = data
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else [Path(path)]
+    at = 0
+    for file in files:
+        with open(file, "rb") as fh:
+            while at < size and (data := fh.read(min(64 << 20, size - at))):
+                buf[at:at + len(data)] = data
+                at += len(data)
     return fd, buf
 
 

@@ -215,3 +215,34 @@ def test_a_source_that_dies_mid_stream_fails_the_seed(
     log = stderr(new)
     assert "truncated" in log or "reset" in log, log
     assert not list(new.socket_dir.glob("*.sock"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_slabs_seed_bit_exact_on_several_streams(tmp_path: Path, caches) -> None:
+    """A shard of several ranges, each through the pinned buffers of both sides (device to
+    host to socket, socket to host to device), on three connections at once."""
+    from safetensors.torch import save_file
+
+    model = tmp_path / "m"
+    model.mkdir()
+    g = torch.Generator().manual_seed(1)
+    save_file({f"model.layers.{i}.mlp.up_proj.weight": torch.randn(4096, 4096, generator=g)
+               .to(torch.bfloat16) for i in range(9)}, str(model / "model.safetensors"))
+    port = free_port()
+    src = spawn_cache(model, _dir(tmp_path, "src"), "--device", "cuda:0", "--plan", "replicate",
+                      "--seed-listen-port", str(port), env=ENV)
+    caches.append(src)
+    new = spawn_cache(model, _dir(tmp_path, "new"), "--device", "cuda:0", "--plan", "replicate",
+                      "--seed", f"tcp://127.0.0.1:{port}", "--seed-streams", "3", env=ENV)
+    caches.append(new)
+    assert new.ready, stderr(new)
+
+    def on(proc: CacheProc) -> dict[str, torch.Tensor]:
+        return {k: v.cpu() for k, v in load(str(model), socket_dir=str(proc.socket_dir),
+                                            mode="copy", fallback=False, timeout=10,
+                                            device="cuda:0", plan="replicate").items()}
+
+    want = on(src)
+    src.stop()
+    assert same(on(new), want)

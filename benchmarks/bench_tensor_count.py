@@ -7,8 +7,9 @@ For each count N a checkpoint of N small bf16 tensors named like an MoE's expert
 - rank load: a CPU `vlaunch cache` process (plan replicate; --plan llama for the rules'
   cost), spawn -> ready, for the N-tensor checkpoint and for the one-tensor one: the
   difference over N is what each tensor costs a rank beyond its bytes (open, plan, pack,
-  read, checksums, fingerprint, ready frame). The rank's own log line gives its open + plan +
-  allocate seconds.
+  read, checksums, fingerprint, ready frame), in wall seconds and in the rank's CPU seconds
+  (/proc at ready: steadier than wall time on a loaded machine). The rank's own log line gives
+  its open + plan + allocate seconds.
 - handoff: `load(mode="share")` from that rank in this process (torch imported, the rank
   warm), per tensor, against safetensors' `load_file` of the same file (page cache warm).
   "+ touch" adds reading one element of every tensor (what an engine's first use of each
@@ -80,6 +81,8 @@ class Rank:
             for fd in fds:
                 os.close(fd)
         self.seconds = time.perf_counter() - start
+        stat = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        self.cpu = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
         found = re.findall(r"allocated in ([0-9.]+)s", log.read_text())
         self.prepared = float(found[-1]) if found else float("nan")
         self.sockdir = sockdir
@@ -106,8 +109,8 @@ def measure(count: int, per: int, repeats: int, plan: str, tmp: Path) -> dict[st
     many, single = tmp / f"n{count}.safetensors", tmp / f"one{count}.safetensors"
     write(many, count, per)
     one_tensor(single, os.path.getsize(many) - 8)
-    ranks: list[tuple[float, float]] = []
-    singles: list[float] = []
+    ranks: list[tuple[float, float, float]] = []
+    singles: list[tuple[float, float]] = []
     handoff: list[float] = []
     handoff_touch: list[float] = []
     st: list[float] = []
@@ -115,7 +118,7 @@ def measure(count: int, per: int, repeats: int, plan: str, tmp: Path) -> dict[st
     for rep in range(repeats):
         rank = Rank(many, tmp / f"s{count}-{rep}", plan, tmp / f"r{count}-{rep}.log")
         try:
-            ranks.append((rank.seconds, rank.prepared))
+            ranks.append((rank.seconds, rank.prepared, rank.cpu))
             kw = {"socket_dir": str(rank.sockdir), "plan": plan, "fallback": False,
                   "device": "cpu"}
             load(str(many), **kw)  # warm: the memo, the backend, the code paths
@@ -127,11 +130,13 @@ def measure(count: int, per: int, repeats: int, plan: str, tmp: Path) -> dict[st
         st.append(timed(lambda: load_file(str(many))))
         st_touch.append(timed(lambda: touch(load_file(str(many)))))
         base = Rank(single, tmp / f"b{count}-{rep}", plan, tmp / f"b{count}-{rep}.log")
-        singles.append(base.seconds)
+        singles.append((base.seconds, base.cpu))
         base.stop()
     med = statistics.median
     return {"count": count, "bytes": os.path.getsize(many), "rank_s": med(r[0] for r in ranks),
-            "rank_prepared_s": med(r[1] for r in ranks), "rank_one_tensor_s": med(singles),
+            "rank_prepared_s": med(r[1] for r in ranks),
+            "rank_one_tensor_s": med(s[0] for s in singles), "rank_cpu_s": med(r[2] for r in ranks),
+            "rank_one_tensor_cpu_s": med(s[1] for s in singles),
             "handoff_s": med(handoff), "handoff_touch_s": med(handoff_touch),
             "safetensors_s": med(st), "safetensors_touch_s": med(st_touch)}
 
@@ -141,19 +146,21 @@ def table(rows: list[dict[str, Any]], plan: str) -> str:
     us = 1e6
     lines = [f"CPU, plan {plan}; per tensor in microseconds; ratio = safetensors / vlaunch; "
              f"load average {os.getloadavg()[0]:.1f}",
-             f"{'tensors':>8} {'MB':>6} {'rank/t':>8} {'prep/t':>8} {'handoff/t':>10} "
+             f"{'tensors':>8} {'MB':>6} {'rank/t':>8} {'cpu/t':>8} {'prep/t':>8} {'handoff/t':>10} "
              f"{'st/t':>8} {'ratio':>7} {'+touch/t':>9} {'st+touch/t':>11} {'ratio':>7}"]
     for r in rows:
         n = r["count"]
         lines.append(
             f"{n:>8} {r['bytes'] / 1e6:>6.1f} "
             f"{(r['rank_s'] - r['rank_one_tensor_s']) / n * us:>8.2f} "
+            f"{(r['rank_cpu_s'] - r['rank_one_tensor_cpu_s']) / n * us:>8.2f} "
             f"{r['rank_prepared_s'] / n * us:>8.2f} {r['handoff_s'] / n * us:>10.2f} "
             f"{r['safetensors_s'] / n * us:>8.2f} {r['safetensors_s'] / r['handoff_s']:>6.2f}x "
             f"{r['handoff_touch_s'] / n * us:>9.2f} {r['safetensors_touch_s'] / n * us:>11.2f} "
             f"{r['safetensors_touch_s'] / r['handoff_touch_s']:>6.2f}x")
     lines.append("rank/t: (rank spawn->ready - the same for one tensor of the same bytes) / N; "
-                 "prep/t: the rank's open + plan + allocate / N")
+                 "cpu/t: the same in the rank's CPU seconds; prep/t: the rank's open + plan + "
+                 "allocate / N")
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ import stat
 import time
 from typing import Any
 
+from vlaunch.cache.client import collector
 from vlaunch.cache.contract import fingerprint as fp
 from vlaunch.cache.contract import protocol, wire
 from vlaunch.cache.contract.errors import ProtocolError, UsageError, VlaunchError
@@ -108,9 +109,11 @@ def _run(opts: RankArgs, rank: int) -> int:
             manifest, fds, fingerprint, release, adopted, raw_released = _adopt(opts.adopt_fd,
                                                                                 store)
         elif opts.seed:
-            manifest, fds, fingerprint, release = _seed_or_load(opts, backend, rank, store)
+            with collector.paused():  # per-tensor objects that live as long as the rank
+                manifest, fds, fingerprint, release = _seed_or_load(opts, backend, rank, store)
         else:
-            manifest, fds, fingerprint, release = _load(opts, backend, rank)
+            with collector.paused():
+                manifest, fds, fingerprint, release = _load(opts, backend, rank)
         from vlaunch.cache.rank.daemon import CacheServer
         from vlaunch.cache.rank.layouts import LayoutStore
 

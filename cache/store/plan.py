@@ -36,6 +36,7 @@ norm (`model.norm.`) to the last; other tensors without a layer index are on eve
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import importlib
 import json
@@ -98,7 +99,8 @@ class SliceSpec:
         frozen __init__, which costs several times more (every tensor of an MoE checkpoint)."""
         spec = object.__new__(cls)
         spec.__dict__.update(name=entry.name, dtype=entry.dtype, full_shape=entry.shape,
-                             dim=None, part=0, parts=1, source=entry, groups=1)
+                             dim=None, part=0, parts=1, source=entry, groups=1,
+                             nbytes=entry.nbytes)
         return spec
 
     @property
@@ -110,9 +112,9 @@ class SliceSpec:
         shape[self.dim] //= self.parts
         return tuple(shape)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        """Size of the slice in bytes."""
+        """Size of the slice in bytes (made once: the reader asks for it several times)."""
         return size_of(self.dtype, self.shape)
 
     def runs(self) -> list[Run]:

@@ -25,7 +25,8 @@ from vlaunch.cache.contract.errors import (
 )
 from vlaunch.cache.contract.protocol import MAX_FDS
 from vlaunch.cache.contract.sockdir import check_peer, ensure_socket_dir
-from vlaunch.cache.store.manifest import Manifest, checked_int, views
+from vlaunch.cache.store import columns
+from vlaunch.cache.store.manifest import Manifest, checked_int
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -165,7 +166,7 @@ class CacheClient:
     def manifest(self) -> Manifest:
         """The validated manifest of the rank (its columns form: checked in bulk)."""
         reply = self.request(MANIFEST)[0]
-        return Manifest.from_wire(reply["manifest"], reply.get("tail"))
+        return columns.from_wire(reply["manifest"], reply.get("tail"))
 
     def map(self, manifest: Manifest, *, mode: str = "share", device: str = "cpu",
             layout: str = "") -> dict[str, torch.Tensor]:
@@ -193,7 +194,7 @@ class CacheClient:
         elif copies is not None:
             release_after_copies(slabs, device)
             slabs = copies  # one device copy per slab
-        tensors = views(manifest, slabs)
+        tensors = columns.views(manifest, slabs)
         with self._lock:
             self._mapped(manifest, mode, slabs)
         return tensors
@@ -273,14 +274,14 @@ class CacheClient:
                             raise bad_open
                         raise CacheBrokenError(f"cache at {self.path} sent fds with its "
                                                "manifest")
-                    manifest = Manifest.from_wire(mrep["manifest"], mrep.get("tail"))
+                    manifest = columns.from_wire(mrep["manifest"], mrep.get("tail"))
                     if manifest.slab_sizes != sizes:
                         raise CacheBrokenError(
                             f"cache at {self.path} sent slabs of {list(sizes)[:8]} bytes for a "
                             f"manifest of {list(manifest.slab_sizes)[:8]}")
                     # the views first: the replies below may still be on their way (the
                     # cache's copy into our slabs, when it makes one)
-                    tensors = views(manifest, copies if own else mapped)
+                    tensors = columns.views(manifest, copies if own else mapped)
                     TRACE["viewed"] = time.perf_counter()
                     reply = self._recv()
                     owed -= 1

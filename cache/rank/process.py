@@ -268,7 +268,9 @@ def _adopt(fd: int, store: Any
             pass
     if msg.get("event") != "escrow" or not isinstance(msg.get("fingerprint"), dict):
         raise ProtocolError("adopt channel did not carry an escrow frame")
-    manifest = Manifest.from_wire(msg["manifest"])
+    from vlaunch.cache.store.columns import from_wire
+
+    manifest = from_wire(msg["manifest"])  # the columns form the ready frame gave the escrow
     released = msg.get("released") is True and not fds
     if len(fds) != len(manifest.slab_sizes) and not released:
         raise ProtocolError(f"escrow carries {len(fds)} fds for {len(manifest.slab_sizes)} slabs")

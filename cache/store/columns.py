@@ -9,7 +9,7 @@ and little-endian:
 
     offset  i8[N]   byte offset in its slab          nbytes  i8[N]
     checksum i8[N]  crc32, or -1 for none            dims    i8[D]   every shape, concatenated
-    strides i8[D]   every stride, concatenated       slab    u4[N]
+    strides i8[D]   every stride, concatenated       slab    i8[N]
     dtype   u1[N]   index into the dtype names       ndim    u1[N]   (D = sum of ndim)
     names   UTF-8, separated by "\n" (a name is printable: it holds no newline)
 
@@ -24,8 +24,9 @@ import base64
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from vlaunch.cache.contract.errors import CacheBrokenError
 from vlaunch.cache.store.manifest import (
-    _LIMIT,
+    LIMIT,
     MAX_DIMS,
     MAX_NAME,
     MAX_TENSORS,
@@ -109,7 +110,7 @@ def encode(manifest: Manifest) -> tuple[dict[str, Any], bytes]:
              np.array([t.nbytes for t in tensors], dtype="<i8"),
              np.array([-1 if t.checksum is None else t.checksum for t in tensors], dtype="<i8"),
              np.array(dims, dtype="<i8"), np.array(strides, dtype="<i8"),
-             np.array([t.slab for t in tensors], dtype="<u4"),
+             np.array([t.slab for t in tensors], dtype="<i8"),
              np.array([code[t.dtype] for t in tensors], dtype="u1"),
              np.array([len(t.shape) for t in tensors], dtype="u1")]
     head = {"backend": manifest.backend, "slab_sizes": list(manifest.slab_sizes), "form": FORM,
@@ -121,6 +122,26 @@ def to_json(manifest: Manifest) -> dict[str, Any]:
     """The columns form inside a JSON frame: the tail in base64 (the launcher's escrow)."""
     head, tail = encode(manifest)
     return {**head, "tail": base64.b64encode(tail).decode()}
+
+
+def from_wire(obj: Any, tail: Any = None) -> Manifest:
+    """A manifest from a cache in either form, validated (`tail`: the raw tail of the frame
+    that brought columns, or None); CacheBrokenError when it fails a check."""
+    if not (isinstance(obj, dict) and obj.get("form") == FORM):
+        return Manifest.from_wire(obj)
+    try:
+        return decode(obj, tail)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        raise CacheBrokenError(f"invalid manifest from cache: {exc}") from exc
+
+
+def views(manifest: Manifest, slabs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Named tensors that view the slabs, from a manifest in either form."""
+    if isinstance(manifest.tensors, Columns):
+        return views_of(manifest, slabs)
+    from vlaunch.cache.store.manifest import views as rows_views
+
+    return rows_views(manifest, slabs)
 
 
 def decode(head: dict[str, Any], tail: Any = None) -> Manifest:
@@ -144,12 +165,12 @@ def decode(head: dict[str, Any], tail: Any = None) -> Manifest:
 
     if not all(type(d) is str and d in DTYPES for d in table):
         raise ValueError(f"unknown dtype among {str(table)[:200]}")
-    widths = [8 * n, 8 * n, 8 * n, 8 * nd, 8 * nd, 4 * n, n, n, nnames]
+    widths = [8 * n, 8 * n, 8 * n, 8 * nd, 8 * nd, 8 * n, n, n, nnames]
     view = memoryview(tail).cast("B")
     if len(view) != sum(widths):
         raise ValueError(f"tail of {len(view)} bytes, expected {sum(widths)}")
     arrays, at = [], 0
-    for width, dtype in zip(widths[:8], ["<i8"] * 5 + ["<u4", "u1", "u1"], strict=True):
+    for width, dtype in zip(widths[:8], ["<i8"] * 6 + ["u1", "u1"], strict=True):
         arrays.append(np.frombuffer(view[at:at + width], dtype=dtype))
         at += width
     fields = dict(zip((*_WIDE, "dims", "strides", "slab", "dtype", "ndim"), arrays, strict=True))
@@ -197,9 +218,9 @@ def _check(f: dict[str, np.ndarray], sizes: tuple[int, ...], table: list[str],
     for name, values, low in (("dim or stride", np.concatenate((dims, strides)), 0),
                               ("offset", f["offset"], 0), ("nbytes", f["nbytes"], 0),
                               ("checksum", f["checksum"], -1)):
-        if len(values) and ((values < low).any() or (values > _LIMIT).any()):
+        if len(values) and ((values < low).any() or (values > LIMIT).any()):
             raise ValueError(f"a {name} is not a bounded non-negative integer")
-    if (f["slab"] >= len(sizes)).any():
+    if (f["slab"] < 0).any() or (f["slab"] >= len(sizes)).any():
         raise ValueError("a tensor names a slab that does not exist")
     bits = np.array([DTYPES[d].bits for d in table], dtype=np.int64)[f["dtype"]]
     width = int(ndim.max())
@@ -240,7 +261,7 @@ def views_of(manifest: Manifest, slabs: list[torch.Tensor]) -> dict[str, torch.T
     import torch
 
     from vlaunch.cache.store.dtypes import DTYPES, is_plain, to_torch
-    from vlaunch.cache.store.manifest import _packed_view
+    from vlaunch.cache.store.manifest import packed_view
 
     cols: Columns = manifest.tensors  # type: ignore[assignment]
     f = cols.fields
@@ -263,7 +284,7 @@ def views_of(manifest: Manifest, slabs: list[torch.Tensor]) -> dict[str, torch.T
             base = bases[key] = slabs[slab].view(to_torch(cols.table[code])) \
                 if plain[code] else None
         if base is None:  # packed or raw-byte dtypes: contiguous by construction
-            out[name] = _packed_view(slabs[key >> 8], cols[i])
+            out[name] = packed_view(slabs[key >> 8], cols[i])
         else:
             out[name] = strided(base, shape, stride, offset)
     return out

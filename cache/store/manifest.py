@@ -52,17 +52,12 @@ class Manifest(NamedTuple):
                              t.nbytes, t.checksum] for t in self.tensors]}
 
     @classmethod
-    def from_wire(cls, obj: Any, tail: Any = None) -> Manifest:
-        """Validate a manifest received from a cache, in rows or in columns (`tail`: the raw
-        tail of the frame that brought them: store/columns.py); every field is checked
-        before use."""
+    def from_wire(cls, obj: Any) -> Manifest:
+        """Validate a manifest received from a cache in rows (columns.from_wire takes either
+        form); every field is checked before use."""
         try:
-            if isinstance(obj, dict) and obj.get("form") == "columns":
-                from vlaunch.cache.store import columns
-
-                return columns.decode(obj, tail)
             return _parse(obj)
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        except (TypeError, ValueError, KeyError, IndexError) as exc:
             raise CacheBrokenError(f"invalid manifest from cache: {exc}") from exc
 
 
@@ -95,13 +90,13 @@ def _parse(obj: Any) -> Manifest:
         for i, d in enumerate(shape_t):
             st = stride_t[i]
             if type(d) is not int or type(st) is not int or not (
-                    0 <= d <= _LIMIT and 0 <= st <= _LIMIT):
+                    0 <= d <= LIMIT and 0 <= st <= LIMIT):
                 checked_int(d, "dim")
                 checked_int(st, "stride")
             count *= d
             span += (d - 1) * st
         if type(slab) is not int or type(offset) is not int or type(nbytes) is not int or \
-                not (0 <= slab <= _LIMIT and 0 <= offset <= _LIMIT and 0 <= nbytes <= _LIMIT):
+                not (0 <= slab <= LIMIT and 0 <= offset <= LIMIT and 0 <= nbytes <= LIMIT):
             for value, what in ((slab, "slab"), (offset, "offset"), (nbytes, "nbytes")):
                 checked_int(value, what)
         if nbytes * 8 != count * bits or slab >= nslabs or offset % (bits >> 3 or 1):
@@ -111,14 +106,14 @@ def _parse(obj: Any) -> Manifest:
         # nbytes > 0 means every dim is > 0, so `span` is the strided view's extent
         if nbytes and offset * 8 + span * bits > sizes[slab] * 8:
             raise ValueError(f"{name}: extends past the end of slab {slab}")
-        if checksum is not None and (type(checksum) is not int or not 0 <= checksum <= _LIMIT):
+        if checksum is not None and (type(checksum) is not int or not 0 <= checksum <= LIMIT):
             checked_int(checksum, "checksum")
         append(new(TensorRecord, (name, dtype, shape_t, stride_t, slab, offset, nbytes,
                                   checksum)))
     return Manifest(str(obj["backend"]), sizes, tuple(tensors))
 
 
-_LIMIT = 1 << 50
+LIMIT = 1 << 50
 
 
 def tensor_name_problem(name: object) -> str:
@@ -134,7 +129,7 @@ def tensor_name_problem(name: object) -> str:
 
 
 def checked_int(value: Any, what: str) -> int:
-    if type(value) is not int or value < 0 or value > _LIMIT:
+    if type(value) is not int or value < 0 or value > LIMIT:
         raise ValueError(f"{what} {value!r} is not a bounded non-negative integer")
     return value
 
@@ -185,15 +180,12 @@ def pack(items: list[tuple[str, str, tuple[int, ...]]], *, backend: str, alignme
 
 
 def views(manifest: Manifest, slabs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Named tensors that view the slabs (zero copy): one as_strided per tensor."""
+    """Named tensors that view the slabs (zero copy): one as_strided per tensor (a manifest
+    in columns: columns.views)."""
     import torch
 
     from vlaunch.cache.store.dtypes import is_plain, to_torch
 
-    if not isinstance(manifest.tensors, tuple):  # the columns form: made in bulk
-        from vlaunch.cache.store.columns import views_of
-
-        return views_of(manifest, slabs)
     typed: dict[tuple[int, str], tuple[torch.Tensor, int]] = {}  # (slab, dtype) -> view, size
     out = {}
     strided = torch.as_strided
@@ -201,7 +193,7 @@ def views(manifest: Manifest, slabs: list[torch.Tensor]) -> dict[str, torch.Tens
         found = typed.get((t.slab, t.dtype))
         if found is None:
             if not is_plain(t.dtype):  # packed or raw-byte dtypes: contiguous by construction
-                out[t.name] = _packed_view(slabs[t.slab], t)
+                out[t.name] = packed_view(slabs[t.slab], t)
                 continue
             base = slabs[t.slab].view(to_torch(t.dtype))
             found = typed[(t.slab, t.dtype)] = (base, base.element_size())
@@ -210,7 +202,7 @@ def views(manifest: Manifest, slabs: list[torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
-def _packed_view(slab: torch.Tensor, t: TensorRecord) -> torch.Tensor:
+def packed_view(slab: torch.Tensor, t: TensorRecord) -> torch.Tensor:
     """A view of a packed (F4) or raw-byte (F6, dtypes torch lacks) tensor's bytes."""
     from vlaunch.cache.store.dtypes import served_shape, to_torch
 

@@ -246,3 +246,57 @@ def test_cuda_slabs_seed_bit_exact_on_several_streams(tmp_path: Path, caches) ->
     want = on(src)
     src.stop()
     assert same(on(new), want)
+
+
+def test_the_source_serves_ranges_and_whole_slabs_only_after_the_token(
+        llama_ckpt: Path, tmp_path: Path, caches) -> None:
+    """The source's side of the wire: nothing before the token; a range's exact bytes; a
+    whole slab for a seeding rank of an earlier version; a range outside its slab dropped."""
+    import socket
+
+    from vlaunch.cache.contract import wire
+
+    port = free_port()
+    src = spawn_cache(llama_ckpt, _dir(tmp_path, "src"), "--seed-listen-port", str(port),
+                      env=ENV)
+    caches.append(src)
+    client = CacheClient(socket_path(src.socket_dir, 0))
+    manifest = client.manifest()
+    slab = client.map(manifest, mode="copy")  # the slab's bytes, through the Unix socket
+    client.close()
+    whole = bytearray(manifest.slab_sizes[0])
+    for t in manifest.tensors:
+        whole[t.offset:t.offset + t.nbytes] = slab[t.name].contiguous().view(-1).view(
+            torch.uint8).numpy().tobytes()
+
+    def connect() -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.settimeout(10)
+        return sock
+
+    def read(sock: socket.socket, n: int) -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            out += sock.recv(n - len(out))
+        return bytes(out)
+
+    with connect() as early:  # a range before the token: refused, the connection dropped
+        wire.send_frame(early, {"op": "seed_range", "slab": 0, "offset": 0, "nbytes": 8})
+        assert "wrong or missing seed token" in wire.recv_frame(early)[0]["message"]
+    with connect() as sock:
+        wire.send_frame(sock, {"op": "seed_auth", "token": TOKEN})
+        assert wire.recv_frame(sock)[0]["ok"] is True
+        one = [t for t in manifest.tensors if t.nbytes][1]  # one tensor's bytes, exactly
+        wire.send_frame(sock, {"op": "seed_range", "slab": one.slab, "offset": one.offset,
+                               "nbytes": one.nbytes})
+        assert wire.recv_frame(sock)[0]["nbytes"] == one.nbytes
+        assert read(sock, one.nbytes) == whole[one.offset:one.offset + one.nbytes]
+        wire.send_frame(sock, {"op": "seed_slab", "slab": 0})  # an earlier version's request
+        assert wire.recv_frame(sock)[0]["nbytes"] == len(whole)
+        everything = read(sock, len(whole))
+        wire.send_frame(sock, {"op": "seed_range", "slab": 0, "offset": len(whole) - 8,
+                               "nbytes": 16})
+        assert "is outside slab" in wire.recv_frame(sock)[0]["message"]
+    live = [t for t in manifest.tensors if t.nbytes]
+    for t in live:  # the tensors' bytes: padding between them may be anything
+        assert everything[t.offset:t.offset + t.nbytes] == whole[t.offset:t.offset + t.nbytes]

@@ -153,7 +153,7 @@ class SeedSource:
             if f["slab"] >= len(sizes):
                 raise ProtocolError(f"no slab {f['slab']}")
             sent.bytes += await self._range(loop, conn, f["slab"], 0, sizes[f["slab"]],
-                                            sent.device)
+                                            sent.device, limit=sizes[f["slab"]])
         elif op == "artifact_get":
             reply, _ = server.handle_artifact_get(None, f)
             await self._send(loop, conn, reply)
@@ -161,12 +161,14 @@ class SeedSource:
             raise ProtocolError(f"{op} is not a seeding request")
 
     async def _range(self, loop: asyncio.AbstractEventLoop, conn: socket.socket, slab: int,
-                     offset: int, nbytes: int, device: seedwire.DeviceSender) -> int:
+                     offset: int, nbytes: int, device: seedwire.DeviceSender,
+                     limit: int = seedwire.MAX_RANGE) -> int:
         """Announce and write one range. It is read from a descriptor of the slab duplicated
         for it (a copy-release may close the rank's own meanwhile), and while it is written
         the rank hands no slab over (`CacheServer.reading_raw`)."""
         server = self.server
-        problem = seedwire.range_problem(server.manifest.slab_sizes, slab, offset, nbytes)
+        problem = seedwire.range_problem(server.manifest.slab_sizes, slab, offset, nbytes,
+                                         limit)
         if problem:
             raise ProtocolError(problem)
         with server.reading_raw():

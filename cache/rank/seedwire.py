@@ -58,13 +58,15 @@ def ranges(sizes: tuple[int, ...], part: int = RANGE) -> list[Range]:
             for at in range(0, size, part)]
 
 
-def range_problem(sizes: tuple[int, ...], slab: int, offset: int, nbytes: int) -> str:
-    """Why a requested range is not one to serve, or ""."""
+def range_problem(sizes: tuple[int, ...], slab: int, offset: int, nbytes: int,
+                  limit: int = MAX_RANGE) -> str:
+    """Why a requested range is not one to serve, or "" (`limit`: the most bytes it may
+    span; a whole slab that an earlier version's `seed_slab` asks for may be larger)."""
     if slab >= len(sizes):
         return f"no slab {slab}"
-    if not 0 < nbytes <= MAX_RANGE or offset + nbytes > sizes[slab]:
+    if not 0 < nbytes <= limit or offset + nbytes > sizes[slab]:
         return (f"range {offset}+{nbytes} is outside slab {slab} ({sizes[slab]} bytes) or over "
-                f"{MAX_RANGE} bytes")
+                f"{limit} bytes")
     return ""
 
 

@@ -86,12 +86,18 @@ class Columns(Sequence[TensorRecord]):
         if self._shapes is None:
             import numpy as np
 
-            ndim = self.fields["ndim"]
-            ends = np.cumsum(ndim, dtype=np.int64)
-            starts = (ends - ndim).tolist()
-            dims, strides = self.fields["dims"].tolist(), self.fields["strides"].tolist()
-            self._shapes = [dims[a:b] for a, b in zip(starts, ends.tolist(), strict=True)]
-            self._strides = [strides[a:b] for a, b in zip(starts, ends.tolist(), strict=True)]
+            ndim, n = self.fields["ndim"], len(self.names)
+            if n and (ndim == ndim[0]).all():  # one rank for all (MoE experts): no loop
+                k = int(ndim[0])
+                self._shapes = self.fields["dims"].reshape(n, k).tolist()
+                self._strides = self.fields["strides"].reshape(n, k).tolist()
+            else:
+                ends = np.cumsum(ndim, dtype=np.int64)
+                starts = (ends - ndim).tolist()
+                dims, strides = self.fields["dims"].tolist(), self.fields["strides"].tolist()
+                self._shapes = [dims[a:b] for a, b in zip(starts, ends.tolist(), strict=True)]
+                self._strides = [strides[a:b] for a, b in zip(starts, ends.tolist(),
+                                                               strict=True)]
         assert self._strides is not None
         return self._shapes, self._strides
 
@@ -273,6 +279,10 @@ def views_of(manifest: Manifest, slabs: list[torch.Tensor]) -> dict[str, torch.T
     item = np.array(items, dtype=np.int64)[f["dtype"]]
     keys = (f["slab"].astype(np.int64) * 256 + f["dtype"]).tolist()
     offsets = (f["offset"] // item).tolist()
+    if all(plain):  # every dtype a torch dtype: one C-level map over the columns
+        typed = {k: slabs[k >> 8].view(to_torch(cols.table[k & 255])) for k in set(keys)}
+        return dict(zip(cols.names, map(torch.as_strided, map(typed.__getitem__, keys),
+                                        shapes, strides, offsets), strict=True))
     bases: dict[int, torch.Tensor | None] = {}
     out: dict[str, torch.Tensor] = {}
     strided = torch.as_strided

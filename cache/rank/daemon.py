@@ -206,8 +206,18 @@ class CacheServer:
         waits for it."""
         return protocol.encode({"ok": True, "manifest": self.manifest.to_wire()})
 
+    @functools.cached_property
+    def manifest_columns_frame(self) -> bytes:
+        """The reply to `manifest` in the columns form (store/columns.py), encoded once."""
+        from vlaunch.cache.store import columns
+
+        head, tail = columns.encode(self.manifest)
+        return protocol.encode({"ok": True, "manifest": head}, tail=tail)
+
     def handle_manifest(self, lease: Lease, f: dict[str, Any]) -> tuple[bytes, list[int]]:
-        """manifest: every tensor's place in the slabs."""
+        """manifest: every tensor's place in the slabs, in rows or (asked) in columns."""
+        if f.get("form") == "columns":
+            return self.manifest_columns_frame, []
         return self.manifest_frame, []
 
     def handle_open(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:

@@ -46,13 +46,16 @@ class Machine:
                         "--tmpfs", "/run", "--tmpfs", "/run/lock", "--tmpfs", "/tmp",
                         "--stop-signal", "SIGRTMIN+3", *cgroup_args(), *binds, image,
                         "/lib/systemd/systemd"], check=True, capture_output=True, text=True)
-        state = self.sh("timeout 120 systemctl is-system-running --wait", check=False)
+        # until PID 1 has its private socket, systemctl cannot connect: ask again
+        state = self.sh("for _ in $(seq 120); do systemctl is-system-running --wait && exit; "
+                        "[ -S /run/systemd/private ] && exit 1; sleep 1; done", check=False,
+                        timeout=300)
         if state.stdout.strip() not in BOOTED:
             log = subprocess.run(["docker", "logs", name], capture_output=True, text=True)
             failed = self.sh("systemctl --failed --no-legend", check=False).stdout
             self.close()
             raise RuntimeError(f"systemd in {image} did not boot ({state.stdout.strip()!r}); "
-                               f"failed units: {failed!r}; {log.stdout[-2000:]}{log.stderr}")
+                               f"failed units: {failed!r}; {state.stderr}{log.stdout[-2000:]}{log.stderr}")
 
     def sh(self, command: str, *, check: bool = True, timeout: float = 120,
            stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -79,8 +82,8 @@ class Machine:
         out = self.systemctl("show", unit, *(f"-p{p}" for p in props)).stdout
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
-    def wait(self, check: Callable[[], T | None], timeout: float, what: str,
-             interval: float = 0.2) -> T:
+    def wait(self, check: Callable[[], T | None], timeout: float,
+             what: str | Callable[[], str], interval: float = 0.2) -> T:
         """Poll `check` until it returns something truthy, or fail naming `what`."""
         deadline = time.monotonic() + timeout
         while True:
@@ -88,7 +91,8 @@ class Machine:
             if got:
                 return got
             if time.monotonic() > deadline:
-                raise AssertionError(f"not within {timeout:g} s: {what}")
+                said = what() if callable(what) else what
+                raise AssertionError(f"not within {timeout:g} s: {said}")
             time.sleep(interval)
 
     def journal(self, unit: str) -> str:
@@ -115,8 +119,8 @@ class Machine:
         extra = "" if body is None else " " + shlex.quote(body)
         r = self.sh(f"python3 -c {shlex.quote(code)} {shlex.quote(url)}{extra}",
                     timeout=timeout + 30)
-        status, _, body = r.stdout.partition("\n")
-        return int(status), body
+        status, _, text = r.stdout.partition("\n")
+        return int(status), text
 
     def close(self) -> None:
         """Remove the container (its systemd and everything it ran)."""

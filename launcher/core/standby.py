@@ -103,7 +103,8 @@ class StandbyDecisions(SupervisorState):
                                      failures=sb.failures + (not parked))
         self._park_due, self._standby_ping = None, None
         how = "hung while parked, killed" if hung else "exited"
-        what = f"standby engine {sb.number} (pid {e.pid}) {how}: {describe_exit(e.status)}"
+        what = f"standby engine {sb.number} (pid {e.pid}) {how}: " \
+               f"{describe_exit(e.status, hint=not hung)}"
         if self._stop is not None:
             return [Log("INFO", what), *self._finish_if_done()]
         if sb.given_up:

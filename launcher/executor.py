@@ -182,9 +182,10 @@ class Executor:
 
     async def _spawn(self, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...],
                      role: events.Role, rank: int | None) -> _Running | None:
-        """Start a child and watch for its exit; a failed start is its exit (126/127)."""
+        """Start a child and watch for its exit; a failed start is its exit (126/127). An
+        engine or a standby runs under a keeper (keeper.py); a cache rank is one process."""
         try:
-            child = await self.hooks.spawn(argv, env, pass_fds)
+            child = await self.hooks.spawn(argv, env, pass_fds, kept=role != "cache")
         except OSError as exc:
             log.error("cannot start %s: %s; check the command and PATH", argv[0], exc)
             code = 127 if isinstance(exc, FileNotFoundError) else 126
@@ -370,7 +371,7 @@ class Executor:
         spec = self.spec
         env = child_env(self.env, self._engine_env(0, preload=True), None)
         try:
-            child = await self.hooks.spawn(list(spec.preload), env)
+            child = await self.hooks.spawn(list(spec.preload), env, kept=True)
         except OSError as exc:
             self.post(events.PreloadDone(False, f"could not start: {exc}", 0.0))
             return

@@ -9,7 +9,10 @@ Tests hand the executor a fake with scripted results instead (tests/test_executo
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -49,8 +52,9 @@ class ProcessHooks(Protocol):
         descendants, and have the signals the core handles `post` a SignalReceived."""
 
     async def spawn(self, argv: Sequence[str], env: Mapping[str, str],
-                    pass_fds: Sequence[int] = ()) -> Child:
-        """Start argv in its own process group, dying with us; OSError if it cannot start."""
+                    pass_fds: Sequence[int] = (), kept: bool = False) -> Child:
+        """Start argv in its own process group, dying with us; OSError if it cannot start.
+        `kept`: under a keeper (keeper.py), which takes whatever argv starts down with it."""
 
     def signal(self, pid: int, sig: int) -> None:
         """Signal a child's process group (a vanished one is fine)."""
@@ -131,7 +135,11 @@ class OsHooks:
             loop.add_signal_handler(sig, deliver, sig)
 
     async def spawn(self, argv: Sequence[str], env: Mapping[str, str],
-                    pass_fds: Sequence[int] = ()) -> Child:
+                    pass_fds: Sequence[int] = (), kept: bool = False) -> Child:
+        if kept:
+            if shutil.which(argv[0], path=env.get("PATH", os.defpath)) is None:
+                raise FileNotFoundError(2, "No such file or directory", argv[0])
+            argv = [sys.executable, "-m", "vlaunch.launcher.keeper", "--", *argv]
         self._spawning += 1
         try:
             proc = await asyncio.create_subprocess_exec(

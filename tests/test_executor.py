@@ -70,7 +70,7 @@ class FakeHooks:
         self.loop = asyncio.get_running_loop()
 
     async def spawn(self, argv: Sequence[str], env: Mapping[str, str],
-                    pass_fds: Sequence[int] = ()) -> FakeChild:
+                    pass_fds: Sequence[int] = (), kept: bool = False) -> FakeChild:
         if argv[0] in self.missing:
             raise FileNotFoundError(2, "No such file or directory", argv[0])
         assert self.loop is not None

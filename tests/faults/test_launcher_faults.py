@@ -103,21 +103,19 @@ def _is_rank(pid: int) -> bool:
 
 
 def test_a_killed_launcher_leaves_no_child(launch, tmp_path: Path, llama_ckpt: Path) -> None:
-    """SIGKILL of the launcher: ranks and engine die with it (parent-death signal); a worker
-    that left the engine's process group is found in the launcher's cgroup when there is one
-    (docs/lifecycle.md), else it is the documented limit."""
+    """SIGKILL of the launcher: ranks and the engine's keeper die with it (parent-death
+    signal), and the keeper kills the engine and a worker that left the engine's process group
+    (docs/lifecycle.md), with or without a cgroup to find it in."""
     la = _start(launch, tmp_path, llama_ckpt, engine_cmd=WITH_WORKER)
     snap = la.wait_for(serving)
     children = la.pids(snap)
-    eventually(lambda: len(descendants(la.proc.pid)) > len(children), what="the worker")
+    # the keeper, the engine and its worker
+    eventually(lambda: len(descendants(snap["engine"]["pid"])) == 2, what="the worker")
     everything = descendants(la.proc.pid)
+    assert len(everything) == len(children) + 2
     la.proc.kill()
     la.proc.wait(10)
-    assert_gone(children)
-    worker = [p for p in everything if p not in children]
-    for pid in worker:  # the documented limit without a cgroup: clean it up ourselves
-        with __import__("contextlib").suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    assert_gone(everything)
 
 
 @pytest.mark.parametrize("policy,status", [("shutdown", ExitStatus.RANK_EXITED),

@@ -200,6 +200,8 @@ class Executor:
         status = await running.child.wait()
         running.exited = True
         self.hooks.signal(running.child.pid, signal.SIGKILL)  # no orphaned workers
+        if running.role != "cache":  # the keeper is gone; what ran under it must be too
+            await self.hooks.settle(running.child.pid)
         if running.role == "cache" and running.rank is not None:
             _clear_stale(self.spec, running.rank)
         self.post(events.ChildExited(running.role, running.rank, running.child.pid, status,

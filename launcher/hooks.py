@@ -9,6 +9,7 @@ Tests hand the executor a fake with scripted results instead (tests/test_executo
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import signal
@@ -24,6 +25,7 @@ from . import events
 from .children import (
     contain_children,
     die_with_parent,
+    group_running,
     reap_orphans,
     signal_group,
     sweep,
@@ -31,6 +33,9 @@ from .children import (
 from .probes import HttpProbe
 from .statusview import query_rank
 
+log = logging.getLogger("vlaunch.launcher")
+SETTLE_TIMEOUT = 10.0
+"""Seconds a stopped engine's process group may take to be gone after SIGKILL."""
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 """Signals the launcher handles (as SignalReceived events); any other keeps its default."""
 
@@ -61,6 +66,10 @@ class ProcessHooks(Protocol):
 
     def sweep(self, pids: Iterable[int]) -> list[str]:
         """SIGKILL these groups and every descendant left; names of what was killed."""
+
+    async def settle(self, pid: int) -> None:
+        """After a kept child `pid` was reaped: SIGKILL its process group and wait until none
+        of it runs any more (its port and device memory are free then)."""
 
     def reap_orphans(self, pids: Iterable[int]) -> None:
         """Collect exited descendants that are not our own children."""
@@ -154,6 +163,20 @@ class OsHooks:
 
     def sweep(self, pids: Iterable[int]) -> list[str]:
         return sweep(pids)
+
+    async def settle(self, pid: int) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SETTLE_TIMEOUT
+        while True:
+            signal_group(pid, signal.SIGKILL)
+            left = await loop.run_in_executor(None, group_running, pid)
+            if not left:
+                return
+            if loop.time() > deadline:
+                log.error("process(es) %s of a stopped engine survived SIGKILL for %g s "
+                          "(uninterruptible sleep in a driver call?)", left, SETTLE_TIMEOUT)
+                return
+            await asyncio.sleep(0.01)
 
     def reap_orphans(self, pids: Iterable[int]) -> None:
         if not self._spawning:

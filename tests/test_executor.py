@@ -64,6 +64,7 @@ class FakeHooks:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.probes: list[Any] = []  # every HTTP probe sent, in order
         self.probe_failures: list[str] = []  # how the next probes fail ("": they pass)
+        self.settled: list[int] = []  # kept children whose process group was waited for
         self._next = 1000
 
     def prepare(self, post: Any) -> None:
@@ -116,6 +117,9 @@ class FakeHooks:
 
     def sweep(self, pids: Any) -> list[str]:
         return []
+
+    async def settle(self, pid: int) -> None:
+        self.settled.append(pid)
 
     def reap_orphans(self, pids: Any) -> None:
         list(pids)
@@ -458,6 +462,7 @@ def test_the_engine_gets_a_watchdog_and_an_engine_that_stops_pinging_is_restarte
     eventually(lambda: (first, signal.SIGTERM) in run.hooks.signals, 10, what="SIGTERM")
     eventually(lambda: run.executor.core.engine.attempt == 2, 10, what="the restart")
     assert run.executor.core.engine.hangs == 1
+    assert run.hooks.settled == [first]  # its process group was gone before the restart
 
 
 def test_a_liveness_request_that_fails_gets_the_engine_restarted(start: Any) -> None:

@@ -9,6 +9,7 @@ Tests hand the executor a fake with scripted results instead (tests/test_executo
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import shutil
@@ -147,7 +148,7 @@ class OsHooks:
                     pass_fds: Sequence[int] = (), kept: bool = False) -> Child:
         if kept:
             if shutil.which(argv[0], path=env.get("PATH", os.defpath)) is None:
-                raise FileNotFoundError(2, "No such file or directory", argv[0])
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
             argv = [sys.executable, "-m", "vlaunch.launcher.keeper", "--", *argv]
         self._spawning += 1
         try:

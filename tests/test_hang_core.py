@@ -72,9 +72,9 @@ def test_health_failing_that_long_stops_the_engine_then_kills_it_then_restarts()
     assert sup.engine.failing == ("health",) and not sup.engine_ready
     sup, hung = history([*health(False, 8, 8)], sup)  # failing since 5: 3 s at 8
     assert signals(hung) == [("engine", TERM)]
-    assert logs(hung)[0] == ("ERROR engine (pid 201) hung: health check fails (HTTP 503), "
-                             "failing for 3.0 s (--engine-unhealthy-after 3): stopping it "
-                             "(SIGTERM, SIGKILL after 5 s)")
+    assert logs(hung)[0] == ("ERROR engine (pid 201) hung, stopping it (SIGTERM, SIGKILL after "
+                             "5 s): health check fails (HTTP 503), failing for 3.0 s "
+                             "(--engine-unhealthy-after 3)")
     assert notes(hung) == ["RELOADING=1", "STATUS=restarting engine (hung)"]
     assert sup.engine.state is EngineState.STOPPING and sup.engine.hangs == 1
     assert sup.phase is Phase.RESTARTING and sup.snapshot()["engine"]["hangs"] == 1
@@ -159,7 +159,7 @@ def test_a_lying_health_check_is_caught_by_the_liveness_request() -> None:
     _, actions = history([*SERVING, *probes], **HTTP)
     assert "STATUS=serving (engine liveness request failing)" in notes(actions)
     assert signals(actions) == [("engine", TERM)]
-    assert "hung: liveness request fails (timed out after 2 s), failing for 3.0 s" in \
+    assert "SIGKILL after 5 s): liveness request fails (timed out after 2 s), failing for 3.0 s" in \
         logs(actions)[-1]
 
 
@@ -202,7 +202,7 @@ def test_missed_pings_fail_the_watchdog_then_hang_the_engine() -> None:
     assert sup.engine_ready and "INFO engine (pid 201) watchdog passes again" in logs(back)
     sup, hung = history([*ticks(13.5, 18)], sup)  # overdue at 15, hung at 18
     assert signals(hung) == [("engine", TERM)]
-    assert any("hung: watchdog fails (no WATCHDOG=1 for 2 s), failing for 3.0 s" in line
+    assert any("after 5 s): watchdog fails (no WATCHDOG=1 for 2 s), failing for 3.0 s" in line
                for line in logs(hung))
 
 

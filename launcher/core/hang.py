@@ -101,9 +101,9 @@ class HangDecisions(SupervisorState):
         why = "; ".join(fails(p, d) for p, d in sorted(self._failing.items()))
         self._hang, self._hang_kill_due = why, now + self.config.stop_timeout
         self._engine = replace(engine, state=EngineState.STOPPING, hangs=engine.hangs + 1)
-        return [Log("ERROR", f"engine (pid {engine.pid}) hung: {why}, failing for "
-                             f"{now - since:.1f} s (--engine-unhealthy-after {limit:g}): stopping "
-                             f"it (SIGTERM, SIGKILL after {self.config.stop_timeout:g} s)"),
+        return [Log("ERROR", f"engine (pid {engine.pid}) hung, stopping it (SIGTERM, SIGKILL "
+                             f"after {self.config.stop_timeout:g} s): {why}, failing for "
+                             f"{now - since:.1f} s (--engine-unhealthy-after {limit:g})"),
                 Notify({**self._reloading_field(), "STATUS": "restarting engine (hung)"}),
                 SignalChild("engine", None, signal.SIGTERM)]
 

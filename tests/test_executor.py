@@ -190,7 +190,8 @@ def start(tmp_path: Path, notify: socket.socket) -> Iterator[Any]:
                        liveness_interval=0.02,
                        supervisor=events.SupervisorConfig(ranks=ranks, has_engine=bool(engine),
                                                           backoff_initial=0.0, **config))
-        run = Running(spec, hooks or FakeHooks(), {"NOTIFY_SOCKET": notify.getsockname()})
+        run = Running(spec, hooks or FakeHooks(), {"NOTIFY_SOCKET": notify.getsockname(),
+                                                   "WATCHDOG_USEC": "30000000"})
         runs.append(run)
         return run
 
@@ -246,6 +247,7 @@ def test_ranks_and_engine_are_told_the_contract_and_sigterm_stops_all(
     assert argv == ["engine-cmd"]
     assert EngineEnv.from_env(env) == run.executor.spec.engine_env(1, {})
     assert "NOTIFY_SOCKET" not in env  # systemd's socket is the launcher's alone
+    assert "WATCHDOG_USEC" not in env  # and so is systemd's watchdog
     assert run.executor.escrow.fd_count() == 2
     run.post(events.SignalReceived(signal.SIGTERM, 0.0))
     assert run.wait() == 0

@@ -20,6 +20,8 @@ from prometheus_client.core import GaugeMetricFamily
 from vlaunch.cache.contract.errors import UsageError
 from vlaunch.cache.contract.http import reply, reply_json
 
+from .memory import memory_metrics
+
 log = logging.getLogger("vlaunch.launcher")
 
 PROBES = {
@@ -75,6 +77,7 @@ class MetricsCollector:
         yield GaugeMetricFamily("vlaunch_engine_restarts", "Engine restarts so far.",
                                 value=float(engine.get("restarts", 0)))
         yield from _hang_metrics(engine, s.get("standby") or {})
+        yield from memory_metrics(s)
 
 
 def _hang_metrics(engine: dict[str, Any], standby: dict[str, Any]) -> Iterator[GaugeMetricFamily]:

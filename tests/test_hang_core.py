@@ -159,8 +159,8 @@ def test_a_lying_health_check_is_caught_by_the_liveness_request() -> None:
     _, actions = history([*SERVING, *probes], **HTTP)
     assert "STATUS=serving (engine liveness request failing)" in notes(actions)
     assert signals(actions) == [("engine", TERM)]
-    assert "SIGKILL after 5 s): liveness request fails (timed out after 2 s), failing for 3.0 s" in \
-        logs(actions)[-1]
+    assert "SIGKILL after 5 s): liveness request fails (timed out after 2 s), failing for " \
+        "3.0 s" in logs(actions)[-1]
 
 
 def test_failing_probes_in_turn_are_one_continuous_failure() -> None:

@@ -153,6 +153,12 @@ def group_running(pgid: int) -> list[int]:
 
     A keeper killed with its group can be reaped before its child has finished exiting: the
     child still holds the engine's port and device memory for a moment."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return []  # the usual end: nothing of the group exists, not even a zombie
+    except PermissionError:
+        pass
     running = []
     for proc in psutil.process_iter():
         with contextlib.suppress(ProcessLookupError, PermissionError, psutil.Error):

@@ -107,6 +107,9 @@ class Keeper:
     def _kill_descendants(self) -> None:
         """SIGKILL every descendant until none is left (what a killed process had started
         meanwhile re-parents to us and is found in the next round); reap them all."""
+        _reap_all()
+        if not _has_children():  # the usual end: nothing left (a subreaper's descendants
+            return  # are its children once their parents are gone)
         import psutil
 
         def running(proc: psutil.Process) -> bool:
@@ -127,6 +130,15 @@ class Keeper:
             _reap_all()
             time.sleep(0.01)
         _reap_all()
+
+
+def _has_children() -> bool:
+    """Whether any child process (running or not yet reaped) is left."""
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True
 
 
 def _reap_all() -> None:

@@ -307,3 +307,28 @@ def test_invalid_hang_settings(field: str, value: float) -> None:
 def test_supervisor_runs_without_hang_settings() -> None:
     assert Supervisor(SupervisorConfig(ranks=(0,), has_engine=True)).config.unhealthy_after \
         is None
+
+
+def test_the_status_surface_names_the_failing_probes_and_the_hangs() -> None:
+    from pathlib import Path
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from vlaunch.launcher.health import MetricsCollector
+    from vlaunch.launcher.status import format_status
+    from vlaunch.launcher.statusview import merge
+
+    sup, _ = history([*SERVING, *health(False, 5, 8), engine_exit(1, -9, 9), Tick(9.5),
+                      Spawned("engine", None, 202, 9.6), EngineReady(10),
+                      EngineHealth(False, 11, "liveness", "HTTP 500"), Tick(12.5)], **HTTP)
+    snap = merge(sup.snapshot(), socket_dir=Path("/s"), devices={0: "cpu", 1: "cpu"},
+                 details={}, launcher={})
+    text = format_status(snap)
+    assert "hangs 1" in text and "engine failing: liveness for 1.5 s" in text
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(MetricsCollector(lambda: snap))  # type: ignore[arg-type]
+    metrics = generate_latest(registry).decode()
+    assert "vlaunch_engine_hangs 1.0" in metrics
+    assert "vlaunch_engine_unhealthy_seconds 1.5" in metrics
+    assert 'vlaunch_engine_probe_failing{probe="liveness"} 1.0' in metrics
+    assert 'vlaunch_engine_probe_failing{probe="health"} 0.0' in metrics

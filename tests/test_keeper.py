@@ -3,6 +3,7 @@ nothing it started left behind, whether it exits, is killed or its launcher dies
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -38,6 +39,15 @@ def gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def fd_targets(pid: int) -> set[str]:
+    """What the open fds of `pid` point to (an fd closed meanwhile is left out)."""
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            out.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return out
 
 
 def daemon_pid(path: Path) -> int:
@@ -124,13 +134,10 @@ def test_the_keeper_holds_no_fd_of_the_command(tmp_path: Path) -> None:
     r, w = os.pipe()
     proc = keep(sys.executable, "-c", "import time; time.sleep(600)", pass_fds=(r,))
     os.close(r)
+    pipe = f"pipe:[{os.fstat(w).st_ino}]"
     children = eventually(lambda: psutil.Process(proc.pid).children(), 30, what="the command")
-    theirs = {os.readlink(f"/proc/{children[0].pid}/fd/{fd}") for fd in
-              os.listdir(f"/proc/{children[0].pid}/fd")}
-    assert f"pipe:[{os.fstat(w).st_ino}]" in theirs
-    eventually(lambda: not any(os.readlink(f"/proc/{proc.pid}/fd/{fd}").startswith("pipe:")
-                               for fd in os.listdir(f"/proc/{proc.pid}/fd")), 10,
-               what="the keeper to close the pipe")
+    eventually(lambda: pipe in fd_targets(children[0].pid), 30, what="the command's pipe")
+    eventually(lambda: pipe not in fd_targets(proc.pid), 30, what="the keeper to close it")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(10)
     with pytest.raises(BrokenPipeError):

@@ -140,6 +140,9 @@ def test_the_keeper_holds_no_fd_of_the_command(tmp_path: Path) -> None:
     eventually(lambda: pipe not in fd_targets(proc.pid), 30, what="the keeper to close it")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(10)
+    # the keeper can be reaped before its child has finished exiting (launcher/children.py,
+    # group_running): wait for the command too
+    eventually(lambda: gone(children[0].pid), 30, what="the command to exit")
     with pytest.raises(BrokenPipeError):
         os.write(w, b"x")  # the command's death closed the last read end
     os.close(w)

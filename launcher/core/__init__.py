@@ -2,8 +2,9 @@
 
 One concern a module: `supervisor` (the entry, `Supervisor.handle`, and the contract with the
 executor), `model` (phases, states, records), `state` (the shared state), `ranks`, `engine`,
-`budget`, `standby`, `stop`, `timers`, `view` (the status surface) and `exits` (how a child
-ended, in words). None of them does I/O or reads a clock (tests/test_layout.py checks it).
+`budget`, `standby`, `swap` (new weights), `stop`, `timers`, `view` (the status surface) and
+`exits` (how a child ended, in words). None of them does I/O or reads a clock
+(tests/test_layout.py checks it).
 """
 
 from .exits import CACHE_STATUSES, describe_exit
@@ -17,6 +18,8 @@ from .model import (
     StandbyState,
     StandbyStatus,
     SupervisorProtocolError,
+    SwapState,
+    SwapStatus,
 )
 from .standby import STANDBY_MAX_FAILS
 from .supervisor import Supervisor
@@ -25,5 +28,6 @@ from .timers import EXTEND_BY, EXTEND_EVERY
 __all__ = [
     "CACHE_STATUSES", "EXTEND_BY", "EXTEND_EVERY", "STANDBY_MAX_FAILS", "EngineState",
     "EngineStatus", "Failure", "Phase", "RankState", "RankStatus", "StandbyState",
-    "StandbyStatus", "Supervisor", "SupervisorProtocolError", "describe_exit",
+    "StandbyStatus", "Supervisor", "SupervisorProtocolError", "SwapState", "SwapStatus",
+    "describe_exit",
 ]

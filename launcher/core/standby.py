@@ -29,8 +29,11 @@ class StandbyDecisions(SupervisorState):
     """When to start, promote, replace, stop or give up the standby engine."""
 
     def _standby_parked(self) -> bool:
-        """Whether a parked standby waits for its promotion."""
-        return self._standby is not None and self._standby.state is StandbyState.PARKED
+        """Whether a parked standby waits for its promotion (one started for weights a swap
+        replaced is not promoted: number below _standby_min)."""
+        sb = self._standby
+        return sb is not None and sb.state is StandbyState.PARKED and \
+            sb.number >= self._standby_min
 
     def _is_promoted(self, pid: int) -> bool:
         """Whether `pid` is the engine now: a standby promoted before its exit was reaped."""
@@ -41,12 +44,14 @@ class StandbyDecisions(SupervisorState):
         """Start a standby, when standbys are on, the engine is ready and there is none."""
         sb, engine = self._standby, self._engine
         if sb is None or sb.given_up or sb.state is not StandbyState.NONE or \
-                self._stop is not None or engine is None or engine.state is not EngineState.READY:
+                self._stop is not None or engine is None or \
+                engine.state is not EngineState.READY or self._standby_paused:
             return []
         self._standby = replace(sb, state=StandbyState.STARTING, pid=None, number=sb.number + 1)
         self._park_due = now + self.config.standby_park_timeout
-        return [Log("INFO", f"starting standby engine {sb.number + 1}"),
-                SpawnStandby(sb.number + 1)]
+        before = " (to park before its weights)" if self._standby_next_weights else ""
+        return [Log("INFO", f"starting standby engine {sb.number + 1}{before}"),
+                SpawnStandby(sb.number + 1, next_weights=self._standby_next_weights)]
 
     def _standby_spawned(self, e: Spawned) -> list[Action]:
         """Record the standby's pid."""
@@ -66,7 +71,7 @@ class StandbyDecisions(SupervisorState):
         actions: list[Action] = [Log("INFO", f"standby engine {sb.number} (pid {sb.pid}) parked")]
         if self._respawn_due is not None and self._stop is None:  # the engine is in backoff
             actions += self._spawn_engine()
-        return actions
+        return [*actions, *self._swap_standby_parked(e.now)]
 
     def _promote(self) -> list[Action]:
         """Make the parked standby the engine's next attempt; a new standby follows once it is
@@ -94,12 +99,15 @@ class StandbyDecisions(SupervisorState):
         if sb is None or sb.state is StandbyState.NONE or (sb.pid is not None and sb.pid != e.pid):
             return []
         parked = sb.state is StandbyState.PARKED
+        retired = self._standby_retired == sb.number  # stopped for a swap: no failure
         self._standby = sb = replace(sb, state=StandbyState.NONE, pid=None,
-                                     failures=sb.failures + (not parked))
+                                     failures=sb.failures + (not parked and not retired))
         self._park_due = None
         what = f"standby engine {sb.number} (pid {e.pid}) exited: {describe_exit(e.status)}"
         if self._stop is not None:
             return [Log("INFO", what), *self._finish_if_done()]
+        if retired:
+            return [Log("INFO", what), *self._spawn_standby(e.now)]
         if sb.given_up:
             return [Log("INFO", what)]
         if sb.failures >= STANDBY_MAX_FAILS:

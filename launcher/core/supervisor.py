@@ -33,6 +33,11 @@ Contract with the executor:
 - `Notify` fields are sd_notify assignments in order; the executor adds `MONOTONIC_USEC` to
   a message that carries `RELOADING=1`.
 - `Log.level` is a `logging` level name ("INFO", "WARNING", "ERROR").
+- A swap (core/swap.py): `SwapRanks` goes to every rank of `SupervisorConfig.swap_ranks`
+  (or `ranks`: the target group), each of which answers with one `SwapStep` (finish and
+  abort are not answered); a rank's ready channel carries both. `SwapReply` answers the
+  control connection the `SwapRequested` came from. Between a `SwapRanks` commit and the
+  rank's answer the executor switches what it gives new engines (model, escrow).
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ from ..events import (
     StandbyParked,
     Started,
     SupervisorConfig,
+    SwapRequested,
+    SwapStep,
     Tick,
 )
 from .engine import EngineDecisions
@@ -67,12 +74,13 @@ from .model import SupervisorProtocolError
 from .ranks import RankDecisions
 from .standby import StandbyDecisions
 from .stop import StopDecisions
+from .swap import SwapDecisions
 from .timers import EXTEND_BY, EXTEND_EVERY, Timers, usec
 from .view import StatusView
 
 
-class Supervisor(RankDecisions, EngineDecisions, StandbyDecisions, StopDecisions, Timers,
-                 StatusView):
+class Supervisor(RankDecisions, EngineDecisions, StandbyDecisions, SwapDecisions, StopDecisions,
+                 Timers, StatusView):
     """The launcher's decisions: `handle(event)` returns the actions to execute, in order."""
 
     def __init__(self, config: SupervisorConfig) -> None:
@@ -84,6 +92,7 @@ class Supervisor(RankDecisions, EngineDecisions, StandbyDecisions, StopDecisions
             EngineHealth: self._on_engine_health, SignalReceived: self._on_signal,
             Tick: self._on_tick, Spawned: self._on_spawned, PreloadDone: self._on_preload_done,
             CacheProgress: self._on_cache_progress, StandbyParked: self._on_standby_parked,
+            SwapRequested: self._on_swap_requested, SwapStep: self._on_swap_step,
         }
 
     def handle(self, event: Event) -> list[Action]:
@@ -143,7 +152,7 @@ class Supervisor(RankDecisions, EngineDecisions, StandbyDecisions, StopDecisions
         return [*self._watchdog(e.now), *self._extend(e.now), *self._settle_if_due(e.now),
                 *self._respawn_if_due(e.now),
                 *self._reload_timeout(e.now), *self._stop_timeout(e.now),
-                *self._start_timeout(e.now), *self._park_timeout(e.now)]
+                *self._start_timeout(e.now), *self._park_timeout(e.now), *self._swap_tick(e.now)]
 
     def _on_child_exited(self, e: ChildExited) -> list[Action]:
         """Dispatch a reaped child to the engine, the standby or the rank handler."""

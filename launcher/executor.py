@@ -37,6 +37,7 @@ from .notify import EngineNotifySocket, Notifier
 from .progress import LoadDisplay, recv_ready
 from .spec import RunSpec
 from .standby import StandbyChannel
+from .swapper import Swapper
 
 __all__ = ["Executor", "RunSpec", "run"]
 
@@ -81,6 +82,7 @@ class Executor:
         self.engine_channel: StandbyChannel | None = None  # the promoted standby's, now engine's
         self.directory = spec.socket_dir
         self.display = LoadDisplay()
+        self.swapper = Swapper(self)  # swaps: the control socket, the ranks' swap steps
         self._tasks: set[asyncio.Task[Any]] = set()
         self.handlers: dict[type, Callable[[Any], Awaitable[None]]] = {
             events.SpawnCache: self._spawn_cache, events.SpawnEngine: self._spawn_engine,
@@ -88,10 +90,12 @@ class Executor:
             events.RunPreload: self._start_preload, events.Notify: self._notify,
             events.Log: self._log, events.Exit: self._exit,
             events.SpawnStandby: self._spawn_standby, events.PromoteStandby: self._promote_standby,
+            events.SwapRanks: self.swapper.send, events.SwapReply: self.swapper.reply,
         }
         self._channel_handlers: dict[str, Callable[[int, dict[str, Any], list[int]], None]] = {
             "ready": self._rank_ready, "layout": self._rank_layout,
             "release": self._rank_release, "artifact": self._rank_artifact,
+            "swap_answer": self.swapper.on_answer,
         }
 
     # ----------------------------------------------------------------------- main loop
@@ -102,6 +106,7 @@ class Executor:
         directory = self.directory = ensure_socket_dir(self.spec.socket_dir)
         self._start_surfaces(directory, asyncio.get_running_loop())
         self.post(events.Started(0.0))
+        self._spawn_task(self.swapper.serve(directory))
         self._spawn_task(self._ticker())
         self._spawn_task(self._poll_ranks())
         status = int(ExitStatus.INTERNAL)
@@ -241,6 +246,7 @@ class Executor:
             loop.call_soon_threadsafe(self.post, events.CacheProgress(rank, loaded, total, 0.0))
 
         expect: tuple[str, ...] = ("ready",)
+        self.swapper.channels[rank] = sock  # the launcher's swap steps go the other way
         with sock:
             while True:
                 try:
@@ -257,7 +263,7 @@ class Executor:
                     self._bad_report(running, str(exc))
                     return
                 self._channel_handlers[msg["event"]](rank, msg, fds)
-                expect = ("layout", "release", "artifact")
+                expect = ("layout", "release", "artifact", "swap_answer")
 
     def _bad_report(self, running: _Running, why: str) -> None:
         log.error("cache rank %s sent a bad report (%s): killing it", running.rank, why)
@@ -266,6 +272,7 @@ class Executor:
     def _rank_ready(self, rank: int, ready: dict[str, Any], fds: list[int]) -> None:
         """Escrow the slab fds (no CUDA context needed) and tell the core."""
         self.escrow.keep(rank, ready, fds)
+        self.swapper.on_ready(rank, ready)
         self.rank_detail[rank] = {"bytes_held": {ready["device"]: ready["bytes"]}}
         uuid = str(ready["fingerprint"].get("device_uuid", ""))
         if uuid.startswith("GPU-"):  # the engine pairs its ranks with these GPUs by UUID
@@ -311,8 +318,9 @@ class Executor:
                                               self._standby_notified, channel)
         engine = self.core.engine
         attempt = (engine.attempt if engine else 0) + 1
-        env = child_env(self.env, {**self._engine_env(attempt), **channel.env()},
-                        str(channel.notify.path))
+        env = child_env(self.env, {**self._engine_env(attempt),
+                                   **self.swapper.engine_env(action.next_weights),
+                                   **channel.env()}, str(channel.notify.path))
         try:
             self.standby = await self._spawn(list(self.spec.engine), env, (channel.read_fd,),
                                              "standby", None)
@@ -348,7 +356,8 @@ class Executor:
             setattr(self, name, None)
 
     def _engine_env(self, attempt: int, preload: bool = False) -> dict[str, str]:
-        return self.spec.engine_env(attempt, self.engine_devices, preload).to_env()
+        return {**self.spec.engine_env(attempt, self.engine_devices, preload).to_env(),
+                **self.swapper.engine_env()}
 
     async def _start_preload(self, action: events.RunPreload) -> None:
         """Run the preload command in the background; it answers PreloadDone."""
@@ -429,6 +438,7 @@ class Executor:
             log.warning("swept %d leftover process(es): %s", len(killed), killed)
         for rank in self.spec.slots:
             _clear_stale(self.spec, rank)
+        self.swapper.close()
         self.escrow.close()
         self._drop_channel("standby_channel")
         self._drop_channel("engine_channel")

@@ -92,7 +92,7 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
             standby_park_timeout=o["standby_park_timeout"],
             watchdog_interval=watchdog_interval(os.environ),
             preload=bool(o["preload_autotune"]),
-            start_timeout=o.get("start_timeout") or None)
+            start_timeout=o.get("start_timeout") or None, model=model, swap_ranks=ranks)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     port = o["health_port"]

@@ -24,12 +24,13 @@ from vlaunch.cache.contract.engine_env import env_name
 from vlaunch.cache.contract.errors import ProtocolError, VlaunchError
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.sockdir import check_peer
+from vlaunch.cache.contract.standby import PARK_ENV
 
 from . import events
 
 log = logging.getLogger("vlaunch.launcher")
 FRAME_TIMEOUT = 10.0
-PARK_BEFORE_WEIGHTS = {"VLAUNCH_STANDBY_PARK": "before-weights"}
+PARK_BEFORE_WEIGHTS = {PARK_ENV: "before-weights"}
 """What tells a standby to park before it maps any weight (an in-place swap's)."""
 
 

@@ -42,7 +42,13 @@ from vlaunch.cache.contract.errors import VlaunchError
 from vlaunch.cache.contract.exitcodes import CONFIG_ERROR_STATUSES
 from vlaunch.cache.contract.logs import setup_logging
 from vlaunch.cache.contract.notify import SdNotify, parse_fields
-from vlaunch.cache.contract.standby import StandbyError, is_standby, promote_fd, wait_for_promotion
+from vlaunch.cache.contract.standby import (
+    StandbyError,
+    is_standby,
+    parks_before_weights,
+    promote_fd,
+    wait_for_promotion,
+)
 from vlaunch.cache.reference.http import EngineStopping, parse_generate, start_http
 from vlaunch.cache.reference.options import EX_CONFIG, ConfigError, EngineOptions, parse_args
 from vlaunch.cache.reference.workers import (
@@ -50,6 +56,7 @@ from vlaunch.cache.reference.workers import (
     broadcast_stop,
     device_for,
     gather_stats,
+    group_barrier,
     open_store,
     reserve_store,
     run_generate,
@@ -164,11 +171,19 @@ class Engine:
             self._interruptible = True
             if self._stop_requested:
                 raise _StopRequested
-            state = start_rank(self.opts, 0, self.cfg, store)
+            early = standby and parks_before_weights()  # an in-place swap's standby
+
+            def park_early() -> None:  # the group is up, no weight mapped: park here
+                self.park(fd)
+                group_barrier()  # the workers wait for this, then every rank maps
+
+            state = start_rank(self.opts, 0, self.cfg, store,
+                               before_load=park_early if early else None)
             self.stats["layout"] = state.layout
             stats = gather_stats(state)
-            if standby:  # every rank has its weights mapped: park until promoted
+            if standby and not early:  # every rank has its weights mapped: park until promoted
                 self.park(fd)
+            if standby:
                 self.http = start_http(self)
             self.became_ready(*stats)
             self.record_memory(state, log_it=True)

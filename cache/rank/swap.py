@@ -504,7 +504,8 @@ class RankSwap:
         if previous is not None and staged.mode == "double":
             _discard(previous)
         staged.release()
-        self._answer_trainer(staged, {"ok": True, "version": staged.version})
+        self._answer_trainer(staged, {"ok": True, "version": staged.version,
+                                      "mode": staged.mode})
         log.info("rank %d: version %d serves; the old weights are dropped", self.server.rank,
                  staged.version)
 
@@ -656,8 +657,9 @@ class RankSwap:
         h = hashlib.blake2b(digest_size=16, person=b"vlaunch-publish")
         for name in sorted(staged.digests):
             h.update(name.encode() + b"\0" + staged.digests[name].encode())
+        # no label in it: engines get it in a comma list (VLAUNCH_CHECKPOINT_DATA)
         staged.fingerprint = {**self.server.fingerprint,
-                              "checkpoint_data": f"published {staged.label}: {h.hexdigest()}"}
+                              "checkpoint_data": f"published-{h.hexdigest()}"}
         staged.manifest = self._with_checksums(staged.manifest, staged.buffers)
         if staged.mode == "in-place":
             self._keep_served(staged)

@@ -432,7 +432,7 @@ class SwapDecisions(SupervisorState):
             return self._swap_abort(ExitStatus.SWAP_UNAVAILABLE, f"{what}, before any cutover"), \
                 False
         why = f"{what}, after its cutover began: stopping (the ranks may hold different versions)"
-        return self._swap_end(int(ExitStatus.SWAP_FAILED), why), True
+        return [Log("ERROR", why), *self._swap_end(int(ExitStatus.SWAP_FAILED), why)], True
 
     def _swap_stopped(self, reason: str) -> list[Action]:
         """A stop began: any swap ends (86)."""

@@ -266,8 +266,9 @@ print(json.dumps({"version": r.version, "mode": r.mode}))
 
 def test_a_published_version_serves_bit_exact_at_tp2(
         launch, ckpts: dict[str, Path], want: dict[str, list[int]], tmp_path: Path) -> None:  # noqa: F811
+    # the raw layout stays (no engine layout): vlaunch verify and a raw load read it
     la = launch(ckpts["a"], "--stop-timeout", "30", "--engine-ready", "notify", tp=2,
-                engine=reference(tmp_path / "l0"))
+                engine=reference(tmp_path / "l0", "--no-engine-layout"))
     served(la)
     script = tmp_path / "publish.py"
     script.write_text(PUBLISH)

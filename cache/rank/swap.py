@@ -720,9 +720,9 @@ class RankSwap:
         for b in staged.backup or []:
             out[host] = out.get(host, 0) + len(b)
         previous = staged.previous
-        if previous is not None and staged.mode == "double" and previous.fds:
-            out[device] = out.get(device, 0) + previous.manifest.nbytes + \
-                previous.layouts.nbytes
+        if previous is not None and staged.mode == "double":  # the old slabs, until finish
+            out[device] = out.get(device, 0) + previous.layouts.nbytes + (
+                previous.manifest.nbytes if previous.fds else 0)
         return out
 
     def holders(self) -> list[str]:

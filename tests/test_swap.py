@@ -120,6 +120,17 @@ def test_swap_both_modes_at_tp2_and_refusals_leave_a_serving(
                              "--socket-dir", str(la.sockdir)], capture_output=True, text=True,
                             timeout=120)
     assert verify.returncode == 0, verify.stdout + verify.stderr  # it describes B now
+    # in place while another process maps B (a share lease): the copy waits, then refuses
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(ckpts["b"]), str(la.sockdir)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    fresh_port(la)
+    r = swap(la, ckpts["a"], "--mode", "in-place", "--lease-wait", "1")
+    holder.kill()
+    holder.wait()
+    assert r.returncode == ExitStatus.SWAP_ROLLED_BACK, r.stderr + la.text()
+    assert f"still mapped by pid {holder.pid}" in r.stderr
+    assert generate(la) == want["b"]  # never overwritten: B serves again, bit-exact
     # B -> A in place: staged on the host, copied into the served slabs
     fresh_port(la)
     r = swap(la, ckpts["a"], "--mode", "in-place")
@@ -183,6 +194,17 @@ def test_swap_with_a_standby_at_tp1_both_modes(
     la.proc.send_signal(signal.SIGTERM)
     assert la.wait_exit() == 0
 
+
+HOLD = r"""
+import sys, time
+import vlaunch.cache as vc
+model, sockdir = sys.argv[1:3]
+held = [vc.load(model, rank=r, tensor_parallel_size=2, socket_dir=sockdir, fallback=False,
+                device="cpu") for r in (0, 1)]
+print("held", flush=True)
+time.sleep(600)
+"""
+"""A second engine outside the launcher: it maps both ranks' weights and keeps them."""
 
 CRASH_ON_B = r"""
 import os, sys

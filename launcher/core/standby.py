@@ -29,11 +29,8 @@ class StandbyDecisions(SupervisorState):
     """When to start, promote, replace, stop or give up the standby engine."""
 
     def _standby_parked(self) -> bool:
-        """Whether a parked standby waits for its promotion (one started for weights a swap
-        replaced is not promoted: number below _standby_min)."""
-        sb = self._standby
-        return sb is not None and sb.state is StandbyState.PARKED and \
-            sb.number >= self._standby_min
+        """Whether a parked standby waits for its promotion."""
+        return self._standby is not None and self._standby.state is StandbyState.PARKED
 
     def _is_promoted(self, pid: int) -> bool:
         """Whether `pid` is the engine now: a standby promoted before its exit was reaped."""

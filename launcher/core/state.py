@@ -67,7 +67,6 @@ class SupervisorState:
         self._swap_new_engine = False  # the engine started on the new weights
         self._standby_paused = False  # no standby starts while a swap cuts over without one
         self._standby_next_weights = False  # standbys started now park before their weights
-        self._standby_min = 0  # the lowest standby number that may be promoted
         self._standby_retired = 0  # the standby number retired for a swap (not a failure)
 
     @property

@@ -204,7 +204,6 @@ class SwapDecisions(SupervisorState):
             return [], False
         wait = park and self._swap_policy.standby
         self._standby_next_weights, self._standby_paused = next_weights, not wait
-        self._standby_min = sb.number + 1
         actions: list[Action] = []
         if sb.state in (StandbyState.STARTING, StandbyState.PARKED):
             self._standby_retired = sb.number
@@ -223,9 +222,9 @@ class SwapDecisions(SupervisorState):
                 self._swap_notify()], True
 
     def _swap_standby_parked(self, now: float) -> list[Action]:
-        """A standby for the new weights parked: the old engine may go."""
-        sb = self._standby
-        if self._swap.state is S.PARKING and sb is not None and sb.number >= self._standby_min:
+        """A standby for the new weights parked (one started for the old ones was retired,
+        and a retired one's PARKED=1 is never heard): the old engine may go."""
+        if self._swap.state is S.PARKING:
             return self._swap_stop_engine(now)
         return []
 
@@ -343,7 +342,7 @@ class SwapDecisions(SupervisorState):
                                                 f"back to version {sw.version}: {why}")]
         sb = self._standby
         if sb is not None and sb.state in (StandbyState.STARTING, StandbyState.PARKED):
-            self._standby_min, self._standby_retired = sb.number + 1, sb.number
+            self._standby_retired = sb.number
             self._standby = replace(sb, state=StandbyState.STOPPING)
             self._park_due = None
             actions.append(SignalChild("standby", None, signal.SIGTERM))

@@ -10,6 +10,9 @@ the median of "map + touch every page + unmap" there, against safetensors' load_
 of the same size (page cache warm) in that same process.
 
     python benchmarks/probe_cpu_pages.py [--size-mb 256] [--repeats 5] [--dir /var/tmp]
+
+The product no longer offers file-backed slabs (a file cannot be sealed against its owner's
+writes: cache/store/cpubacking.py); the probe stays as the record of that measurement.
 """
 
 from __future__ import annotations
@@ -26,8 +29,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-from vlaunch.cache.store.cpubacking import huge_kb
 
 HUGE = 2 << 20
 MFD_HUGETLB = 0x0004
@@ -150,7 +151,11 @@ def tmpfile(size: int, src: Path, directory: str, *, advise: bool, sync: bool = 
 
 def file_folios_kb() -> int:
     """FileHugePages + ShmemHugePages from /proc/meminfo (memory in PMD-sized folios)."""
-    return huge_kb("file") + huge_kb("memfd")
+    kb = 0
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(("FileHugePages:", "ShmemHugePages:")):
+            kb += int(line.split()[1])
+    return kb
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import click
 from vlaunch.cache.contract.cliopt import SourceOption
 from vlaunch.cache.contract.errors import VlaunchError
 from vlaunch.cache.contract.exitcodes import EXIT_TABLE, ExitStatus
-from vlaunch.cache.contract.launch import READER_THREADS, RankArgs, rank_command
+from vlaunch.cache.contract.launch import DEFAULT_PLAN, READER_THREADS, RankArgs, rank_command
 from vlaunch.cache.contract.logs import setup_logging
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -84,7 +84,7 @@ def _opt(name: str, env: str, **kw: Any) -> Callable[[F], F]:
 @_opt("--socket-dir", "SOCKET_DIR", default="",
       help="Directory of the rank sockets, mode 0700 [default: $XDG_RUNTIME_DIR/vlaunch or "
            "/tmp/vlaunch-UID].")
-@_opt("--plan", "PLAN", default="llama",
+@_opt("--plan", "PLAN", default=DEFAULT_PLAN,
       help="Shard plan: llama, replicate, a plan file, or module:callable.")
 @_opt("--draft-model", "DRAFT_MODEL", default="",
       help="A speculative-decoding draft model's checkpoint: its own cache group beside the "

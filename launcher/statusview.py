@@ -50,6 +50,8 @@ def merge(snapshot: dict[str, Any], *, socket_dir: Path, devices: Mapping[int, s
                        "leases": detail.get("leases", []),
                        "copies": detail.get("copies", {"in_flight": 0, "bytes": 0}),
                        "checkpoint": detail.get("checkpoint"),
+                       **({"slab_pages": detail["slab_pages"]} if "slab_pages" in detail
+                          else {}),
                        "role": role, "group_rank": group_rank,
                        "socket": str(socket_path(socket_dir, group_rank, role))}
     return {**snapshot, "ranks": ranks, "launcher": launcher}

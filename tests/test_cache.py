@@ -8,6 +8,8 @@ import logging
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -129,6 +131,28 @@ def test_every_fingerprint_field_mismatch_is_reported(llama_ckpt: Path, one_cach
         client.hello(both)
     assert [m[0] for m in err.value.mismatches] == ["tp_size", "kernel_backends"]
     client.close()
+
+
+def test_at_one_rank_plans_that_split_nothing_agree(llama_ckpt: Path, one_cache) -> None:
+    """A cache on the default plan and an engine that names `replicate` hold the same bytes at
+    TP 1: the two-container layout with each side on its own default must not be refused."""
+    got = load(str(llama_ckpt), socket_dir=str(one_cache.socket_dir), plan="replicate",
+               fallback=False, timeout=10)
+    assert got.source == "cache"
+    ref = load_file(str(sorted(llama_ckpt.glob("*.safetensors"))[0]))
+    for name, want in ref.items():
+        assert _same_bits(got[name], want), name
+    got.client.close()
+
+
+def test_plans_that_split_differently_are_still_refused(llama_ckpt: Path, sockdir: Path,
+                                                        caches) -> None:
+    """At TP 2 the default plan and `replicate` hold different bytes: refused, both named."""
+    caches.append(spawn_cache(llama_ckpt, sockdir, tp=2))
+    with pytest.raises(FingerprintMismatchError, match="plan") as err:
+        load(str(llama_ckpt), socket_dir=str(sockdir), rank=0, tensor_parallel_size=2,
+             plan="replicate", fallback=False, timeout=5)
+    assert [m[0] for m in err.value.mismatches] == ["plan"]
 
 
 def test_fallback_true_loads_from_disk_with_one_warning(llama_ckpt: Path, one_cache, sockdir,
@@ -470,6 +494,44 @@ def test_share_mapping_lives_exactly_as_long_as_its_tensors(llama_ckpt: Path,
     gc.collect()
     assert slab_maps() == before
     c.close()
+
+
+def test_a_share_lease_ends_with_its_tensors_a_close_or_the_process(
+        llama_ckpt: Path, sockdir: Path, caches) -> None:
+    """The three ends of a lease the docs name (lifecycle.md): the last tensor freed, the
+    client's close() (the tensors stay valid), the engine process's exit."""
+    one_cache = spawn_cache(llama_ckpt, sockdir)
+    caches.append(one_cache)
+    path = socket_path(sockdir, 0)
+    watcher = CacheClient(path)
+
+    def leases() -> int:
+        return len(watcher.status()["leases"])
+
+    ref = load_file(str(sorted(llama_ckpt.glob("*.safetensors"))[0]))
+    name = next(iter(ref))
+    got = load(str(llama_ckpt), socket_dir=str(one_cache.socket_dir), fallback=False)
+    assert leases() == 1
+    del got
+    gc.collect()
+    eventually(lambda: leases() == 0, 30, what="the lease ended with the last tensor")
+    got = load(str(llama_ckpt), socket_dir=str(one_cache.socket_dir), fallback=False)
+    assert leases() == 1
+    got.client.close()
+    eventually(lambda: leases() == 0, 30, what="the lease ended by close()")
+    assert _same_bits(got[name], ref[name])  # the mapping outlives the lease
+    code = (f"from vlaunch.cache import load; import sys, time; w = load({str(llama_ckpt)!r}, "
+            f"socket_dir={str(one_cache.socket_dir)!r}, fallback=False); print('up', "
+            "flush=True); time.sleep(120)")
+    engine = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert engine.stdout is not None and engine.stdout.readline() == "up\n"
+        assert leases() == 1
+    finally:
+        engine.kill()
+        engine.wait(30)
+    eventually(lambda: leases() == 0, 30, what="the lease ended with the process")
+    watcher.close()
 
 
 def _respawned(cache: CacheProc, model: Path, sockdir: Path, rank: int, tp: int) -> CacheProc:

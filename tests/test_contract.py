@@ -50,6 +50,18 @@ def test_load_takes_what_the_caller_leaves_out_from_the_launcher_and_explicit_wi
     assert engine_args("/x", 1, 1, 1, "llama", "") == ("/x", 1, 1, 1, "llama", "")
 
 
+def test_every_component_defaults_to_one_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vlaunch run, vlaunch cache, load() and the vLLM load format, outside vlaunch run."""
+    from vlaunch.cache.integrations.vllm_loader import LoaderOptions
+    from vlaunch.launcher.cli import run
+
+    monkeypatch.delenv("VLAUNCH_PLAN", raising=False)
+    launcher = next(p.default for p in run.params if p.name == "plan")
+    rank = RankArgs(model="/m", socket_dir="/s", rank=0).plan
+    assert launcher == rank == engine_args("/m", 1, 1, 1, None, None)[4] == \
+        LoaderOptions().plan_for(1) == LoaderOptions().plan_for(2) == DEFAULT_PLAN
+
+
 def test_load_without_a_model_anywhere_says_how_to_give_one(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLAUNCH_MODEL", raising=False)

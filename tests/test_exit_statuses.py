@@ -96,6 +96,24 @@ def test_broken_escrow_channel_exits_70(llama_ckpt: Path, sockdir: Path) -> None
     assert status == ExitStatus.INTERNAL and "bad magic" in err
 
 
+def test_an_engine_over_its_memory_budget_stops_the_launcher_with_81(
+        tmp_path: Path, llama_ckpt: Path) -> None:
+    """The engine refuses its start with WeightBudgetError (its status 78, a configuration
+    error); the launcher does not restart it and exits 81, as docs/memory.md says."""
+    engine = ("import sys\n"
+              "from vlaunch.cache.client.budget import check_external_weights\n"
+              "try:\n    check_external_weights(2 << 30, 1 << 30, 0.9, 'cuda:0')\n"
+              "except Exception as exc:\n    print(exc, file=sys.stderr)\n"
+              "    sys.exit(exc.status)\n")
+    la = Launcher(tmp_path, llama_ckpt, engine=[sys.executable, "-c", engine], tp=1)
+    try:
+        assert la.wait_exit() == ExitStatus.ENGINE_CONFIG
+        assert "Externally held weights exceed the engine's memory budget" in la.text()
+        assert "status 78" in la.text() or "exited 78" in la.text(), la.text()
+    finally:
+        la.close()
+
+
 def test_final_sweep_leaves_no_grandchild(tmp_path: Path, llama_ckpt: Path) -> None:
     marker = tmp_path / "grandchild.pid"
     engine = ("import os, signal, subprocess, sys, time, socket\n"

@@ -182,6 +182,38 @@ def test_builtin_identities_are_distinct_and_stable() -> None:
                      fused=LLAMA_PLAN.fused).identity == LLAMA_PLAN.identity
 
 
+def _layout(tp: int = 1, dp: int = 1, pp: int = 1) -> dict[str, int]:
+    return Layout(tp, 0, pp, 0, dp, 0).as_dict()
+
+
+@pytest.mark.parametrize(("plans", "layout", "alike"), [
+    (("llama", "replicate", "gpt-oss", "llama-ep"), _layout(), True),
+    (("llama", "replicate", "gpt-oss"), _layout(pp=2), True),
+    (("llama", "replicate"), _layout(dp=2), True),
+    (("llama", "replicate"), _layout(tp=2), False),
+    (("llama-ep", "replicate"), _layout(dp=2), False),  # whole experts split over dp ranks
+])
+def test_rule_plans_that_split_nothing_have_one_fingerprint(
+        plans: tuple[str, ...], layout: dict[str, int], alike: bool) -> None:
+    from vlaunch.cache.contract.fingerprint import plan_field
+
+    fields = {plan_field(BUILTIN_PLANS[name].identity, layout) for name in plans}
+    assert (len(fields) == 1) == alike, fields
+
+
+def test_a_plan_file_that_splits_nothing_matches_a_builtin_and_a_hook_keeps_its_identity(
+        tmp_path: Path) -> None:
+    from vlaunch.cache.contract.fingerprint import WHOLE, plan_field
+
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"rules": [{"pattern": "q_proj", "dim": 0}]}))
+    assert plan_field(load_plan(str(path)).identity, _layout()) == WHOLE
+    assert plan_field(load_plan(str(path)).identity, _layout(tp=2)).startswith("file:sha256:")
+    path.write_text(json.dumps({"rules": [], "experts": "ep"}))
+    assert plan_field(load_plan(str(path)).identity, _layout(dp=2)).startswith("file:ep:")
+    assert plan_field("hook:pkg.mod:build", _layout()) == "hook:pkg.mod:build"
+
+
 # --- slices --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

@@ -13,7 +13,7 @@ from vlaunch.cache.contract import control
 from vlaunch.cache.contract.engine_env import EngineEnv
 from vlaunch.cache.contract.errors import ProtocolError
 from vlaunch.cache.rank import staging
-from vlaunch.cache.rank.swap import _tensors_difference
+from vlaunch.cache.rank.swap import tensors_difference
 from vlaunch.cache.store.manifest import pack
 from vlaunch.launcher.events import SwapPolicy
 
@@ -84,12 +84,12 @@ def test_host_buffers_and_copies_move_every_byte() -> None:
 def test_published_tensors_must_be_exactly_the_shard() -> None:
     m = manifest({"a": (4, 8), "b": (8,)})
     good = [["a", "BF16", [4, 8]], ["b", "BF16", [8]]]
-    assert _tensors_difference(m, good) == ""
-    assert "'c' is not a tensor" in _tensors_difference(m, [["c", "BF16", [1]]])
-    assert "'a' is BF16[8, 4]" in _tensors_difference(m, [["a", "BF16", [8, 4]], good[1]])
-    assert "1 tensor(s) not published, first 'b'" in _tensors_difference(m, good[:1])
-    assert "named twice" in _tensors_difference(m, [good[0], good[0]])
-    assert "3 tensors named" in _tensors_difference(m, [*good, good[0]])
+    assert tensors_difference(m, good) == ""
+    assert "'c' is not a tensor" in tensors_difference(m, [["c", "BF16", [1]]])
+    assert "'a' is BF16[8, 4]" in tensors_difference(m, [["a", "BF16", [8, 4]], good[1]])
+    assert "1 tensor(s) not published, first 'b'" in tensors_difference(m, good[:1])
+    assert "named twice" in tensors_difference(m, [good[0], good[0]])
+    assert "3 tensors named" in tensors_difference(m, [*good, good[0]])
 
 
 def test_an_engine_takes_its_ranks_published_identity() -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from vlaunch.cache.client.connection import CacheClient
+from vlaunch.cache.contract.engine_env import DEFAULT_PLAN
 from vlaunch.cache.contract.errors import UsageError, VlaunchError
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.logs import setup_logging
@@ -56,7 +57,7 @@ def verify_rank(socket: Path, model: str = "", threads: int = 8,
             raise UsageError(f"the cache at {socket} does not say which checkpoint it read; "
                              "pass --model")
         with ThreadPoolExecutor(1) as pool:
-            expected = pool.submit(expected_digests, path, checkpoint.get("plan") or "llama",
+            expected = pool.submit(expected_digests, path, checkpoint.get("plan") or DEFAULT_PLAN,
                                    layout, threads=threads)
             held = _held(client)
             bad = compare_digests(held, expected.result())

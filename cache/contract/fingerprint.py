@@ -31,7 +31,7 @@ def build(*, checkpoint: str, checkpoint_data: str, plan: str, layout: Mapping[s
         torch_version = installed_torch_version()
     fields: dict[str, Any] = {
         "protocol": VERSION, "vlaunch": __version__, "checkpoint": checkpoint,
-        "checkpoint_data": checkpoint_data, "plan": plan,
+        "checkpoint_data": checkpoint_data, "plan": plan_field(plan, layout),
         **{k: layout[k] for k in ("tp_size", "tp_rank", "pp_size", "pp_rank", "dp_size",
                                   "dp_rank")},
         "dtype": dtype, "backend": backend, "device_uuid": device.get("device_uuid", ""),
@@ -45,6 +45,22 @@ def build(*, checkpoint: str, checkpoint_data: str, plan: str, layout: Mapping[s
         "role": role,  # target, or draft: a speculative-decoding draft group (roles.py)
     }
     return {k: str(fields[k]) for k in FIELDS}
+
+
+WHOLE = "whole"
+"""The plan field of a rank that a rule plan splits nothing for (every tensor whole)."""
+
+
+def plan_field(plan: str, layout: Mapping[str, int]) -> str:
+    """The fingerprint's plan: a rule plan (built-in, `builtin:...`, or a plan file, `file:...`)
+    that splits nothing at this layout is `whole`, so that two such plans, which hold the same
+    bytes, do not disagree (one tensor-parallel rank; one data-parallel rank too if experts are
+    placed whole, `ep:`). A hook plan builds its own tensors and keeps its identity."""
+    if not plan.startswith(("builtin:", "file:")) or layout["tp_size"] != 1:
+        return plan
+    if ":ep:" in plan and layout["dp_size"] != 1:
+        return plan
+    return WHOLE
 
 
 def compare(cache: Mapping[str, Any], engine: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:

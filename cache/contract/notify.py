@@ -4,6 +4,12 @@ One implementation for the launcher, the cache ranks and the reference engine. T
 non-blocking: a reader that does not keep up (its queue is full) costs a dropped message, not
 a stalled event loop. A variable naming a socket that is gone (a stale NOTIFY_SOCKET left in
 a shell, a systemd that restarted) costs one warning, then the process carries on.
+
+Not the `sdnotify` package (0.3.2, unchanged since 2019): its socket blocks when the reader's
+queue is full (a stalled systemd would stall the launcher's event loop), it connects once at
+construction from `os.environ` only (no explicit address for an engine's own notify socket, and
+a socket that appears later is never reached), and it encodes latin-1 (a STATUS= with a character
+outside latin-1, in a path say, is silently dropped).
 """
 
 from __future__ import annotations

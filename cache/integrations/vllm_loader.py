@@ -22,9 +22,10 @@ layout (fused, sliced, padded, quantized as loaded), and the cache drops its raw
 Later starts map that layout: no checkpoint, no `load_weights`, only the post-load
 processing; every parameter is then the cache's mapping except those of layers whose
 post-load processing may write into them (quantized layers), which are copied. At
-tensor-parallel size > 1 the raw layout must hold whole tensors for `load_weights` (`--plan
-replicate`); with a sliced plan a rank without its engine layout reads the checkpoint with
-vLLM's own loader instead, hands back, and from then on its cache holds 1/N of the model.
+tensor-parallel size > 1 `load_weights` needs whole tensors: with the default sliced plan
+(`llama`) a rank without its engine layout reads the checkpoint with vLLM's own loader
+instead, hands back, and from then on its cache holds 1/N of the model; with `--plan
+replicate` it loads from the cache's whole tensors.
 
 The engine layout's fields include the attention backend vLLM's selector picks. With EPLB
 (`--enable-eplb`, experts rewritten in place) share mode is refused before anything is mapped;
@@ -73,7 +74,7 @@ class LoaderOptions:
     fallback: bool = True
     timeout: float = 60.0
     socket_dir: str = ""
-    plan: str = ""  # default: the plan vlaunch run names (EngineEnv), else "replicate"
+    plan: str = ""  # default: the plan vlaunch run names (EngineEnv), else DEFAULT_PLAN
     kernel_backends: str = ""
     loader: str = "vlaunch"
     engine_layout: bool = True
@@ -97,8 +98,9 @@ class LoaderOptions:
         return cls(**extra)
 
     def plan_for(self, tp_size: int) -> str:
-        """The caches' plan: named, or what vlaunch run says, else replicate."""
-        return self.plan or EngineEnv.from_env().plan or "replicate"
+        """The caches' plan: named, or what vlaunch run says, else the default every component
+        shares (DEFAULT_PLAN, as `vlaunch run` and `vlaunch cache`)."""
+        return self.plan or EngineEnv.from_env().plan_or_default
 
 
 def register() -> None:

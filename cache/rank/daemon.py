@@ -520,7 +520,16 @@ class CacheServer:
                 "fingerprint": self.fingerprint,
                 "raw": "released" if self.raw_released else "held",
                 "layouts": self.layouts.listing(),
-                "weights": self.swap.status() if self.swap is not None else None}
+                "weights": self.swap.status() if self.swap is not None else None,
+                **self.slab_pages()}
+
+    def slab_pages(self) -> dict[str, str]:
+        """The page size the CPU slabs got ("2M" or "4k": the host decides); {} on CUDA."""
+        if self.manifest.backend != "cpu":
+            return {}
+        from vlaunch.cache.store.cpubacking import page_label
+
+        return {"slab_pages": page_label()}
 
     def drop(self, *, later: bool = False) -> None:
         """Close our fds and mappings; memory goes once every client has unmapped."""

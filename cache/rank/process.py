@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import os
 import signal
@@ -23,6 +22,7 @@ from vlaunch.cache.contract.notify import SdNotify
 from vlaunch.cache.contract.roles import seat, stem
 from vlaunch.cache.contract.sockdir import RankLock, ensure_socket_dir
 from vlaunch.cache.rank.connections import raise_nofile_limit
+from vlaunch.cache.rank.failures import out_of_memory
 from vlaunch.cache.store.manifest import Manifest
 from vlaunch.cache.store.plan import Layout
 
@@ -67,17 +67,6 @@ def _root_cause(exc: BaseException) -> str:
     while exc.__cause__ is not None:
         exc = exc.__cause__
     return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def out_of_memory(exc: BaseException) -> bool:
-    """Whether `exc` means the process could not get memory or a thread."""
-    if isinstance(exc, MemoryError):
-        return True
-    if isinstance(exc, OSError):
-        return exc.errno == errno.ENOMEM
-    if isinstance(exc, ImportError):  # the loader could not map a shared library
-        return "failed to map segment" in str(exc) or "Cannot allocate memory" in str(exc)
-    return isinstance(exc, RuntimeError) and "can't start new thread" in str(exc)
 
 
 def _exit_quietly(signum: int, frame: Any) -> None:

@@ -624,7 +624,7 @@ class RankSwap:
         if f["label"] != staged.label:
             raise SwapError(f"publish_commit names {f['label'][:64]!r}, publish_begin "
                             f"{staged.label!r}")
-        why = _tensors_difference(staged.manifest, f["tensors"])
+        why = tensors_difference(staged.manifest, f["tensors"])
         if why:
             self.staged = None
             staged.release()
@@ -820,7 +820,7 @@ def _discard(w: Weights) -> None:
         w.copier.close()
 
 
-def _tensors_difference(manifest: Manifest, rows: list[Any]) -> str:
+def tensors_difference(manifest: Manifest, rows: list[Any]) -> str:
     """The first way a publish_commit's [name, dtype, shape] rows differ from the shard."""
     want = {t.name: (t.dtype, list(t.shape)) for t in manifest.tensors}
     seen: set[str] = set()
@@ -855,7 +855,7 @@ def _engine_quantization() -> str | None:
 
 def _status_of(exc: BaseException) -> ExitStatus:
     """The exit status a failed step reports (as a rank's own failure would)."""
-    from vlaunch.cache.rank.process import out_of_memory
+    from vlaunch.cache.rank.failures import out_of_memory
 
     if out_of_memory(exc):
         return ExitStatus.OUT_OF_MEMORY

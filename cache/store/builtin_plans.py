@@ -66,12 +66,15 @@ BUILTIN: dict[str, tuple[Rules, Fused, str]] = {
 
 def rules_identity(name: str, rules: Iterable[tuple[str, int | None]],
                    fused: Iterable[tuple[str, int]] = (), experts: str = "tp") -> str:
-    """A plan's identity from its name and its checked rules: the name and their hash."""
+    """A plan's identity from its name and its checked rules: the name and their hash (and
+    `:ep:` where whole experts are placed on ranks, which splits experts over data-parallel
+    ranks too)."""
     text = json.dumps([[p, d] for p, d in rules])
     fused = list(fused)
     if fused or experts != "tp":
         text += json.dumps({"fused": [[p, g] for p, g in fused], "experts": experts})
-    return f"builtin:{name}:sha256:{hashlib.sha256(text.encode()).hexdigest()}"
+    ep = "ep:" if experts == "ep" else ""
+    return f"builtin:{name}:{ep}sha256:{hashlib.sha256(text.encode()).hexdigest()}"
 
 
 @functools.cache  # every engine start's fingerprint asks (a hash of the rules' text)

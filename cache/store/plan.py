@@ -441,9 +441,10 @@ def _load_plan_file(path: Path) -> ShardPlan:
             raise PlanError(f"plan file {path}: rule {i} must have a 'pattern', an optional "
                             f"'dim' and optional 'blocks', nothing else; got {rule!r}")
     digest = hashlib.sha256(data).hexdigest()
+    ep = "ep:" if obj.get("experts") == "ep" else ""  # read by fingerprint.plan_field
     try:
         return ShardPlan(name, tuple((r["pattern"], r.get("dim")) for r in rules),
-                         identity=f"file:sha256:{digest}",
+                         identity=f"file:{ep}sha256:{digest}",
                          fused=tuple((r["pattern"], r["blocks"]) for r in rules if "blocks" in r),
                          experts=obj.get("experts", "tp"))
     except PlanError as e:

@@ -1,7 +1,7 @@
 """Slabs: few large allocations that hold a rank's tensors, exported as file descriptors.
 
-One interface, two backends. The CPU backend lives here (mmap of a memfd or of an unnamed
-file; `cpubacking` chooses per host); the CUDA backend (VMM allocations with the POSIX-fd
+One interface, two backends. The CPU backend lives here (mmap of a sealed memfd;
+`cpubacking` says which page size it gets); the CUDA backend (VMM allocations with the POSIX-fd
 handle type) lives in `slabs_cuda`. Either way a slab is a file descriptor: it crosses a Unix
 socket with SCM_RIGHTS, and an open fd or a live mapping keeps the memory alive after the
 process that allocated it has died.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import mmap
 import os
 import warnings
@@ -81,30 +82,30 @@ class Backend(Protocol):
 
 
 class CpuSlab:
-    """A memfd, or an unnamed file on a disk filesystem, with a shared mapping: the CPU
-    backend's slab (`cpubacking` says which backing and why)."""
+    """A sealed memfd with a shared mapping: the CPU backend's slab (`cpubacking` says why a
+    memfd, and which page size it gets)."""
 
     def __init__(self, size: int) -> None:
-        from vlaunch.cache.store.cpubacking import new_slab_fd
+        from vlaunch.cache.store import cpubacking
 
         self.size = size
-        self._fd, self.backing = new_slab_fd(max(size, 1))
-        self._export = self._fd  # after seal(), a file slab exports a read-only descriptor
-        if self.backing == "memfd":
-            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        self.page_size = cpubacking.page_size()  # probed once per process; logged there
+        self._fd = cpubacking.new_memfd(max(size, 1))
+        fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         self._map: mmap.mmap | None = mmap.mmap(self._fd, max(size, 1))
-        # 2 MiB pages (or page-cache folios) for what the fill faults in: a client then maps
-        # 2 MiB per page fault instead of 4 KiB. For a memfd this takes effect only where the
-        # host's shmem THP policy allows it (cpubacking); a client maps them populated
-        # (CpuBackend.import_fd).
-        with contextlib.suppress(AttributeError, OSError):
-            self._map.madvise(mmap.MADV_HUGEPAGE)
+        # 2 MiB pages for what the fill faults in: a client then maps 2 MiB per page fault
+        # instead of 4 KiB. This takes effect only where the host's shmem THP policy allows it
+        # (cpubacking); a client maps them populated (CpuBackend.import_fd).
+        if cpubacking.advise_huge():
+            with contextlib.suppress(AttributeError, OSError):
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+        self.sealed = False
         self._array: np.ndarray | None = None
         self._tensor: torch.Tensor | None = None
 
     def export_fd(self) -> int:
-        """Return a new descriptor for the slab (read-only once a file slab is sealed)."""
-        return os.dup(self._export)
+        """Return a new descriptor for the slab."""
+        return os.dup(self._fd)
 
     def buffer(self) -> np.ndarray:
         """A writable uint8 numpy array over the mapping (no torch)."""
@@ -119,41 +120,46 @@ class CpuSlab:
         return self._tensor
 
     def seal(self) -> None:
-        """Forbid new writable mappings (clients map read-only in share mode)."""
-        if self.backing == "file":
-            self._seal_file()
-            return
-        with contextlib.suppress(OSError):  # kernels before 5.1 lack FUTURE_WRITE
+        """Forbid every later write but the cache's own mapping's: no writable mapping, no
+        write(), no hole punched, through any descriptor (a reopen through /proc included)."""
+        try:
             fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
-
-    def _seal_file(self) -> None:
-        """A file cannot be sealed: export an O_RDONLY descriptor (no writable shared mapping
-        can be made from it) and drop the owner's write permission, so that reopening it
-        through /proc for writing fails too (except for root)."""
-        if self._export != self._fd:
-            return
-        os.fchmod(self._fd, 0o400)
-        with contextlib.suppress(OSError):  # no /proc: export the descriptor itself
-            self._export = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
+            self.sealed = True
+        except OSError as exc:  # kernels before 5.1 lack FUTURE_WRITE (docs/requirements.md)
+            _warn_unsealed(exc)
 
     def release(self) -> None:
-        """Close the descriptors and drop the cache's own mapping reference."""
+        """Close the descriptor and drop the cache's own mapping reference."""
         self._array = self._tensor = None
         self._map = None
-        for fd in {self._fd, self._export} - {-1}:
-            os.close(fd)
-        self._fd = self._export = -1
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = -1
+
+
+_unsealed_said: list[bool] = []
+
+
+def _warn_unsealed(exc: OSError) -> None:
+    """Say once that this kernel cannot seal slabs against importers' writes."""
+    if _unsealed_said:
+        return
+    _unsealed_said.append(True)
+    logging.getLogger(__name__).warning(
+        "cannot seal CPU slabs against writes (%s): this kernel lacks F_SEAL_FUTURE_WRITE "
+        "(Linux 5.1+), so a share-mode engine that maps a slab writable itself could change "
+        "the cache's weights", exc.strerror)
 
 
 class CpuBackend:
-    """memfd (or unnamed file) + mmap: the same protocol as CUDA, on any Linux machine."""
+    """Sealed memfd + mmap: the same protocol as CUDA, on any Linux machine."""
 
     name = "cpu"
     device = "cpu"
     alignment = 256
 
     def allocate(self, size: int) -> CpuSlab:
-        """Allocate a CPU slab (a size-sealed memfd, or a file where that maps faster)."""
+        """Allocate a CPU slab (a size-sealed memfd)."""
         return CpuSlab(size)
 
     def import_fd(self, fd: int, size: int, *, readonly: bool) -> torch.Tensor:
@@ -169,7 +175,7 @@ class CpuBackend:
 
     def import_handed_over(self, fd: int, size: int) -> torch.Tensor:
         """Map a slab its rank handed over (copy-release) writable: privately, copy on write,
-        since the slab is sealed against shared writes (and a file slab's fd is read-only);
+        since the slab is sealed against shared writes;
         the engine's writes stay its own, and nothing is copied until it writes."""
         return _tensor_over(_mapping(fd, size, False, populate=True, private=True), size)
 

@@ -436,11 +436,13 @@ class CacheServer:
             asyncio.get_running_loop().call_soon(release)  # answer first: freeing takes a while
 
     def _close_raw(self) -> None:
-        """Close the raw layout's fds and the copier's views of its slabs."""
+        """Close the raw layout's fds and the copier's (and a swap's) views of its slabs."""
         wire.close_fds(self.fds)
         self.fds = []
         if self.copier is not None:
             self.copier.close()
+        if self.swap is not None:
+            self.swap.raw_closed()
 
     def _send_escrow(self, frame: dict[str, Any], fds: list[int]) -> None:
         """Tell the launcher (if it listens) what to escrow or drop; see docs/engine-layout.md."""

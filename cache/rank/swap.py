@@ -135,7 +135,9 @@ class RankSwap:
         self.threads, self.checksum = threads, checksum
         self.version, self.model, self.label = version, str(Path(model).absolute()), label
         integrity = server.integrity
-        self.buffers: list[Any] | None = list(integrity.slabs) if integrity is not None and \
+        # the same list as the load's (its release clears it): a view kept here would keep
+        # the slabs' memory mapped after the rank released them
+        self.buffers: list[Any] | None = integrity.slabs if integrity is not None and \
             integrity.slabs else None
         self.digests: dict[str, str] | None = None
         self.staged: Staged | None = None
@@ -427,12 +429,15 @@ class RankSwap:
             slab.seal()
         staged.slabs = []  # served now: released by the release hook below
 
+        buffers = staged.buffers
+
         def release() -> None:
+            buffers.clear()  # the rank's views go with the slabs
             for slab in slabs:
                 slab.release()
 
         self._install(Weights(staged.version, staged.model, staged.label, staged.fingerprint,
-                              staged.manifest, fds, release, staged.buffers,
+                              staged.manifest, fds, release, buffers,
                               self._layouts(staged.manifest.nbytes), False,
                               self._copier(fds, staged.manifest), staged.record,
                               staged.digests))
@@ -463,8 +468,10 @@ class RankSwap:
         if slabs:
             target = [s.buffer() for s in slabs]
             fds = staging.slab_fds(slabs)
+            views = target
 
             def release() -> None:
+                views.clear()  # the rank's views go with the slabs
                 for slab in slabs:
                     slab.release()
 
@@ -784,6 +791,13 @@ class RankSwap:
         self.buffers, self.digests = w.buffers, w.digests
         if s.integrity is not None:
             s.integrity.rebase(w.model, w.record, w.buffers, w.label)
+
+    def raw_closed(self) -> None:
+        """The server let go of its raw slabs (an engine layout or a copy-release replaced
+        them): drop every view of them too, or their memory stays mapped."""
+        if self.buffers is not None:
+            self.buffers.clear()
+        self.buffers = None
 
     def _writable(self) -> list[Any] | None:
         """Writable views of the served raw slabs (None where the rank has none: an engine

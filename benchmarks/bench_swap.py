@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Downtime and memory of `vlaunch swap`, per mode, against a cold restart on the new weights.
 
-    python benchmarks/bench_swap.py [--device cpu|cuda] [--tp 1] [--gib 0.25] [--devices 0]
+    python benchmarks/bench_swap.py [--device cpu|cuda] [--tp 1] [--gib 16] [--devices 0]
         [--modes double,double+standby,in-place,in-place+standby] [--out FILE]
 
-Writes two random reference-engine checkpoints A and B of one architecture (about --gib each;
---model-a/--model-b to reuse them), then for each mode starts `vlaunch run` on A with the
-reference engine on a fixed port, keeps one client asking it for one token at a time, and runs
+Writes two random reference-engine checkpoints A and B of one architecture (about --gib each,
+16 on CUDA; --model-a/--model-b or --keep DIR to reuse them), then for each mode starts
+`vlaunch run` on A with the reference engine on a fixed port, keeps one client asking it for one token at a time, and runs
 `vlaunch swap --model B`. Downtime is the time from the last answer that came from A to the
 first that came from B (the two checkpoints answer differently). Meanwhile it samples, every
 50 ms, what each cache rank holds per device (its own report: the served slabs, the staging,
@@ -233,18 +233,26 @@ def one_copy(per_step: dict[str, dict[str, Any]]) -> bool:
 
 
 def checkpoints(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:
+    """A and B: --model-a/--model-b, or two random ones of one architecture written now (of
+    about --gib each; without it on CPU a 2-layer model, so that one answer takes
+    milliseconds and the downtime is not lost between two of them)."""
     if args.model_a and args.model_b:
         return Path(args.model_a), Path(args.model_b)
     from vlaunch.cache.reference.refmodel import make_checkpoint
 
-    shape = {"hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336,
-             "vocab": 32000} if args.gib >= 1 else {"hidden": 256, "heads": 8, "kv_heads": 4,
-                                                    "intermediate": 512, "vocab": 1024}
-    target = int(args.gib * 2**30)
+    if args.gib is None and args.device == "cpu":
+        size: dict[str, Any] = {"hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2,
+                                "intermediate": 256, "vocab": 512}
+    else:
+        gib = 16.0 if args.gib is None else args.gib
+        size = {"target_bytes": int(gib * 2**30), **(
+            {"hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336, "vocab": 32000}
+            if gib >= 1 else {"hidden": 256, "heads": 8, "kv_heads": 4, "intermediate": 512,
+                              "vocab": 1024})}
     device = "cuda" if args.device == "cuda" else "cpu"
     root = Path(args.keep) if args.keep else work
-    return tuple(make_checkpoint(root / name, seed=seed, target_bytes=target, device=device,
-                                 **shape) for name, seed in (("a", 0), ("b", 1)))  # type: ignore
+    return tuple(make_checkpoint(root / name, seed=seed, device=device, **size)  # type: ignore
+                 for name, seed in (("a", 0), ("b", 1)))
 
 
 def main() -> int:
@@ -252,7 +260,8 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--devices", default="", help="--devices for vlaunch run (e.g. 0)")
-    ap.add_argument("--gib", type=float, default=0.25, help="size of each checkpoint")
+    ap.add_argument("--gib", type=float, default=None,
+                    help="size of each checkpoint [default: 16 on cuda, a 2-layer model on cpu]")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--model-a", default="")
     ap.add_argument("--model-b", default="")

@@ -2,19 +2,20 @@
 """Downtime and memory of `vlaunch swap`, per mode, against a cold restart on the new weights.
 
     python benchmarks/bench_swap.py [--device cpu|cuda] [--tp 1] [--gib 16] [--devices 0]
-        [--modes double,double+standby,in-place,in-place+standby] [--out FILE]
+        [--modes double,double+standby,in-place,in-place+standby] [--keep DIR] [--out FILE]
 
 Writes two random reference-engine checkpoints A and B of one architecture (about --gib each,
-16 on CUDA; --model-a/--model-b or --keep DIR to reuse them), then for each mode starts
-`vlaunch run` on A with the reference engine on a fixed port, keeps one client asking it for
-one token at a time, and runs `vlaunch swap --model B`. Downtime is the time from the last
-answer that came from A to the first that came from B (the two checkpoints answer
-differently). Meanwhile it samples, every 50 ms, what each cache rank holds per device (its own report: the served slabs, the staging,
-the old slabs kept) and, on CUDA, each GPU's memory in use (nvidia-smi: engines included), and
-reports the most of each during every step of the swap. Last, the cold restart: SIGTERM to a
-launcher serving A, then `vlaunch run` on B, last A answer -> first B answer. Prints one JSON
-line per run and a summary with the targets (in-place <= 1 s and never two copies of the
-shard on a device; double with a standby <= 0.2 s).
+16 on CUDA, a 2-layer model on CPU; --model-a/--model-b or --keep DIR to reuse them). For
+each mode it starts `vlaunch run` on A with the reference engine on a fixed port, keeps one
+client asking it for one token at a time, and runs `vlaunch swap --model B`. Downtime is the
+time from the last answer that came from A to the first that came from B (the two
+checkpoints answer differently). Meanwhile it samples, every 50 ms, what each cache rank
+holds per device (its own report: the served slabs, the staging, the old slabs kept) and, on
+CUDA, each GPU's memory in use (nvidia-smi: engines included), and reports the most of each
+during every step of the swap. Last, the cold restart: SIGTERM to a launcher serving A, then
+`vlaunch run` on B, last A answer -> first B answer. Prints one JSON line per run and a
+summary with the targets (in-place <= 1 s and never two copies of the shard on a device;
+double with a standby <= 0.2 s).
 """
 
 from __future__ import annotations

@@ -226,11 +226,14 @@ def _serving(snap: dict[str, Any], standby: bool) -> bool:
     return snap.get("phase") == "serving" and bool(snap.get("engine_ready")) and parked
 
 
-def one_copy(per_step: dict[str, dict[str, Any]]) -> bool:
-    """Whether no step held more cache bytes on a device than serving held (2% spare)."""
+def one_copy(per_step: dict[str, dict[str, Any]]) -> dict[str, bool]:
+    """Per step: whether the ranks held no more bytes on a device than serving did (2%
+    spare). The starting step includes the new engine's first start, which builds its engine
+    layout beside the raw one for a moment (docs/engine-layout.md), as every first start."""
     served = per_step.get("none", {}).get("cache_gib", {})
-    return all(gib <= served.get(where, 0) * 1.02 for step in per_step.values()
-               for where, gib in step["cache_gib"].items() if where != "host")
+    return {name: all(gib <= served.get(where, 0) * 1.02 for where, gib in
+                      step["cache_gib"].items() if where != "host")
+            for name, step in per_step.items()}
 
 
 def checkpoints(args: argparse.Namespace, work: Path) -> tuple[Path, Path]:

@@ -142,6 +142,7 @@ class RankSwap:
         self.digests: dict[str, str] | None = None
         self.staged: Staged | None = None
         self.busy = False
+        self.aborted = False  # the launcher aborted the swap whose step runs now
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------- the channel
@@ -182,7 +183,7 @@ class RankSwap:
             self.answer("refused", version, status=int(ExitStatus.SWAP_UNAVAILABLE),
                         message=f"rank {self.server.rank} is still busy with the last swap step")
             return
-        self.busy = True
+        self.busy, self.aborted = True, False
         try:
             await getattr(self, step)(msg)
         except VlaunchError as exc:
@@ -228,6 +229,8 @@ class RankSwap:
         staged = Staged(msg["version"], str(Path(msg["model"]).absolute()),
                         keep=msg["keep"], margin=msg["margin"])
         fits = await asyncio.get_running_loop().run_in_executor(None, self._check, staged)
+        if self.aborted:  # abandoned while it was being checked
+            return
         self.staged = staged
         self.answer("prepared", staged.version, fits=fits, model=staged.model,
                     fingerprint=staged.fingerprint)
@@ -283,6 +286,10 @@ class RankSwap:
             staged.release()
             self.staged = None
             raise
+        if self.aborted:  # abandoned while it was being read
+            staged.release()
+            self.staged = None
+            return
         self.answer("staged", staged.version)
 
     def _read_staged(self, staged: Staged) -> None:
@@ -559,6 +566,8 @@ class RankSwap:
         """Drop what was staged and not committed (the served weights never changed): this
         swap's, or a published version the launcher was told of (a trainer's staging that it
         was not told of yet is the trainer's)."""
+        if self.busy and (self.staged is None or not self.staged.committed):
+            self.aborted = True  # the prepare or stage running now drops what it makes
         staged = self.staged
         if staged is None or staged.committed or not (
                 staged.version == msg["version"] or staged.reply is not None):

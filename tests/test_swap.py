@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -265,48 +266,38 @@ def test_a_rank_killed_mid_swap(launch, ckpts: dict[str, Path],  # noqa: F811
     assert "after its cutover began" in la.text()
 
 
-PUBLISH = r"""
-import json, sys
-import torch
-from vlaunch.cache.client.loader import load_from_disk
-from vlaunch.cache.store.plan import Layout
-import vlaunch.cache as vc
-model, sockdir, rank, tp, label = sys.argv[1:6]
-shard = {k: v.clone() for k, v in load_from_disk(model, Layout.from_global(int(rank), int(tp)),
-                                                 "cpu").items()}
-if label == "wrong-shape":
-    name = sorted(shard)[0]
-    shard[name] = torch.zeros(3, dtype=shard[name].dtype)
-try:
-    r = vc.publish(shard, label=label, rank=int(rank), socket_dir=sockdir)
-except vc.PublishError as exc:
-    print(json.dumps({"error": str(exc), "code": exc.code}))
-    sys.exit(0)
-print(json.dumps({"version": r.version, "mode": r.mode}))
-"""
-
-
 def test_a_published_version_serves_bit_exact_at_tp2(
-        launch, ckpts: dict[str, Path], want: dict[str, list[int]], tmp_path: Path) -> None:  # noqa: F811
+        launch, ckpts: dict[str, Path], want: dict[str, list[int]], tmp_path: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    import vlaunch.cache as vc
+    from vlaunch.cache.client.loader import load_from_disk
+    from vlaunch.cache.store.plan import Layout
+
     # the raw layout stays (no engine layout): vlaunch verify and a raw load read it
     la = launch(ckpts["a"], "--stop-timeout", "30", "--engine-ready", "notify", tp=2,
                 engine=reference(tmp_path / "l0", "--no-engine-layout"))
     served(la)
-    script = tmp_path / "publish.py"
-    script.write_text(PUBLISH)
-
-    def publish(rank: int, label: str) -> subprocess.Popen[str]:
-        return subprocess.Popen([sys.executable, str(script), str(ckpts["b"]), str(la.sockdir),
-                                 str(rank), "2", label], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-
-    wrong = publish(0, "wrong-shape")
-    out, err = wrong.communicate(timeout=120)
-    assert "not published" in json.loads(out.splitlines()[-1])["error"], err
+    shards = [{k: v.clone() for k, v in load_from_disk(str(ckpts["b"]), Layout.from_global(
+        r, 2), "cpu").items()} for r in (0, 1)]
+    wrong = {**shards[0], sorted(shards[0])[0]: torch.zeros(3, dtype=torch.bfloat16)}
+    with pytest.raises(vc.PublishError, match=r"not published: .* is BF16"):
+        vc.publish(wrong, label="wrong-shape", rank=0, socket_dir=str(la.sockdir))
     fresh_port(la)
-    trainers = [publish(r, "step-1") for r in (0, 1)]
-    results = [json.loads(t.communicate(timeout=300)[0].splitlines()[-1]) for t in trainers]
-    assert results == [{"version": 1, "mode": "double"}] * 2, la.text()
+    # a trainer per rank (threads here): each call returns once every rank serves the version
+    results: list[Any] = [None, None]
+
+    def trainer(rank: int) -> None:
+        results[rank] = vc.publish(shards[rank], label="step-1", rank=rank,
+                                   socket_dir=str(la.sockdir), timeout=300)
+
+    threads = [threading.Thread(target=trainer, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert [(r.version, r.mode) for r in results] == [(1, "double")] * 2, la.text()
     assert generate(la) == want["b"]  # B's bytes, published: the same tokens
     snap = la.wait_for(lambda s: serving(s) and all(
         (r["checkpoint"] or {}).get("published") == "step-1" for r in s["ranks"].values()))
@@ -316,28 +307,16 @@ def test_a_published_version_serves_bit_exact_at_tp2(
                             timeout=120)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     identities = ",".join(snap["ranks"][str(r)]["checkpoint"]["identity"] for r in (0, 1))
-    env = {**os.environ, "VLAUNCH_CHECKPOINT_DATA": identities, "VLAUNCH_RANKS": "0,1"}
-    check = subprocess.run([sys.executable, "-c", BIT_EXACT, str(ckpts["a"]), str(ckpts["b"]),
-                            str(la.sockdir)], capture_output=True, text=True, env=env,
-                           timeout=120)
-    assert check.returncode == 0 and check.stdout.split() == ["cache", "True"] * 2, \
-        check.stdout + check.stderr
+    monkeypatch.setenv("VLAUNCH_CHECKPOINT_DATA", identities)
+    monkeypatch.setenv("VLAUNCH_RANKS", "0,1")
+    for rank in (0, 1):  # what an engine maps is what the trainer published, bit for bit
+        w = vc.load(str(ckpts["a"]), rank=rank, tensor_parallel_size=2,
+                    socket_dir=str(la.sockdir), fallback=False, device="cpu")
+        assert w.source == "cache" and set(w) == set(shards[rank])
+        assert all(torch.equal(w[k], shards[rank][k]) for k in w), rank
+        del w
     la.proc.send_signal(signal.SIGTERM)
     assert la.wait_exit() == 0
-
-
-BIT_EXACT = r"""
-import sys, torch
-import vlaunch.cache as vc
-from vlaunch.cache.client.loader import load_from_disk
-from vlaunch.cache.store.plan import Layout
-a, b, sockdir = sys.argv[1:4]
-for rank in (0, 1):
-    w = vc.load(a, rank=rank, tensor_parallel_size=2, socket_dir=sockdir, fallback=False,
-                device="cpu")
-    disk = load_from_disk(b, Layout.from_global(rank, 2), "cpu")
-    print(w.source, all(torch.equal(w[k], disk[k]) for k in disk) and len(w) == len(disk))
-"""
 
 
 def test_load_from_disk_is_refused_for_a_published_version(tmp_path: Path,

@@ -1,17 +1,26 @@
 #!/usr/bin/env python3
-"""Engine kill -> serving again, with and without `vlaunch run --standby`, in one run.
+"""Engine kill -> serving again: ordinary restarts against a standby, cold and warm, in one run.
 
     python benchmarks/bench_standby.py [--device cpu|cuda] [--tp 2] [--reps 3] [--model DIR]
-        [--devices 0,0] [--out FILE]
+        [--devices 0,0] [--variants ordinary,cold,warm,warm-kept] [--out FILE]
 
-Runs the reference engine under `vlaunch run` twice: ordinary restarts (default backoff), then
-with --standby. Each rep SIGKILLs the serving engine's process group and times kill -> the
-first generated token (POST /generate, max_new_tokens 1, on the port the new engine writes to
-its port file), and checks that the outputs equal those before the kill. With --standby it
-also reports what a parked standby holds: RSS and USS of its process tree (USS leaves out the
-shared weight mappings) and, on CUDA, the device memory nvidia-smi charges to its processes.
-Prints one JSON line per figure and the ratio ordinary / standby; --out writes them all.
-Without --model a small random checkpoint is written to a temporary directory.
+Runs the reference engine under `vlaunch run` once per variant:
+
+- ordinary: restarts (default backoff), no standby;
+- cold: --standby, the standby parks without a warm-up (engine --warmup-tokens 0);
+- warm: --standby, the standby warms up (prefill + one decode step) and gives the allocator's
+  cached blocks back before it parks (the default);
+- warm-kept: as warm, but the standby keeps those blocks (--standby-keep-memory).
+
+Each rep SIGKILLs the serving engine's process group and times kill -> the first generated
+token (POST /generate, max_new_tokens 1, on the port the new engine writes to its port file),
+and checks that the outputs equal those before the kill. For each standby variant it also
+reports what a parked standby holds, as the launcher's /status reports it (RSS, USS and PSS of
+its process tree; on CUDA the device bytes NVML charges it) and nvidia-smi's figure, and the
+promoted standby's warm-up report (its /stats `warmup`: time, memory before, warm, kept).
+Prints one JSON line per variant, then a summary with each variant's median and its ratio to
+the ordinary one, and a table; --out writes them all. Without --model a small random
+checkpoint is written to a temporary directory.
 """
 
 from __future__ import annotations
@@ -29,7 +38,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import psutil
 from benchlib import get
 
 from vlaunch.cache.contract.waiting import until
@@ -50,22 +58,6 @@ def generate(port_file: Path, max_new: int) -> list[int] | None:
         return None
 
 
-def tree_memory(pid: int) -> tuple[int, int]:
-    """RSS and USS in bytes of `pid` and its descendants."""
-    rss = uss = 0
-    try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0, 0
-    for p in procs:
-        try:
-            info = p.memory_full_info()
-        except psutil.Error:
-            continue
-        rss, uss = rss + info.rss, uss + info.uss
-    return rss, uss
-
-
 def gpu_mib(pids: set[int]) -> float | None:
     """Device memory nvidia-smi charges to these processes, in MiB (None without nvidia-smi)."""
     try:
@@ -82,27 +74,31 @@ def gpu_mib(pids: set[int]) -> float | None:
     return total
 
 
-def tree_pids(pid: int) -> set[int]:
-    """`pid` and its descendants."""
-    try:
-        return {pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))}
-    except psutil.NoSuchProcess:
-        return set()
+VARIANTS: dict[str, tuple[bool, list[str]]] = {
+    "ordinary": (False, []),
+    "cold": (True, ["--warmup-tokens", "0"]),
+    "warm": (True, []),
+    "warm-kept": (True, ["--standby-keep-memory"]),
+}
+"""Each variant: (--standby, extra engine arguments)."""
 
 
-def run_mode(args: argparse.Namespace, model: Path, work: Path, standby: bool) -> dict:
+def run_mode(args: argparse.Namespace, model: Path, work: Path, variant: str) -> dict:
     """Start a launcher, kill its engine --reps times, return the timings and memory."""
-    sock, port_file = work / f"sock-{standby}", work / f"port-{standby}"
+    standby, extra = VARIANTS[variant]
+    sock, port_file = work / f"sock-{variant}", work / f"port-{variant}"
     engine = [sys.executable, "-m", "vlaunch.cache.reference.engine", "--port-file",
-              str(port_file), "--device", args.device]
+              str(port_file), "--device", args.device, *extra]
     cmd = [sys.executable, "-m", "vlaunch.launcher.cli", "run", "--model", str(model),
            "--device", args.device, "--tensor-parallel-size", str(args.tp), "--socket-dir",
            str(sock), "--health-port", "0", "--engine-ready", "notify", "--restart-max", "100",
            *(["--devices", args.devices] if args.devices else []),
            *(["--standby"] if standby else []), "--", *engine]
-    log = (work / f"launcher-{standby}.log").open("wb")
+    log_path = work / f"launcher-{variant}.log"
+    log = log_path.open("wb")
     proc = subprocess.Popen(cmd, stderr=log, stdout=log)
-    out: dict[str, Any] = {"standby": standby, "kill_to_first_token_s": []}
+    out: dict[str, Any] = {"variant": variant, "standby": standby, "engine_args": extra,
+                           "kill_to_first_token_s": []}
     try:
         url = until(lambda: _url(sock), 600, what="launcher.json")
         status = lambda: get(url + "/status") or {}  # noqa: E731
@@ -110,21 +106,19 @@ def run_mode(args: argparse.Namespace, model: Path, work: Path, standby: bool) -
             snap = until(lambda: _ready(status(), standby), 900, what="serving (and parked)")
             expected = until(lambda: generate(port_file, 6), 60, what="first answer")
             if standby and rep == 0:
-                pid = snap["standby"]["pid"]
-                rss, uss = tree_memory(pid)
-                out.update(standby_rss_mib=rss / 2**20, standby_uss_mib=uss / 2**20,
-                           standby_gpu_mib=gpu_mib(tree_pids(pid)),
-                           engine_rss_mib=tree_memory(snap["engine"]["pid"])[0] / 2**20)
+                out.update(parked_memory(snap, status))
             port_file.unlink()
             t0 = time.perf_counter()
             os.killpg(snap["engine"]["pid"], signal.SIGKILL)
             until(lambda: generate(port_file, 1), 600, what="first token", interval=0.005)
             out["kill_to_first_token_s"].append(time.perf_counter() - t0)
+            if standby and rep == 0:
+                out["warmup"] = (stats(port_file) or {}).get("warmup")
             out.setdefault("same_output", True)
             again = until(lambda: generate(port_file, 6), 60, what="answer")
             out["same_output"] = out["same_output"] and again == expected
     except Exception:
-        lines = (work / f"launcher-{standby}.log").read_text(errors="replace").splitlines()
+        lines = log_path.read_text(errors="replace").splitlines()
         print("\n".join(lines[-40:]), file=sys.stderr)
         raise
     finally:
@@ -135,6 +129,31 @@ def run_mode(args: argparse.Namespace, model: Path, work: Path, standby: bool) -
             proc.kill()
     out["median_s"] = statistics.median(out["kill_to_first_token_s"])
     return out
+
+
+def parked_memory(snap: dict[str, Any], status: Any) -> dict[str, Any]:
+    """What the parked standby holds: the launcher's sample of it, and nvidia-smi's figure."""
+    pid = snap["standby"]["pid"]
+    mem = until(lambda: ((status().get("memory") or {}).get("standby") or {}).get("pid") == pid
+                and status()["memory"], 60, what="a memory sample of the standby")
+    sb, engine = mem["standby"], mem.get("engine") or {}
+    device = sb.get("device_bytes")
+    return {"standby_rss_mib": sb["rss"] / 2**20, "standby_uss_mib": sb["uss"] / 2**20,
+            "standby_pss_mib": sb["pss"] / 2**20,
+            "standby_device_mib": None if device is None else device / 2**20,
+            "standby_nvidia_smi_mib": gpu_mib(set(sb["pids"])),
+            "engine_rss_mib": engine.get("rss", 0) / 2**20,
+            "engine_device_mib": None if engine.get("device_bytes") is None
+            else engine["device_bytes"] / 2**20,
+            "devices": mem.get("devices"), "device_absent": mem.get("device_absent")}
+
+
+def stats(port_file: Path) -> dict[str, Any] | None:
+    """The engine's /stats, None if it does not answer."""
+    try:
+        return get(f"http://127.0.0.1:{port_file.read_text().strip()}/stats")
+    except OSError:
+        return None
 
 
 def _url(sock: Path) -> str | None:
@@ -158,9 +177,15 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--devices", default="", help="--devices for vlaunch run (e.g. 0,0)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--model", default="", help="a reference-engine checkpoint directory")
     ap.add_argument("--out", default="", help="also write the results here (JSON)")
     args = ap.parse_args()
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        ap.error(f"unknown variant(s) {unknown}; pick from {', '.join(VARIANTS)}")
     with tempfile.TemporaryDirectory(prefix="bench-standby-") as tmp:
         work = Path(tmp)
         if args.model:
@@ -170,20 +195,43 @@ def main() -> int:
 
             model = make_checkpoint(work / "model", hidden=256, layers=4, heads=8, kv_heads=4,
                                     intermediate=512, vocab=1024)
-        results = [run_mode(args, model, work, standby=False),
-                   run_mode(args, model, work, standby=True)]
+        results = [run_mode(args, model, work, v) for v in variants]
     for r in results:
         print(json.dumps(r), flush=True)
-    ratio = results[0]["median_s"] / results[1]["median_s"]
+    base = results[0]["median_s"]
     summary = {"figure": "kill -> first token, median", "device": args.device, "tp": args.tp,
-               "ordinary_s": round(results[0]["median_s"], 3),
-               "standby_s": round(results[1]["median_s"], 3),
-               "ratio_ordinary_over_standby": round(ratio, 2),
-               "target_standby_le_s": 1.0}
+               "devices": args.devices or None, "baseline": results[0]["variant"],
+               "medians_s": {r["variant"]: round(r["median_s"], 4) for r in results},
+               "ratio_baseline_over": {r["variant"]: round(base / r["median_s"], 2)
+                                       for r in results},
+               "target_standby_le_s": 0.1}
     print(json.dumps(summary), flush=True)
+    print(table(results), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"runs": results, "summary": summary}, indent=1))
     return 0 if all(r["same_output"] for r in results) else 1
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """A Markdown table: each variant's median, ratio and what its parked standby held."""
+    base = results[0]["median_s"]
+    rows = ["| variant | kill -> first token, median (each) | ratio | parked standby USS / "
+            "device MiB | warm-up ms | rank 0 device MiB: before -> warm -> kept |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        each = ", ".join(f"{t:.3f}" for t in r["kill_to_first_token_s"])
+        dev = r.get("standby_device_mib")
+        held = "-" if not r["standby"] else \
+            f"{r['standby_uss_mib']:.0f} / {'absent' if dev is None else f'{dev:.0f}'}"
+        report = r.get("warmup") or {}
+        warm = report.get("ms")
+        steps = [(report.get(k) or {}).get("device_bytes") for k in ("before", "warm", "kept")]
+        cost = "-" if not report else "absent" if None in steps else \
+            " -> ".join(f"{b / 2**20:.0f}" for b in steps)  # type: ignore[operator]
+        rows.append(f"| {r['variant']} | {r['median_s']:.3f} s ({each}) | "
+                    f"{base / r['median_s']:.1f}x | {held} | "
+                    f"{'-' if warm is None else f'{warm:.1f}'} | {cost} |")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,12 @@
 # time limit (a failed stage does not stop the others):
 #   setup  vlaunch importable (editable install, no network, only if it is not), versions
 #   ckpt   the checkpoint, only when it is missing (not counted in the 3-minute goal)
-#   seed   benchmarks/bench_seed.py --device cuda: source rank start; seed over the slab fds
-#          against copy_ of the same bytes (goal >= 80%); TCP over loopback against a disk load
-#          of the same shard; a seeded rank process against the source's start
+#   seed   benchmarks/bench_seed.py --device cuda --ranks 2: source rank start; seed over the
+#          slab fds against copy_ of the same bytes (goal >= 80%); TCP over loopback on 4
+#          streams (pinned staging on both sides) against a plain 4-stream socket copy of the
+#          same bytes (goal >= 80%) and a disk load of the same shard; a seeded rank process
+#          against the source's start; both ranks of TP 2 (one GPU) seeded at once against
+#          two plain copies at once
 #   tests  pytest -m gpu tests/test_seed.py (CUDA seeding is bit-exact, both ways)
 # FlashInfer's autotune pass is not run here: flashinfer-python 0.7.4's wheel alone is 101 MB,
 # over the 64 MiB a call may carry (docs/artifacts-and-seeding.md says what CI runs instead).
@@ -28,7 +31,7 @@ CKPT=${1:-${CKPT:-/tmp/vlaunch-ckpt16}}
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
 REPEATS=${REPEATS:-3}
-BUDGET=${BUDGET:-170}
+BUDGET=${BUDGET:-420}
 T0=$(date +%s)
 : >"$OUT/summary.txt"
 : >"$OUT/session.log"
@@ -62,9 +65,11 @@ if [ ! -e "$CKPT" ]; then
     T0=$((T0 + $(date +%s) - T_CKPT))  # building it is not part of the measured session
 fi
 du -sh "$CKPT" 2>/dev/null | tee -a "$OUT/summary.txt"
-stage seed 120 "$PY" benchmarks/bench_seed.py --model "$CKPT" --device "$DEVICE" \
-    --repeats "$REPEATS" --tcp-repeats 1 --json "$OUT/seed.json" --logs "$OUT/ranks"
-stage tests 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_seed.py
+stage seed 300 "$PY" benchmarks/bench_seed.py --model "$CKPT" --device "$DEVICE" \
+    --repeats "$REPEATS" --tcp-repeats 2 --streams "${STREAMS:-4}" --ranks "${RANKS:-2}" \
+    --json "$OUT/seed.json" --logs "$OUT/ranks"
+stage tests 90 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_seed.py \
+    tests/test_seed_streams.py
 
 {
     echo

@@ -108,7 +108,7 @@ want loadparts && stage loadparts 120 "${LOAD[@]}" --steps loadparts --json "$OU
 want handoff && stage handoff 240 "${LOAD[@]}" --steps handoff --json "$OUT/handoff.json"
 want tests && stage tests 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 150 \
     tests/test_slabs_cuda.py tests/test_gpu_cache.py tests/test_reader.py tests/test_seed.py \
-    tests/test_engine_layout.py tests/test_formats.py
+    tests/test_engine_layout.py tests/test_formats.py tests/test_gpu_standby.py
 want imports && stage imports 60 bash -c imports
 want restart && stage restart 120 "$PY" benchmarks/bench_gpu_restart.py --model "$CKPT" --device cuda --reps 2
 

@@ -161,6 +161,8 @@ def _opt(name: str, env: str, **kw: Any) -> Callable[[F], F]:
 @_opt("--seed-listen-port", "SEED_LISTEN_PORT", default=0, type=click.IntRange(0, 65535),
       help="Serve seeding over TCP: rank N listens on this port + N (needs --seed-token; "
            "0: off).")
+@_opt("--seed-streams", "SEED_STREAMS", default=4, type=click.IntRange(1, 16),
+      help="TCP connections each seeding rank receives its slabs on.")
 @_opt("--log-level", "LOG_LEVEL", default="INFO",
       type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), help="Launcher log level.")
 @click.argument("engine", nargs=-1, type=click.UNPROCESSED)

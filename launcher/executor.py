@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from .children import child_env
 from .escrow import Escrow
 from .health import HealthServer
 from .hooks import Child, OsHooks, ProcessHooks
+from .memory import MEMORY_EVERY, Key, MemorySampler
 from .notify import EngineNotifySocket, Notifier
 from .progress import LoadDisplay, recv_ready
 from .spec import RunSpec
@@ -81,6 +83,10 @@ class Executor:
         self.standby_channel: StandbyChannel | None = None  # the standby not yet promoted
         self.engine_channel: StandbyChannel | None = None  # the promoted standby's, now engine's
         self.directory = spec.socket_dir
+        self.memory: dict[str, Any] | None = None  # the children's last memory sample
+        self.sampler = MemorySampler(any(d.startswith("cuda") for d in spec.devices.values()))
+        # a thread of its own: the default pool's threads block in the ranks' channels
+        self._memory_pool = ThreadPoolExecutor(1, thread_name_prefix="vlaunch-memory")
         self.display = LoadDisplay()
         self.swapper = Swapper(self)  # swaps: the control socket, the ranks' swap steps
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -109,6 +115,7 @@ class Executor:
         self._spawn_task(self.swapper.serve(directory))
         self._spawn_task(self._ticker())
         self._spawn_task(self._poll_ranks())
+        self._spawn_task(self._poll_memory())
         status = int(ExitStatus.INTERNAL)
         try:
             status = await self._loop()
@@ -415,6 +422,25 @@ class Executor:
                         self.rank_detail[rank] = await self.hooks.rank_status(path)
             await asyncio.sleep(STATUS_EVERY)
 
+    async def _poll_memory(self) -> None:
+        """Sample every child's host and device memory (memory.py) for the status surface."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if self.health is not None:
+                self.memory = await loop.run_in_executor(self._memory_pool, self.sampler.sample,
+                                                         self._memory_roots())
+                self._publish()
+            await asyncio.sleep(MEMORY_EVERY)
+
+    def _memory_roots(self) -> dict[Key, int]:
+        """The root pid of each live child whose memory /status reports."""
+        roots: dict[Key, int] = {("cache", slot): r.child.pid for slot, r in self.ranks.items()
+                                 if not r.exited}
+        for role, running in (("engine", self.engine), ("standby", self.standby)):
+            if running is not None and not running.exited:
+                roots[(role, None)] = running.child.pid
+        return roots
+
     # ------------------------------------------------------------------------- status
 
     def _publish(self) -> None:
@@ -422,11 +448,12 @@ class Executor:
         self.display.show(snapshot)
         if self.health is None:
             return
-        self.health.publish(statusview.merge(
+        status = statusview.merge(
             snapshot, socket_dir=self.spec.socket_dir, devices=self.spec.slot_devices,
             details=self.rank_detail, world=self.spec.world if self.spec.draft_group else 0,
             launcher={"pid": os.getpid(), "model": self.spec.model,
-                      "engine_command": list(self.spec.engine)}))
+                      "engine_command": list(self.spec.engine)})
+        self.health.publish({**status, "memory": self.memory})
 
     # ----------------------------------------------------------------------- shutdown
 
@@ -440,6 +467,7 @@ class Executor:
             _clear_stale(self.spec, rank)
         self.swapper.close()
         self.escrow.close()
+        self._memory_pool.shutdown(wait=False)
         self._drop_channel("standby_channel")
         self._drop_channel("engine_channel")
         self.notifier.close()

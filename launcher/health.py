@@ -20,6 +20,8 @@ from prometheus_client.core import GaugeMetricFamily
 from vlaunch.cache.contract.errors import UsageError
 from vlaunch.cache.contract.http import reply, reply_json
 
+from .memory import memory_metrics
+
 log = logging.getLogger("vlaunch.launcher")
 
 PROBES = {
@@ -82,6 +84,7 @@ class MetricsCollector:
                                 "way.", value=float(swap.get("state", "none") != "none"))
         yield GaugeMetricFamily("vlaunch_swap_rollbacks", "Swaps rolled back so far.",
                                 value=float(swap.get("rollbacks", 0)))
+        yield from memory_metrics(s)
 
 
 class HealthServer:

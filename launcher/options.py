@@ -107,7 +107,7 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
                    kernel_backends=o["kernel_backends"], supervisor=config,
                    artifact_dir=o["artifact_dir"], seed=o["seed"], seed_token=o["seed_token"],
                    seed_fallback=o["seed_fallback"], seed_listen_host=o["seed_listen_host"],
-                   seed_listen_port=o["seed_listen_port"],
+                   seed_listen_port=o["seed_listen_port"], seed_streams=o["seed_streams"],
                    preload=preload,
                    preload_timeout=o["preload_timeout"], verify=o["verify"],
                    draft_model=o.get("draft_model") or "",

@@ -1,8 +1,9 @@
 """Checks `vlaunch run` makes before it starts anything, and the socket directory it owns.
 
 Everything here fails with a documented status and leaves nothing behind: a bad socket
-directory (73), a second launcher on the same directory (75), a health port in use or an engine
-command that cannot run (64) are found before a rank spends minutes loading.
+directory (73), a second launcher on the same directory (75), a health port in use, an engine
+command that cannot run or a /proc of another PID namespace (64) are found before a rank spends
+minutes loading.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from vlaunch.cache.contract.errors import UsageError
+from vlaunch.cache.contract.peers import proc_is_ours, proc_pid
 from vlaunch.cache.contract.sockdir import LauncherLock, ensure_socket_dir, socket_path
 
 from .health import check_port
@@ -33,6 +35,19 @@ def check_command(argv: tuple[str, ...], what: str, option: str,
                          f"PATH; fix {option} (a full path, or install the program)")
 
 
+def check_proc() -> None:
+    """Raise UsageError when /proc is not this PID namespace's: the launcher finds and kills
+    its children's descendants there, and its pids would name other processes."""
+    if proc_is_ours():
+        return
+    there = proc_pid()
+    where = f"pid {there} there" if there is not None else "not visible there"
+    raise UsageError(f"/proc is another PID namespace's than the launcher's: it is pid "
+                     f"{os.getpid()} here, {where}; its final sweep would kill processes that "
+                     "are not its own; mount a /proc for this PID namespace (unshare --pid "
+                     "--fork --mount-proc; container runtimes do)")
+
+
 @contextlib.contextmanager
 def owned_socket_dir(directory: Path, ranks: tuple[int, ...], health_host: str,
                      health_port: int | None) -> Iterator[Path]:
@@ -41,6 +56,7 @@ def owned_socket_dir(directory: Path, ranks: tuple[int, ...], health_host: str,
     The health port is checked before the directory is made; a directory this launcher
     created is removed again at the end if nothing is left in it.
     """
+    check_proc()
     for rank in ranks:
         socket_path(directory, rank)  # too long for a Unix socket: SocketDirError (73) now
     if health_port:

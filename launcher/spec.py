@@ -39,6 +39,7 @@ class RunSpec:
     seed_fallback: bool = False
     seed_listen_host: str = "127.0.0.1"
     seed_listen_port: int = 0
+    seed_streams: int = 4
     preload: tuple[str, ...] = ()
     preload_timeout: float = 600.0
     verify: bool = False  # each rank checks every byte against the files after its first load
@@ -91,7 +92,8 @@ class RunSpec:
                         adopt_fd=adopt_fd, artifact_dir=self.artifact_dir, seed=self.seed,
                         seed_token=self.seed_token, seed_fallback=self.seed_fallback,
                         seed_listen_host=self.seed_listen_host,
-                        seed_listen_port=self.seed_listen_port, verify=self.verify)
+                        seed_listen_port=self.seed_listen_port,
+                        seed_streams=self.seed_streams, verify=self.verify)
 
     def engine_env(self, attempt: int, devices: Mapping[int, str],
                    preload: bool = False) -> EngineEnv:

@@ -65,7 +65,29 @@ def format_status(s: dict[str, Any]) -> str:
             mode = sw.get("mode") or "mode not chosen yet"
             lines.append(f"swap to version {sw['target_version']} ({mode}): "
                          f"{sw['state'].replace('_', ' ')}")
+    lines += memory_lines(s.get("memory"))
     if s.get("first_failure"):
         f = s["first_failure"]
         lines.append(f"first failure: rank {f['rank']} pid {f['pid']}: {f['description']}")
     return "\n".join(lines)
+
+
+def memory_lines(mem: dict[str, Any] | None) -> list[str]:
+    """One line per child of the `memory` sample (docs/memory.md), and one per GPU."""
+    if not mem:
+        return []
+    gb = 1e9
+    children = [(f"rank {slot}", e) for slot, e in sorted((mem.get("ranks") or {}).items(),
+                                                           key=lambda kv: int(kv[0]))]
+    children += [(role, mem[role]) for role in ("engine", "standby") if mem.get(role)]
+    lines = []
+    for who, e in children:
+        device = "absent" if e.get("device_bytes") is None else f"{e['device_bytes'] / gb:.2f} GB"
+        lines.append(f"memory {who:<8} rss {e['rss'] / gb:.2f} GB  uss {e['uss'] / gb:.2f} GB  "
+                     f"pss {e['pss'] / gb:.2f} GB  device {device}")
+    for d in mem.get("devices") or []:
+        lines.append(f"gpu {d['index']} {d['uuid']}: used {d['used_bytes'] / gb:.2f} of "
+                     f"{d['total_bytes'] / gb:.2f} GB, vlaunch {d['vlaunch_bytes'] / gb:.2f} GB")
+    if mem.get("device_absent"):
+        lines.append(f"device figures absent: {mem['device_absent']}")
+    return lines

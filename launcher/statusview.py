@@ -50,6 +50,7 @@ def merge(snapshot: dict[str, Any], *, socket_dir: Path, devices: Mapping[int, s
                        "leases": detail.get("leases", []),
                        "copies": detail.get("copies", {"in_flight": 0, "bytes": 0}),
                        "checkpoint": detail.get("checkpoint"),
+                       "handover_blocked": detail.get("handover_blocked", ""),
                        **({"slab_pages": detail["slab_pages"]} if "slab_pages" in detail
                           else {}),
                        "role": role, "group_rank": group_rank,

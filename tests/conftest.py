@@ -6,7 +6,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -173,10 +173,11 @@ class CacheProc:
 
 def spawn_cache(model: Path | str, socket_dir: Path, *args: str, rank: int = 0,
                 tp: int = 1, wait: bool = True, extra_fds: list[int] | None = None,
-                **popen: object) -> CacheProc:
-    """Start `python -m vlaunch.cache` and wait for its ready frame on a socketpair."""
+                prefix: Sequence[str] = (), **popen: object) -> CacheProc:
+    """Start `python -m vlaunch.cache` (after `prefix`: a wrapper such as unshare) and wait
+    for its ready frame on a socketpair."""
     ours, theirs = socket.socketpair()
-    cmd = [sys.executable, "-m", "vlaunch.cache", "--model", str(model), "--socket-dir",
+    cmd = [*prefix, sys.executable, "-m", "vlaunch.cache", "--model", str(model), "--socket-dir",
            str(socket_dir), "--rank", str(rank), "--tensor-parallel-size", str(tp),
            "--ready-fd", str(theirs.fileno()), *args]
     proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno(), *(extra_fds or [])],

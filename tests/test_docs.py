@@ -241,15 +241,34 @@ def test_compose_gates_the_engine_on_the_caches() -> None:
     mounts = [m for m in cache["volumes"] if m.endswith(f":{sockdir}")]
     assert mounts and mounts[0] in engine["volumes"]
     assert cache["user"] == engine["user"]
-    assert cache["deploy"] == engine["deploy"]  # the same GPUs
+    gpus = yaml.safe_load((DOCS / "examples" / "compose.gpus.yaml").read_text())["services"]
+    assert gpus["cache"]["deploy"] == gpus["engine"]["deploy"]  # the same GPUs
+    assert gpus["cache"]["environment"] == gpus["engine"]["environment"] == {
+        "VLAUNCH_DEVICE": "cuda"}
     assert "--no-fallback" in engine["command"]
     for service in (cache, engine):
-        assert service.get("init") is True
         assert "pid" not in service and "ipc" not in service
+    # tini in front of every command: the image's entrypoint (docs/examples/Dockerfile)
+    dockerfile = (DOCS / "examples" / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["tini", "--"]' in dockerfile.splitlines()
     text = (DOCS / "docker.md").read_text()
     for word in ("`cache`", "`engine`", "service_healthy", "/readyz", "--pid=host", "--ipc=host",
                  "invalid device context"):
         assert word in text, word
+
+
+def test_the_docs_include_the_recipes_ci_runs() -> None:
+    """docker.md shows the files .ci/containers.sh runs (snippets, not copies); the scripts
+    parse."""
+    text = (DOCS / "docker.md").read_text()
+    for name in ("Dockerfile", "one-container.sh", "two-containers.sh", "compose.yaml",
+                 "compose.gpus.yaml"):
+        assert f'--8<-- "docs/examples/{name}"' in text, name
+    assert '--8<-- "docs/examples/k8s.yaml"' in (DOCS / "kubernetes.md").read_text()
+    for script in (DOCS / "examples").glob("*.sh"):
+        r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True,
+                           timeout=10)
+        assert r.returncode == 0, f"{script.name}: {r.stderr}"
 
 
 def test_k8s_probes_follow_the_text() -> None:

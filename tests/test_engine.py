@@ -302,6 +302,10 @@ def test_engine_tp1_and_tp2_serve_the_same_tokens_and_stop_cleanly(
     assert "rank 0: weights from disk in " in log1 and " GB)" in log1
     assert "weights ready in " in log1 and "(source: disk)" in log1
     assert "rank 1: weights from disk in " in log2 and "vlaunch-engine[rank 1 pid" in log2
+    assert "tensor-parallel backend gloo (ranks on the CPU)" in log2
+    for rank in (0, 1):  # every rank warms up before rank 0 reports ready
+        assert log2.index(f"rank {rank}: warm-up (prefill 8 tokens + 1 decode step)") < \
+            log2.index("weights ready in ")
     assert "received SIGTERM; stopping" in log2 and log2.rstrip().endswith("INFO stopped")
 
 
@@ -326,7 +330,8 @@ def test_engine_exits_78_on_configuration_errors(tiny: Path, sockdir: Path,
                                                  tmp_path: Path) -> None:
     runs = {"tp3": (tiny, "--tensor-parallel-size", "3"),
             "nomodel": (tmp_path / "nowhere",),
-            "badopt": (tiny, "--mode", "borrow")}
+            "badopt": (tiny, "--mode", "borrow"),
+            "nccl_cpu": (tiny, "--tensor-parallel-size", "2", "--tp-backend", "nccl")}
     with contextlib.ExitStack() as stack:
         engines = {name: stack.enter_context(engine(tmp_path, name, m, *a,
                                                     "--socket-dir", str(sockdir)))
@@ -337,6 +342,8 @@ def test_engine_exits_78_on_configuration_errors(tiny: Path, sockdir: Path,
         engines["tp3"].log.read_text()
     assert "config.json does not exist" in engines["nomodel"].log.read_text()
     assert "invalid choice: 'borrow'" in engines["badopt"].log.read_text()
+    assert "--tp-backend nccl needs CUDA devices, but the ranks run on the CPU" in \
+        engines["nccl_cpu"].log.read_text()
 
 
 def test_engine_is_unhealthy_while_waiting_for_its_cache(tiny: Path, sockdir: Path,

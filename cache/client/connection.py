@@ -25,7 +25,8 @@ from vlaunch.cache.contract.errors import (
 )
 from vlaunch.cache.contract.protocol import MAX_FDS
 from vlaunch.cache.contract.sockdir import check_peer, ensure_socket_dir
-from vlaunch.cache.store.manifest import Manifest, checked_int, views
+from vlaunch.cache.store import columns
+from vlaunch.cache.store.manifest import Manifest, checked_int
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -42,6 +43,8 @@ IO_TIMEOUT = 30.0
 SPIN_FOR_COPY = 0.1
 """Seconds an engine polls for the reply that its copy is done before it sleeps on it: the
 copy of a shard of up to ~200 GB on an H200 (4.3 TB/s read + write)."""
+MANIFEST = {"op": "manifest", "form": "columns"}
+"""The manifest request: its columns form, checked and viewed in bulk (store/columns.py)."""
 _BACKENDS: dict[str, Backend] = {}
 TRACE: dict[str, float] = {}
 """The last handoff's steps (time.perf_counter() at start, asked (every request sent: in share
@@ -161,8 +164,9 @@ class CacheClient:
                 "pid": os.getpid()}
 
     def manifest(self) -> Manifest:
-        """The validated manifest of the rank."""
-        return Manifest.from_wire(self.request({"op": "manifest"})[0]["manifest"])
+        """The validated manifest of the rank (its columns form: checked in bulk)."""
+        reply = self.request(MANIFEST)[0]
+        return columns.from_wire(reply["manifest"], reply.get("tail"))
 
     def map(self, manifest: Manifest, *, mode: str = "share", device: str = "cpu",
             layout: str = "") -> dict[str, torch.Tensor]:
@@ -190,7 +194,7 @@ class CacheClient:
         elif copies is not None:
             release_after_copies(slabs, device)
             slabs = copies  # one device copy per slab
-        tensors = views(manifest, slabs)
+        tensors = columns.views(manifest, slabs)
         with self._lock:
             self._mapped(manifest, mode, slabs)
         return tensors
@@ -212,7 +216,7 @@ class CacheClient:
             TRACE.clear()
             TRACE["start"] = time.perf_counter()
             self._send({"op": "open", "mode": mode})
-            self._send({"op": "manifest"})
+            self._send(MANIFEST)
             owed = 2  # replies not read yet; on an error, a later request reads them
             hello_sent = False
             try:
@@ -270,14 +274,14 @@ class CacheClient:
                             raise bad_open
                         raise CacheBrokenError(f"cache at {self.path} sent fds with its "
                                                "manifest")
-                    manifest = Manifest.from_wire(mrep["manifest"])
+                    manifest = columns.from_wire(mrep["manifest"], mrep.get("tail"))
                     if manifest.slab_sizes != sizes:
                         raise CacheBrokenError(
                             f"cache at {self.path} sent slabs of {list(sizes)[:8]} bytes for a "
                             f"manifest of {list(manifest.slab_sizes)[:8]}")
                     # the views first: the replies below may still be on their way (the
                     # cache's copy into our slabs, when it makes one)
-                    tensors = views(manifest, copies if own else mapped)
+                    tensors = columns.views(manifest, copies if own else mapped)
                     TRACE["viewed"] = time.perf_counter()
                     reply = self._recv()
                     owed -= 1

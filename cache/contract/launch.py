@@ -83,6 +83,9 @@ class RankArgs:
     seed_listen_port: int = field(default=0, metadata=_opt(
         "--seed-listen-port", "Serve seeding over TCP on this port + rank (needs --seed-token; "
         "0: off).", type=click.IntRange(0, 65535)))
+    seed_streams: int = field(default=4, metadata=_opt(
+        "--seed-streams", "TCP connections a seeding rank receives its slabs on.",
+        type=click.IntRange(1, 16)))
     seed_timeout: float = field(default=30.0, metadata=_opt(
         "--seed-timeout", "Seconds any one seeding read or write may wait.",
         type=click.FloatRange(0.1)))

@@ -5,6 +5,11 @@ A frame is a 16-byte header followed by a JSON body:
     magic  b"VLCH" | version u16 | codec u8 (0 = JSON) | flags u8 | nfds u16 | reserved u16
     | length u32                                                       (network byte order)
 
+Codec 1 (CODEC_TAIL) is a reply with raw bytes after its JSON: the body is the JSON part's
+length (u32), the JSON object, then the tail, which the decoded object carries as "tail" (a
+memoryview). Only a rank's replies use it (the columns form of a manifest, for a client that
+asked for it: store/columns.py); a request may not.
+
 One flag exists: FLAG_LARGE marks a request that may exceed MAX_REQUEST_BODY (up to
 MAX_ARTIFACT_BODY); only an artifact_put or a layout_commit may carry it, which the reader
 checks once the body is parsed. Any other request over MAX_REQUEST_BODY is refused from its
@@ -27,6 +32,7 @@ from vlaunch.cache.contract.errors import ProtocolError
 MAGIC = b"VLCH"
 VERSION = 1
 CODEC_JSON = 0
+CODEC_TAIL = 1
 FLAG_LARGE = 0x01
 HEADER = struct.Struct("!4sHBBHHI")
 HEADER_SIZE = HEADER.size
@@ -46,19 +52,27 @@ class Header(NamedTuple):
     nfds: int
     length: int
     large: bool = False
+    codec: int = CODEC_JSON
 
 
-def encode(message: dict[str, Any], nfds: int = 0) -> bytes:
-    """Serialise one message into a frame (header + JSON body)."""
+def encode(message: dict[str, Any], nfds: int = 0, tail: bytes = b"") -> bytes:
+    """Serialise one message into a frame (header + JSON body, then `tail`: codec 1)."""
     body = _ENCODE(message).encode()
+    codec = CODEC_JSON
+    if tail:
+        if "tail" in message:
+            raise ProtocolError("a message with a tail may not have a tail field")
+        body, codec = struct.pack("!I", len(body)) + body + tail, CODEC_TAIL
     if len(body) > MAX_BODY or not 0 <= nfds <= MAX_FDS:
         raise ProtocolError(f"frame too large: {len(body)} bytes, {nfds} fds")
     flags = FLAG_LARGE if message.get("op") in LARGE_OPS else 0
-    return HEADER.pack(MAGIC, VERSION, CODEC_JSON, flags, nfds, 0, len(body)) + body
+    return HEADER.pack(MAGIC, VERSION, codec, flags, nfds, 0, len(body)) + body
 
 
-def decode_header(data: bytes, *, max_body: int = MAX_BODY, large_body: int = 0) -> Header:
-    """Parse and bound-check a frame header; a FLAG_LARGE frame may use up to `large_body`."""
+def decode_header(data: bytes, *, max_body: int = MAX_BODY, large_body: int = 0,
+                  tails: bool = False) -> Header:
+    """Parse and bound-check a frame header; a FLAG_LARGE frame may use up to `large_body`;
+    a codec 1 frame is refused unless `tails` (a client reading a reply)."""
     if len(data) != HEADER_SIZE:
         raise ProtocolError(f"short header: {len(data)} of {HEADER_SIZE} bytes")
     magic, version, codec, flags, nfds, reserved, length = HEADER.unpack(data)
@@ -68,17 +82,33 @@ def decode_header(data: bytes, *, max_body: int = MAX_BODY, large_body: int = 0)
         raise ProtocolError(f"protocol version {version} is not supported (this is "
                             f"version {VERSION}); run the same vlaunch version on both sides")
     large = flags == FLAG_LARGE and large_body > 0
-    if codec != CODEC_JSON or (flags and not large) or reserved:
+    if codec not in ((CODEC_JSON, CODEC_TAIL) if tails else (CODEC_JSON,)) or \
+            (flags and not large) or reserved:
         raise ProtocolError(f"unknown codec {codec} or flags {flags}/{reserved}")
     if large:
         max_body = max(max_body, large_body)
     if nfds > MAX_FDS or length > max_body:
         raise ProtocolError(f"frame too large: {length} bytes (limit {max_body}), {nfds} fds")
-    return Header(nfds, length, large)
+    return Header(nfds, length, large, codec)
 
 
-def decode_body(data: bytes) -> dict[str, Any]:
-    """Parse a JSON body; it must be an object."""
+def decode_body(data: bytes | bytearray, codec: int = CODEC_JSON) -> dict[str, Any]:
+    """Parse a body: a JSON object (codec 1: then the tail, as its "tail" field)."""
+    tail = None
+    if codec == CODEC_TAIL:
+        (n,) = struct.unpack_from("!I", data) if len(data) >= 4 else (-1,)
+        if not 0 <= n <= len(data) - 4:
+            raise ProtocolError("a frame's JSON part runs past its body")
+        tail, data = memoryview(data)[4 + n:], data[4:4 + n]
+    obj = _decode_json(data)
+    if tail is not None:
+        if "tail" in obj:
+            raise ProtocolError("a frame with a tail has a tail field too")
+        obj["tail"] = tail
+    return obj
+
+
+def _decode_json(data: bytes | bytearray) -> dict[str, Any]:
     try:
         obj = _DECODE(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -103,7 +133,7 @@ _STR, _INT, _BOOL, _DICT, _LIST = str, int, bool, dict, list
 REQUESTS: dict[str, dict[str, tuple[type, bool]]] = {
     "hello": {"fingerprint": (_DICT, True), "client": (_STR, False), "pid": (_INT, False),
               "layout": (_STR, False)},
-    "manifest": {"layout": (_STR, False)},
+    "manifest": {"layout": (_STR, False), "form": (_STR, False)},  # form: rows or columns
     "open": {"mode": (_STR, True), "layout": (_STR, False)},
     "copied": {},  # after an open whose reply said "copying": answered once the copy is done
     "mapped": {"bytes": (_INT, True), "mode": (_STR, True)},
@@ -115,9 +145,12 @@ REQUESTS: dict[str, dict[str, tuple[type, bool]]] = {
     "artifact_put": {"kind": (_STR, True), "key": (_STR, True), "data": (_STR, True)},
     "artifact_list": {},
     "digest": {"start": (_INT, True), "count": (_INT, True)},  # vlaunch verify, a page a time
-    # seeding over TCP: the token comes first, then the manifest, then each slab's raw bytes
+    # seeding over TCP: the token comes first on every connection, then the manifest, then
+    # byte ranges of the slabs (or, for seeding ranks of earlier versions, whole slabs), each
+    # answered by a header and the raw bytes
     "seed_auth": {"token": (_STR, True)},
     "seed_manifest": {},
+    "seed_range": {"slab": (_INT, True), "offset": (_INT, True), "nbytes": (_INT, True)},
     "seed_slab": {"slab": (_INT, True)},
     # engine-shaped layouts (docs/engine-layout.md; `layout` above names one by its key):
     # list them, allocate slabs for one (fds back), commit its manifest rows

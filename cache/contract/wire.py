@@ -44,16 +44,16 @@ def recv_frame(sock: socket.socket, *, max_body: int = protocol.MAX_BODY,
             raise EOFError("connection closed")
         head += data
     try:
-        header = protocol.decode_header(bytes(head), max_body=max_body)
+        header = protocol.decode_header(bytes(head), max_body=max_body, tails=True)
         if header.nfds != len(fds):
             raise ProtocolError(f"frame announces {header.nfds} fds but carries {len(fds)}")
-        return protocol.decode_body(_recv_exact(sock, header.length)), fds
+        return protocol.decode_body(_recv_exact(sock, header.length), header.codec), fds
     except BaseException:
         close_fds(fds)
         raise
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -62,7 +62,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
         if not k:
             raise EOFError("connection closed in the middle of a frame")
         got += k
-    return bytes(buf)
+    return buf
 
 
 def _fds_from(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
@@ -82,9 +82,11 @@ def close_fds(fds: list[int]) -> None:
 
 
 async def read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, *,
-                     max_body: int, frame_timeout: float) -> dict[str, Any]:
-    """Read one fd-less frame; a peer that stalls mid-frame is cut off after frame_timeout."""
-    head = await _read_exact(loop, sock, protocol.HEADER_SIZE, None)
+                     max_body: int, frame_timeout: float,
+                     idle_timeout: float | None = None) -> dict[str, Any]:
+    """Read one fd-less frame; a peer that stalls mid-frame is cut off after frame_timeout
+    (and one that sends nothing, after idle_timeout when given)."""
+    head = await _read_exact(loop, sock, protocol.HEADER_SIZE, idle_timeout)
     header = protocol.decode_header(head, max_body=max_body)
     if header.nfds:
         raise ProtocolError("requests may not carry file descriptors")

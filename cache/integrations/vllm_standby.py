@@ -33,6 +33,7 @@ from collections.abc import Iterator, MutableMapping
 
 from vlaunch.cache.contract.errors import UsageError
 from vlaunch.cache.contract.notify import SdNotify
+from vlaunch.cache.contract.peers import proc_pid
 from vlaunch.cache.contract.standby import (
     PARKED_FIELD,
     PROMOTE_FD_ENV,
@@ -65,8 +66,11 @@ def export_promote_pipe(env: MutableMapping[str, str] | None = None) -> None:
         st = os.fstat(fd)
     except OSError:
         return  # not ours: a child without the fd and without the name fails in open_pipe
-    if stat.S_ISFIFO(st.st_mode):
-        env[PROMOTE_PIPE_ENV] = f"{os.getpid()}:{fd}:{st.st_dev}:{st.st_ino}"
+    # The pid as /proc numbers it, which is what the workers open: in a PID namespace whose
+    # /proc was not mounted for it, os.getpid() names another process there.
+    pid = proc_pid()
+    if stat.S_ISFIFO(st.st_mode) and pid is not None:
+        env[PROMOTE_PIPE_ENV] = f"{pid}:{fd}:{st.st_dev}:{st.st_ino}"
 
 
 def open_pipe(env: MutableMapping[str, str] | None = None) -> int:
@@ -92,7 +96,7 @@ def open_pipe(env: MutableMapping[str, str] | None = None) -> int:
         raise PromotePipeError(f"vlaunch load format: a standby rank cannot open its promote "
                                f"pipe {path} ({exc.strerror}): the process vlaunch run started "
                                "must stay alive and be readable by this user (same user, no "
-                               "hidepid /proc)") from None
+                               "hidepid /proc, the same /proc mount)") from None
     if not _is_pipe(mine, dev, ino):
         os.close(mine)
         raise PromotePipeError(f"vlaunch load format: a standby rank cannot open its promote "

@@ -22,7 +22,7 @@ from typing import Any
 
 from vlaunch.cache.contract import engine_layout as el
 from vlaunch.cache.contract import fingerprint as fp
-from vlaunch.cache.contract import protocol, wire
+from vlaunch.cache.contract import peers, protocol, wire
 from vlaunch.cache.contract.errors import (
     ArtifactError,
     CacheBrokenError,
@@ -32,6 +32,7 @@ from vlaunch.cache.contract.errors import (
 from vlaunch.cache.contract.sockdir import check_peer
 from vlaunch.cache.rank.connections import Connections, connection_bound, starved_after
 from vlaunch.cache.rank.layouts import LayoutError, LayoutStore
+from vlaunch.cache.rank.openers import Openers
 from vlaunch.cache.store import artifacts as art
 from vlaunch.cache.store.artifacts import ArtifactStore
 from vlaunch.cache.store.manifest import Manifest
@@ -54,6 +55,11 @@ class Lease:
     bytes: int = 0
     since: float = field(default_factory=time.time)
 
+    @property
+    def who(self) -> str:
+        """The client as log lines name it (pid 0: a process in another PID namespace)."""
+        return peers.describe(self.pid, self.client)
+
     def to_status(self) -> dict[str, Any]:
         """The lease as `status` shows it (its connection is the rank's own business)."""
         return {"pid": self.pid, "client": self.client, "mode": self.mode, "bytes": self.bytes,
@@ -75,7 +81,7 @@ class CacheServer:
         self.state = "serving"
         self._handed_to: int | None = None  # the lease the raw slabs went to (copy-release)
         self.raw_readers = 0  # reads of the raw slabs in flight: seed streams, digests
-        self._raw_mappers: dict[int, float] = {}  # pid -> start time of each that opened raw
+        self.openers = Openers(rank)  # the processes that opened the raw layout
         self.leases: dict[int, Lease] = {}
         self.started = time.time()
         self._release = release
@@ -164,14 +170,14 @@ class CacheServer:
                 copy.close()
             if lease is not None and self._handed_to == id(lease):  # left before its drop
                 self._handed_to = None
-                log.info("rank %d: pid %d left before taking the slabs handed over; serving "
-                         "them again", self.rank, lease.pid)
+                log.info("rank %d: %s left before taking the slabs handed over; serving "
+                         "them again", self.rank, lease.who)
             self.connections.remove(cid)
             conn.close()
 
     def _who(self, cid: int) -> str:
         lease = self.leases.get(cid)
-        return f"pid {lease.pid}" if lease else f"#{cid}"
+        return lease.who if lease else f"#{cid}"
 
     def _dispatch(self, cid: int, op: str,
                   f: dict[str, Any]) -> tuple[dict[str, Any] | bytes, list[int]]:
@@ -221,8 +227,18 @@ class CacheServer:
         waits for it."""
         return protocol.encode({"ok": True, "manifest": self.manifest.to_wire()})
 
+    @functools.cached_property
+    def manifest_columns_frame(self) -> bytes:
+        """The reply to `manifest` in the columns form (store/columns.py), encoded once."""
+        from vlaunch.cache.store import columns
+
+        head, tail = columns.encode(self.manifest)
+        return protocol.encode({"ok": True, "manifest": head}, tail=tail)
+
     def handle_manifest(self, lease: Lease, f: dict[str, Any]) -> tuple[bytes, list[int]]:
-        """manifest: every tensor's place in the slabs."""
+        """manifest: every tensor's place in the slabs, in rows or (asked) in columns."""
+        if f.get("form") == "columns":
+            return self.manifest_columns_frame, []
         return self.manifest_frame, []
 
     def handle_open(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
@@ -240,11 +256,15 @@ class CacheServer:
             return protocol.error("busy", "the cache is handing its slabs over to a "
                                   "copy-release engine; it serves nothing once that engine has "
                                   "them"), []
-        if f["mode"] == "copy-release" and self._nobody_else_maps(lease):
-            return self._hand_over(lease, sizes)
-        if lease.pid not in self._raw_mappers:  # off the reply's path (reads /proc)
-            asyncio.get_running_loop().call_soon(self._remember_mapper, lease.pid)
-        copy = self.copier.start(f"rank {self.rank}: pid {lease.pid}") \
+        if f["mode"] == "copy-release":
+            why = self._why_not_hand_over(lease)
+            if not why:
+                return self._hand_over(lease, sizes)
+            log.info("rank %d: copy-release by %s: a copy, not the slabs themselves: %s",
+                     self.rank, lease.who, why)
+        if not self.openers.note(lease.conn, lease.pid):  # /proc: off the reply's path
+            asyncio.get_running_loop().call_soon(self.openers.note_by_pid, lease.pid)
+        copy = self.copier.start(f"rank {self.rank}: {lease.who}") \
             if self.copier and f["mode"] != "share" else None
         if copy is None:
             return {"ok": True, "slabs": len(self.fds), "sizes": sizes}, list(self.fds)
@@ -254,29 +274,23 @@ class CacheServer:
             reply["pieces"] = copy.pieces  # a slab's fds, one per allocation it is made of
         return reply, copy.fds
 
-    def _nobody_else_maps(self, lease: Lease) -> bool:
-        """Whether no other connection has opened the raw layout (a share engine maps it; a
-        copy-mode one may be reading it), and the rank itself is not reading it (a copy, a
-        seed stream or a digest in flight)."""
-        others = any(other.mode for other in self.leases.values() if other is not lease)
-        copying = bool(self._copies) or bool(self.copier and self.copier.status()["in_flight"])
-        return not (others or copying or self.raw_readers or self.raw_released
-                    or self._mappers_alive())
-
-    def _remember_mapper(self, pid: int) -> None:
-        """Note a process that opened the raw layout (its lease's mode covers it until then);
-        the dead are forgotten whenever more than a few are noted."""
-        self._raw_mappers.setdefault(pid, _start_time(pid))
-        if len(self._raw_mappers) > 64:
-            self._mappers_alive()
-
-    def _mappers_alive(self) -> bool:
-        """Whether a process that opened the raw layout before may still map it. A lease can
-        end with its tensors kept (`CacheClient.close()`), so an ended connection proves
-        nothing: only that process's exit does (checked by pid and start time)."""
-        self._raw_mappers = {pid: started for pid, started in self._raw_mappers.items()
-                             if _start_time(pid) == started}
-        return bool(self._raw_mappers)
+    def _why_not_hand_over(self, lease: Lease) -> str:
+        """Why a copy-release engine cannot take the raw slabs themselves ("" if it can): no
+        other connection may have opened them (a share engine maps them, a copy-mode one may
+        be reading them), no process that opened them before may still run, and the rank
+        itself must not be reading them (a copy, a seed stream or a digest in flight)."""
+        if any(other.mode for other in self.leases.values() if other is not lease):
+            return "another engine holds a lease on them"
+        if self._copies or (self.copier and self.copier.status()["in_flight"]):
+            return "the rank is copying them for another engine"
+        if self.raw_readers:
+            return "the rank is reading them (a seed stream or a digest)"
+        if self.raw_released:
+            return "they were released"
+        if self.openers.alive():
+            return self.openers.unknown or ("a process that opened them before still runs "
+                                            "(its lease ended; its tensors may not have)")
+        return ""
 
     @contextlib.contextmanager
     def reading_raw(self) -> Iterator[None]:
@@ -303,8 +317,8 @@ class CacheServer:
         launcher drops its escrowed duplicates. An engine that leaves without `drop` (a
         mismatch) wrote nothing into them (on a CPU its mapping is copy-on-write anyway), and
         the rank serves again."""
-        log.info("rank %d: copy-release by pid %d: handing the slabs over (%.2f GB, no copy)",
-                 self.rank, lease.pid, sum(sizes) / 1e9)
+        log.info("rank %d: copy-release by %s: handing the slabs over (%.2f GB, no copy)",
+                 self.rank, lease.who, sum(sizes) / 1e9)
         self._handed_to = id(lease)
         return {"ok": True, "slabs": len(sizes), "sizes": sizes, "handover": True}, \
             list(self.fds)
@@ -340,7 +354,7 @@ class CacheServer:
         """drop: after a copy-release handoff, free our copy (or, handed over, our fds)."""
         if lease.mode != "copy-release":
             return protocol.error("refused", "drop is only allowed after open(copy-release)"), []
-        log.info("rank %d: copy-release by pid %d: %s", self.rank, lease.pid,
+        log.info("rank %d: copy-release by %s: %s", self.rank, lease.who,
                  "the slabs are its own now" if self._handed_to == id(lease)
                  else "dropping the cache's copy")
         self.drop(later=True)  # answer first: freeing a large slab takes a while
@@ -413,8 +427,8 @@ class CacheServer:
                                          f["tensors"], f["copy"])
         except (LayoutError, CacheBrokenError) as exc:
             return protocol.error("refused", str(exc)), []
-        log.info("rank %d: engine layout %s adopted from pid %d: %d tensors, %.2f GB; %d "
-                 "shared, %d copied%s", self.rank, layout.key, lease.pid,
+        log.info("rank %d: engine layout %s adopted from %s: %d tensors, %.2f GB; %d "
+                 "shared, %d copied%s", self.rank, layout.key, lease.who,
                  len(layout.manifest.tensors), layout.manifest.nbytes / 1e9,
                  len(layout.manifest.tensors) - len(layout.copy), len(layout.copy),
                  f" ({', '.join(layout.copy[:8])}{', ...' if len(layout.copy) > 8 else ''})"
@@ -439,6 +453,7 @@ class CacheServer:
         """Close the raw layout's fds and the copier's (and a swap's) views of its slabs."""
         wire.close_fds(self.fds)
         self.fds = []
+        self.openers.close()  # nothing is left to hand over
         if self.copier is not None:
             self.copier.close()
         if self.swap is not None:
@@ -490,8 +505,8 @@ class CacheServer:
         except ArtifactError as exc:
             code = "too_large" if "over the limit" in str(exc) else "refused"
             return protocol.error(code, str(exc)), []
-        log.info("rank %d: artifact %s/%s (%d bytes) from pid %d", self.rank, f["kind"],
-                 f["key"][:12], len(data), lease.pid)
+        log.info("rank %d: artifact %s/%s (%d bytes) from %s", self.rank, f["kind"],
+                 f["key"][:12], len(data), lease.who)
         self.escrow_artifacts((f["kind"], f["key"], f["data"]))
         return {"ok": True}, []
 
@@ -521,6 +536,7 @@ class CacheServer:
                 "checkpoint": self.integrity.status() if self.integrity else None,
                 "fingerprint": self.fingerprint,
                 "raw": "released" if self.raw_released else "held",
+                "handover_blocked": self._why_not_hand_over(exclude) if self.fds else "",
                 "layouts": self.layouts.listing(),
                 "weights": self.swap.status() if self.swap is not None else None,
                 **self.slab_pages()}
@@ -543,17 +559,6 @@ class CacheServer:
             asyncio.get_running_loop().call_soon(release)
         elif release:
             release()
-
-
-def _start_time(pid: int) -> float:
-    """When process `pid` started (0.0 when there is none): a pid and its start time name one
-    process, whatever reuses the pid later."""
-    import psutil
-
-    try:
-        return float(psutil.Process(pid).create_time())
-    except psutil.Error:
-        return 0.0
 
 
 def socket_path_taken(path: Path, why: str) -> Exception:

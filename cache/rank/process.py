@@ -12,6 +12,7 @@ import stat
 import time
 from typing import Any
 
+from vlaunch.cache.client import collector
 from vlaunch.cache.contract import fingerprint as fp
 from vlaunch.cache.contract import protocol, wire
 from vlaunch.cache.contract.errors import ProtocolError, UsageError, VlaunchError
@@ -98,9 +99,11 @@ def _run(opts: RankArgs, rank: int) -> int:
             manifest, fds, fingerprint, release, adopted, raw_released = _adopt(
                 opts.adopt_fd, store, weights)
         elif opts.seed:
-            manifest, fds, fingerprint, release = _seed_or_load(opts, backend, rank, store)
+            with collector.paused():  # per-tensor objects that live as long as the rank
+                manifest, fds, fingerprint, release = _seed_or_load(opts, backend, rank, store)
         else:
-            manifest, fds, fingerprint, release = _load(opts, backend, rank)
+            with collector.paused():
+                manifest, fds, fingerprint, release = _load(opts, backend, rank)
         from vlaunch.cache.rank.daemon import CacheServer
         from vlaunch.cache.rank.layouts import LayoutStore
 
@@ -115,6 +118,9 @@ def _run(opts: RankArgs, rank: int) -> int:
         server = CacheServer(rank=rank, fingerprint=fingerprint, manifest=manifest, fds=fds,
                              device=backend.device, release=release, artifacts=store,
                              layouts=layouts, raw_released=raw_released, copier=copier)
+        if opts.adopt_fd >= 0:
+            server.openers.give_up("its slabs were adopted from a rank that exited, and the "
+                                   "engines that mapped them then may still")
         from vlaunch.cache.rank.integrity import Integrity
         from vlaunch.cache.rank.swap import RankSwap
 
@@ -213,7 +219,8 @@ def _seed_or_load(opts: RankArgs, backend: Any, rank: int, store: Any
             seeded = seed_into(opts.seed, opts.seed_token, rank,
                                _fingerprint(opts, backend, shard), shard.manifest,
                                shard.tensors, backend.device, timeout=opts.seed_timeout,
-                               role=opts.role, world=_layout(opts).world_size)
+                               role=opts.role, world=_layout(opts).world_size,
+                               streams=opts.seed_streams)
         except BaseException:
             shard.tensors.clear()
             for slab in shard.slabs:
@@ -226,9 +233,10 @@ def _seed_or_load(opts: RankArgs, backend: Any, rank: int, store: Any
         return _load(opts, backend, rank)
     for kind, key, data in seeded.artifacts:
         store.put(kind, key, data)
-    log.info("seeded %.2f GB and %d artifact(s) from %s in %.2fs (%.2f GB/s); serving on our "
-             "own", seeded.manifest.nbytes / 1e9, len(seeded.artifacts), opts.seed,
-             seeded.seconds, seeded.manifest.nbytes / 1e9 / max(seeded.seconds, 1e-9))
+    log.info("seeded %.2f GB and %d artifact(s) from %s in %.2fs (%.2f GB/s%s); serving on "
+             "our own", seeded.manifest.nbytes / 1e9, len(seeded.artifacts), opts.seed,
+             seeded.seconds, seeded.manifest.nbytes / 1e9 / max(seeded.seconds, 1e-9),
+             f", {seeded.streams} streams" if seeded.streams else "")
     return _finish(opts, backend, shard, seeded.manifest)
 
 
@@ -262,7 +270,9 @@ def _adopt(fd: int, store: Any, weights: dict[str, Any]
     if msg.get("event") != "escrow" or not isinstance(msg.get("fingerprint"), dict):
         raise ProtocolError("adopt channel did not carry an escrow frame")
     weights.update({k: msg[k] for k in ("version", "model", "label") if k in msg})
-    manifest = Manifest.from_wire(msg["manifest"])
+    from vlaunch.cache.store.columns import from_wire
+
+    manifest = from_wire(msg["manifest"])  # the columns form the ready frame gave the escrow
     released = msg.get("released") is True and not fds
     if len(fds) != len(manifest.slab_sizes) and not released:
         raise ProtocolError(f"escrow carries {len(fds)} fds for {len(manifest.slab_sizes)} slabs")
@@ -303,7 +313,7 @@ async def _serve(server: Any, lock: RankLock, opts: RankArgs) -> None:
         loop.add_signal_handler(sig, stop.set)
     seeding = None
     if opts.seed_listen_port and opts.seed_token:
-        from vlaunch.cache.rank.seed import SeedSource, source_port
+        from vlaunch.cache.rank.seedsource import SeedSource, source_port
 
         seeding = await SeedSource(server, opts.seed_token, timeout=opts.seed_timeout).start(
             opts.seed_listen_host, source_port(opts.seed_listen_port, seat(
@@ -333,6 +343,8 @@ def _check_socket_path(path: Any) -> None:
 
 def _report_ready(server: Any, lock: RankLock, opts: RankArgs) -> None:
     """Tell whoever waits: the launcher (ready fd, with escrow), systemd, and the log."""
+    from vlaunch.cache.store import columns
+
     rank = server.rank
     log.info("ready: serving %.2f GB on %s", server.manifest.nbytes / 1e9, lock.socket)
     if opts.ready_fd >= 0:
@@ -343,7 +355,7 @@ def _report_ready(server: Any, lock: RankLock, opts: RankArgs) -> None:
             wire.send_frame(sock, protocol.event(
                 "ready", rank=rank, pid=os.getpid(), socket=str(lock.socket), at=time.time(),
                 bytes=server.manifest.nbytes, device=server.device,
-                manifest=server.manifest.to_wire(), fingerprint=server.fingerprint,
+                manifest=columns.to_json(server.manifest), fingerprint=server.fingerprint,
                 **weights), server.fds)
         except OSError:
             sock.close()

@@ -4,19 +4,17 @@ Same host (`unix:/source/socket-dir`): the seeding rank connects to the source r
 (the socket directory checks and SO_PEERCRED apply), takes the manifest and the slab fds, maps
 them read-only, copies into its own new slabs (device to device on CUDA, memcpy on CPU) and
 unmaps. Across hosts (`tcp://HOST:BASE`): the source listens on BASE + rank only when given a
-token; the first request must carry it (compared in constant time), then the client asks for
-the manifest and each slab, whose bytes follow a JSON header as a raw, length-announced
-stream. Every read has a timeout, every size is capped, nothing is unpickled. Artifacts travel
-with the weights. Either way the fingerprint is checked first, and the tensors' checksums,
-when the source's manifest has them, are verified after the copy. On CPU slabs (numpy arrays:
-`slabs.SlabBytes`) neither side imports torch.
+token (seedsource.py); every connection's first request must carry it (compared in constant
+time). The seeding rank asks for the fingerprint, the manifest and the artifacts on one
+connection, then opens more and receives the slabs' byte ranges on all of them at once
+(seedwire.py). Every read has a timeout, every size is capped, nothing is unpickled. Either
+way the fingerprint is checked first, and the tensors' checksums, when the source's manifest
+has them, are verified after the copy; the rank serves nothing before. On CPU slabs (numpy
+arrays: `slabs.SlabBytes`) neither side imports torch.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import hmac
 import logging
 import socket
 import time
@@ -24,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.contract import fingerprint as fp
-from vlaunch.cache.contract import protocol, wire
+from vlaunch.cache.contract import wire
 from vlaunch.cache.contract.errors import (
     ArtifactError,
     CacheBrokenError,
@@ -32,6 +30,8 @@ from vlaunch.cache.contract.errors import (
     SeedError,
     VlaunchError,
 )
+from vlaunch.cache.rank import seedwire
+from vlaunch.cache.rank.seedsource import source_port
 from vlaunch.cache.store.manifest import Manifest
 from vlaunch.cache.store.slabs import on_device
 
@@ -55,7 +55,11 @@ class Seeded:
     copy_seconds: float = 0.0
     """The bytes' move alone: map + copy + unmap (same host) or the slab streams (TCP)."""
     phases: dict[str, float] = field(default_factory=dict)
-    """Seconds of each step, in order (same host: connect, ask, map, copy, unmap, artifacts)."""
+    """Seconds of each step, in order (same host: connect, ask, map, copy, unmap, artifacts;
+    TCP: ask (fingerprint, manifest, artifacts), connect (the other streams), streams,
+    verify)."""
+    streams: int = 0
+    """TCP connections the bytes came on (0: same host)."""
 
 
 class _Laps:
@@ -208,96 +212,56 @@ def _where(b: SlabBytes) -> str:
 
 
 def seed_tcp(host: str, port: int, token: str, ours: fp.Fingerprint, manifest: Manifest,
-             slabs: list[SlabBytes], *, timeout: float = TIMEOUT) -> Seeded:
-    """Stream the source rank's slabs over TCP into `slabs`."""
+             slabs: list[SlabBytes], *, timeout: float = TIMEOUT,
+             streams: int = seedwire.DEFAULT_STREAMS) -> Seeded:
+    """Receive the source rank's slabs over TCP into `slabs`, on `streams` connections (one
+    for a source of an earlier version, which serves whole slabs on one)."""
     start = time.perf_counter()
+    laps = _Laps()
+    socks: list[socket.socket] = []
     try:
-        sock = socket.create_connection((host, port), timeout=timeout)
-    except OSError as exc:
-        raise SeedError(f"seed source {host}:{port} unreachable: {exc}; start the source with "
-                        "--seed-listen-port and check the firewall") from None
-    try:
-        with sock:
-            sock.settimeout(timeout)  # every read below is bounded by it
-            _ask(sock, {"op": "seed_auth", "token": token})
-            reply = _ask(sock, {"op": "seed_manifest"})
-            check_fingerprint(reply.get("fingerprint") or {}, ours)
-            source = Manifest.from_wire(reply.get("manifest"))
-            check_layout(source, manifest)
-            moved = time.perf_counter()
-            staging = _Staging(slabs)
-            for i, slab in enumerate(slabs):
-                head = _ask(sock, {"op": "seed_slab", "slab": i})
-                if head.get("nbytes") != source.slab_sizes[i]:
-                    raise SeedError(f"seed source announced {head.get('nbytes')!r} bytes for "
-                                    f"slab {i}, expected {source.slab_sizes[i]}")
-                staging.receive(sock, slab, source.slab_sizes[i])
-            _synchronize(slabs)
-            moved = time.perf_counter() - moved
-            artifacts = []
-            for kind, key, _ in reply.get("artifacts") or []:
-                got = _ask(sock, {"op": "artifact_get", "kind": kind, "key": key}, miss=True)
-                if got.get("ok"):
-                    from vlaunch.cache.store.artifacts import decode
-
-                    artifacts.append((str(kind), str(key), decode(got["data"])))
+        socks.append(seedwire.connect(host, port, token, timeout))
+        reply = seedwire.ask(socks[0], {"op": "seed_manifest"})
+        check_fingerprint(reply.get("fingerprint") or {}, ours)
+        source = Manifest.from_wire(reply.get("manifest"))
+        check_layout(source, manifest)
+        artifacts = _artifacts(socks[0], reply.get("artifacts"))
+        laps.lap("ask")
+        if reply.get("ranges") is True:
+            work = seedwire.ranges(source.slab_sizes)
+            offered = reply.get("streams")
+            most = offered if type(offered) is int and offered > 0 else 1
+            for _ in range(max(1, min(streams, most, len(work))) - 1):
+                socks.append(seedwire.connect(host, port, token, timeout))
+            laps.lap("connect")
+            seedwire.receive(socks, work, slabs)
+        else:  # a source of an earlier version: whole slabs, one after another
+            seedwire.receive(socks, [(i, 0, n) for i, n in enumerate(source.slab_sizes)],
+                             slabs, op="seed_slab")
+        _synchronize(slabs)
+        laps.lap("streams")
     except (OSError, EOFError, ProtocolError, ArtifactError, ValueError, TypeError) as exc:
         raise SeedError(f"seeding from {host}:{port} failed: {exc or 'timed out'}") from None
+    finally:
+        for sock in socks:
+            sock.close()
     _verify(source, slabs)
-    return Seeded(source, artifacts, time.perf_counter() - start, moved)
+    laps.lap("verify")
+    return Seeded(source, artifacts, time.perf_counter() - start,
+                  laps.phases.get("connect", 0.0) + laps.phases["streams"], laps.phases,
+                  len(socks))
 
 
-def _ask(sock: socket.socket, message: dict[str, Any], *, miss: bool = False) -> dict[str, Any]:
-    wire.send_frame(sock, message)
-    reply, fds = wire.recv_frame(sock)
-    wire.close_fds(fds)
-    if reply.get("ok") is not True and not (miss and reply.get("error") == "miss"):
-        raise SeedError(f"seed source refused {message['op']}: {reply.get('error')}: "
-                        f"{reply.get('message')}")
-    return reply
+def _artifacts(sock: socket.socket, listing: Any) -> list[tuple[str, str, bytes]]:
+    """Every artifact the source listed, fetched on the control connection."""
+    from vlaunch.cache.store.artifacts import decode
 
-
-class _Staging:
-    """Receives raw slab bytes: straight into CPU slabs; into CUDA slabs through two pinned
-    host buffers, one filling from the socket while the other is copied to the device."""
-
-    def __init__(self, slabs: list[SlabBytes]) -> None:
-        self.buffers: list[Any] = []  # pinned torch tensors
-        self.events: list[Any] = []
-        if slabs and on_device(slabs[0]):
-            import torch
-
-            self.buffers = [torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True)
-                            for _ in range(2)]
-            self.events = [None, None]
-
-    def receive(self, sock: socket.socket, slab: SlabBytes, n: int) -> None:
-        """Read exactly n bytes from `sock` into the start of `slab`."""
-        from vlaunch.cache.store.reader import host_view
-
-        if not self.buffers:
-            _recv_exact(sock, host_view(slab[:n]), 0, n)
-            return
-        import torch
-
-        for turn, at in enumerate(range(0, n, CHUNK)):
-            want, i = min(CHUNK, n - at), turn % 2
-            if self.events[i] is not None:
-                self.events[i].synchronize()  # its last copy to the device has finished
-            _recv_exact(sock, host_view(self.buffers[i][:want]), at, n)
-            slab[at:at + want].copy_(self.buffers[i][:want], non_blocking=True)
-            self.events[i] = torch.cuda.Event()
-            self.events[i].record(torch.cuda.current_stream(slab.device))
-
-
-def _recv_exact(sock: socket.socket, view: memoryview, at: int, n: int) -> None:
-    """Fill `view` from the socket (`at`, `n`: where in the slab's n bytes, for the error)."""
-    got = 0
-    while got < len(view):
-        k = sock.recv_into(view[got:], len(view) - got)
-        if not k:
-            raise EOFError(f"stream ended after {at + got} of {n} bytes (truncated)")
-        got += k
+    out = []
+    for kind, key, _ in listing or []:
+        got = seedwire.ask(sock, {"op": "artifact_get", "kind": kind, "key": key}, miss=True)
+        if got.get("ok"):
+            out.append((str(kind), str(key), decode(got["data"])))
+    return out
 
 
 def _verify(source: Manifest, slabs: list[SlabBytes]) -> None:
@@ -313,119 +277,10 @@ def _verify(source: Manifest, slabs: list[SlabBytes]) -> None:
                         f"{bad[0]!r}); the stream was corrupted in transit")
 
 
-# ------------------------------------------------------------------------ the source
-
-
-class SeedSource:
-    """Serves one rank's slabs to seeding replicas on a TCP port; needs a token."""
-
-    def __init__(self, server: Any, token: str, *, timeout: float = TIMEOUT) -> None:
-        if len(token) < 16:
-            raise SeedError("the seed token is shorter than 16 characters; use a long random "
-                            "one (openssl rand -hex 32)")
-        self.server, self.token, self.timeout = server, token.encode(), timeout
-
-    async def start(self, host: str, port: int) -> asyncio.AbstractServer:
-        """Listen on host:port (the caller closes the returned server)."""
-        try:
-            srv = await asyncio.start_server(self._client, host, port, limit=1 << 16)
-        except OSError as exc:
-            raise SeedError(f"cannot listen for seeding on {host}:{port}: {exc.strerror}; "
-                            "pick another --seed-listen-port or --seed-listen-host") from None
-        log.info("rank %d: seed source listening on %s:%d", self.server.rank, host, port)
-        return srv
-
-    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        sock = writer.get_extra_info("socket")
-        loop = asyncio.get_running_loop()
-        try:
-            authed = False
-            while True:
-                op, f = await asyncio.wait_for(self._read(reader), self.timeout)
-                if not authed:
-                    if op != "seed_auth" or not hmac.compare_digest(
-                            f.get("token", "").encode(), self.token):
-                        raise ProtocolError("wrong or missing seed token")
-                    authed = True
-                    await self._send(writer, {"ok": True})
-                    continue
-                await self._dispatch(op, f, writer, loop, sock)
-        except (EOFError, ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
-            pass
-        except (ProtocolError, TimeoutError, asyncio.TimeoutError) as exc:
-            reason = str(exc) or "stalled: no complete request in time"
-            log.warning("rank %d: dropping seed client %s: %s", self.server.rank, peer, reason)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._send(writer, protocol.error("forbidden", reason)),
-                                       1.0)
-        finally:
-            writer.close()
-
-    async def _read(self, reader: asyncio.StreamReader) -> tuple[str, dict[str, Any]]:
-        head = protocol.decode_header(await reader.readexactly(protocol.HEADER_SIZE),
-                                      max_body=protocol.MAX_REQUEST_BODY)
-        if head.nfds:
-            raise ProtocolError("requests may not carry file descriptors")
-        body = await reader.readexactly(head.length)
-        return protocol.validate_request(protocol.decode_body(body))
-
-    async def _send(self, writer: asyncio.StreamWriter, msg: dict[str, Any]) -> None:
-        writer.write(protocol.encode(msg))
-        await asyncio.wait_for(writer.drain(), self.timeout)
-
-    async def _dispatch(self, op: str, f: dict[str, Any], writer: asyncio.StreamWriter,
-                        loop: asyncio.AbstractEventLoop, sock: Any) -> None:
-        server = self.server
-        if server.state != "serving":
-            raise ProtocolError("this cache released its copy; it cannot seed")
-        if server.handing_over:
-            raise ProtocolError("this cache is handing its slabs over to a copy-release "
-                                "engine; it cannot seed")
-        if op == "seed_manifest":
-            await self._send(writer, {"ok": True, "fingerprint": server.fingerprint,
-                                      "manifest": server.manifest.to_wire(),
-                                      "artifacts": server.artifacts.listing()})
-        elif op == "seed_slab":
-            await self._stream_slab(f["slab"], writer)
-        elif op == "artifact_get":
-            reply, _ = server.handle_artifact_get(None, f)
-            await self._send(writer, reply)
-        else:
-            raise ProtocolError(f"{op} is not a seeding request")
-
-    async def _stream_slab(self, index: int, writer: asyncio.StreamWriter) -> None:
-        """Stream one slab from a mapping of our own, made for this stream and dropped after
-        it: a mapping kept for later would hold the memory after a copy-release. While it
-        runs the rank hands no slab over (`CacheServer.reading_raw`)."""
-        sizes = self.server.manifest.slab_sizes
-        if index >= len(sizes):
-            raise ProtocolError(f"no slab {index}")
-        from vlaunch.cache.client.connection import backend_for
-        from vlaunch.cache.store.reader import chunks
-
-        with self.server.reading_raw():
-            slab = backend_for(self.server.device).map_fd(self.server.fds[index], sizes[index],
-                                                          readonly=True)
-            await self._send(writer, {"ok": True, "slab": index, "nbytes": sizes[index]})
-            for part in chunks(slab[:sizes[index]]):
-                for at in range(0, len(part), CHUNK):
-                    writer.write(part[at:at + CHUNK])
-                    await asyncio.wait_for(writer.drain(), self.timeout)
-
-
-def source_port(base: int, rank: int) -> int:
-    """The TCP port of `rank`: base + rank."""
-    port = base + rank
-    if not 0 < port < 65536:
-        raise SeedError(f"seed port {base} + rank {rank} is not a valid port; pick a lower "
-                        "--seed-listen-port")
-    return port
-
-
 def seed_into(spec: str, token: str, rank: int, ours: fp.Fingerprint, manifest: Manifest,
               slabs: list[SlabBytes], device: str, *, timeout: float = TIMEOUT,
-              role: str = "target", world: int = 0) -> Seeded:
+              role: str = "target", world: int = 0,
+              streams: int = seedwire.DEFAULT_STREAMS) -> Seeded:
     """Seed `slabs` from the source named by --seed (a draft rank from the source's draft
     group: its socket, or its port after the target's block of `world`)."""
     from vlaunch.cache.contract.roles import seat
@@ -438,4 +293,4 @@ def seed_into(spec: str, token: str, rank: int, ours: fp.Fingerprint, manifest: 
         raise SeedError("seeding over TCP needs the source's token: set --seed-token or "
                         "VLAUNCH_SEED_TOKEN")
     return seed_tcp(where, source_port(base, seat(role, rank, world)), token, ours, manifest,
-                    slabs, timeout=timeout)
+                    slabs, timeout=timeout, streams=streams)

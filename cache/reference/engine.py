@@ -3,14 +3,16 @@
     python -m vlaunch.cache.reference.engine --model DIR [--tensor-parallel-size N]
         [--device cpu|cuda]
         [--mode share|copy|copy-release] [--no-fallback] [--timeout S] [--host H] [--port P]
-        [--port-file FILE] [--socket-dir DIR] [--no-engine-layout]
+        [--port-file FILE] [--socket-dir DIR] [--no-engine-layout] [--tp-backend B]
+        [--warmup-tokens N] [--standby-keep-memory]
 
 Rank 0 is the process started by hand or by `vlaunch run`; it starts ranks 1..N-1 as its own
 children at once (workers.py), serves HTTP (http.py) and runs every request in its main
 thread, one at a time (this module). The options are parsed in options.py. Each rank keeps its
 weights in the engine's own layout (layout.py: fused qkv and gate_up, padded vocabulary):
 mapped from its cache when the cache holds that layout, else built from the raw shard and
-handed back to the cache (weights.py, docs/engine-layout.md).
+handed back to the cache (weights.py, docs/engine-layout.md). Before it reports ready, or
+parked as a standby, every rank warms up on a dummy prompt (warmup.py).
 
 Exit statuses: 0 after SIGTERM/SIGINT; 78 (EX_CONFIG) for a configuration error that a restart
 cannot fix (config.json, model path, tensor-parallel size, options, devices); 1 otherwise,
@@ -60,6 +62,7 @@ from vlaunch.cache.reference.workers import (
     open_store,
     reserve_store,
     run_generate,
+    run_warmup,
     run_worker,
     start_rank,
 )
@@ -137,7 +140,7 @@ class Engine:
         self.stats: dict[str, Any] = {"weights_ms": None, "source": None, "layout": None,
                                       "tp_size": opts.tp_size, "bytes": None,
                                       "pid": os.getpid(), "started_at": self.started_at,
-                                      "ready_at": None, "memory": None}
+                                      "ready_at": None, "memory": None, "warmup": None}
         self.jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self.accepting = False
         self.stopping = False
@@ -181,12 +184,14 @@ class Engine:
                                before_load=park_early if early else None)
             self.stats["layout"] = state.layout
             stats = gather_stats(state)
-            if standby and not early:  # every rank has its weights mapped: park until promoted
+            self.record_memory(state, log_it=True)  # as loaded
+            # an early standby is promoted already: what it warms up, it keeps
+            self.warm_up(state, free=standby and not early and not self.opts.standby_keep_memory)
+            if standby and not early:  # weights mapped and warm on every rank: park until promoted
                 self.park(fd)
             if standby:
                 self.http = start_http(self)
             self.became_ready(*stats)
-            self.record_memory(state, log_it=True)
             self.serve(state)
             return self.shutdown(state)
         except _StopRequested:
@@ -258,6 +263,15 @@ class Engine:
         self.stats["promoted_at"] = time.time()
         log.info("promoted: taking over")
 
+    def warm_up(self, state: RankState, *, free: bool) -> None:
+        """Every rank's warm-up (warmup.py), unless --warmup-tokens 0; `free`: give back what
+        the allocator cached during it (a standby about to park)."""
+        if self.opts.warmup_tokens == 0:
+            return
+        report = run_warmup(state, self.opts.warmup_tokens, free=free)
+        self.stats["warmup"] = report.to_dict()
+        self.record_memory(state)
+
     def became_ready(self, ms: float, source: str, nbytes: int) -> None:
         """Record the stats, accept requests, log and notify readiness."""
         self.stats = {**self.stats, "weights_ms": round(ms, 3), "source": source,
@@ -270,8 +284,8 @@ class Engine:
 
     def record_memory(self, state: RankState, *, log_it: bool = False) -> None:
         """Every rank's memory into /stats (`memory`, one entry per rank; memory.py). Every
-        rank gathers at the same points: at ready (each logs its line) and after each request.
-        """
+        rank gathers at the same points: once loaded (each logs its line), after the warm-up and
+        after each request (a rank logs again when its figures moved)."""
         from vlaunch.cache.reference.memory import gather_memory
 
         self.stats["memory"] = [m.to_dict() for m in gather_memory(state, log_it=log_it)]

@@ -10,15 +10,14 @@ tensor inside one of torch's allocator segments is the engine's own, anything el
 mapping (the cache's VMM slabs); on CPU a tensor inside a shared mapping (the cache's memfd
 or file slabs) is shared, anything in private memory is the engine's own. `device_bytes` is
 the process's device memory as NVML reports it (the driver's per-process figure nvidia-smi
-shows; it leaves out the mapped slabs, which the cache rank owns); None on CPU or where NVML
-cannot say (no library, another PID namespace). `other` is what the process holds beyond
-torch's reserved memory: the CUDA context, NCCL's buffers, cuBLAS workspaces, kernels
-(docs/memory.md).
+shows; it leaves out the mapped slabs, which the cache rank owns: contract/nvml.py); None on
+CPU or where NVML cannot say (no library, another PID namespace). `other` is what the
+process holds beyond torch's reserved memory: the CUDA context, NCCL's buffers, cuBLAS
+workspaces, kernels (docs/memory.md).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -31,6 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vlaunch.engine")
 
+LOG_STEP = 64 << 20
+"""A rank logs its memory line again once a figure moved this much since its last line."""
 FIELDS = ("rank", "weights_shared", "weights_own", "torch_allocated", "torch_reserved",
           "kv_cache", "device_bytes")
 
@@ -136,70 +137,52 @@ def _slab_mappings() -> list[tuple[int, int]]:
     return ranges
 
 
-class _ProcessInfo(ctypes.Structure):
-    """NVML's nvmlProcessInfo_v1_t, the layout of the unversioned legacy entry point."""
-
-    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
-
-
-_NVML: list[Any] = []  # the loaded, initialised library (empty until first use; None: absent)
-
-
 def process_device_bytes(device: str) -> int | None:
     """This process's memory on `device` per NVML (what nvidia-smi shows), or None."""
     import os
 
     import torch
 
-    lib = _nvml()
-    if lib is None:
+    from vlaunch.cache.contract.nvml import NVML
+
+    if not NVML.available:
         return None
-    try:
-        uuid = str(torch.cuda.get_device_properties(torch.device(device)).uuid)
-        handle = ctypes.c_void_p()
-        if lib.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}".encode(), ctypes.byref(handle)) != 0:
-            return None
-        count = ctypes.c_uint(64)
-        infos = (_ProcessInfo * 64)()
-        if lib.nvmlDeviceGetComputeRunningProcesses(handle, ctypes.byref(count), infos) != 0:
-            return None
-        mine = [infos[i].usedGpuMemory for i in range(min(count.value, 64))
-                if infos[i].pid == os.getpid()]
-    except (AttributeError, OSError, RuntimeError):
-        return None
-    # absent: the driver sees this process under another PID (a container's namespace)
-    return int(mine[0]) if mine and mine[0] < (1 << 62) else None
+    uuid = str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+    return NVML.process_bytes(os.getpid(), f"GPU-{uuid}")
 
 
-def _nvml() -> Any:
-    """libnvidia-ml, initialised once per process; None without it."""
-    if not _NVML:
-        lib = None
-        try:
-            lib = ctypes.CDLL("libnvidia-ml.so.1")
-            if lib.nvmlInit_v2() != 0:
-                lib = None
-        except (OSError, AttributeError) as exc:
-            log.debug("NVML is not available (%s): no per-process device figure", exc)
-            lib = None
-        _NVML.append(lib)
-    return _NVML[0]
-
-
-def gather_memory(state: RankState, *, log_it: bool = False) -> list[RankMemory]:
-    """Every rank's memory, on every rank: each rank calls this at the same point (an
-    all-gather at tp > 1). `log_it`: this rank logs its own line."""
-    import torch
-    import torch.distributed as dist
-
+def own_memory(state: RankState) -> RankMemory:
+    """This rank's memory now."""
     if state.weights_split is None:  # where the weights are does not change once loaded
         tensors = list(state.model.weights.values())
         if state.draft is not None:
             tensors += list(state.draft.weights.values())
         state.weights_split = weight_split(tensors, state.device)
-    mine = rank_memory(state.rank, state.weights_split, state.device)
-    if log_it:
+    return rank_memory(state.rank, state.weights_split, state.device)
+
+
+def moved(now: RankMemory, then: RankMemory | None) -> bool:
+    """Whether `now` differs from the last logged figures by LOG_STEP bytes or more, in torch's
+    reserved memory or the process's device memory (a line is due)."""
+    if then is None:
+        return True
+    pairs = [(now.torch_reserved, then.torch_reserved)]
+    if now.device_bytes is not None and then.device_bytes is not None:
+        pairs.append((now.device_bytes, then.device_bytes))
+    return any(abs(a - b) >= LOG_STEP for a, b in pairs)
+
+
+def gather_memory(state: RankState, *, log_it: bool = False) -> list[RankMemory]:
+    """Every rank's memory, on every rank: each rank calls this at the same point (an
+    all-gather at tp > 1). Each rank logs its own line when `log_it`, and whenever its figures
+    moved by LOG_STEP since its last line (the first request's activations, for one)."""
+    import torch
+    import torch.distributed as dist
+
+    mine = own_memory(state)
+    if log_it or moved(mine, state.memory_logged):
         log.info("%s", mine.line())
+        state.memory_logged = mine
     if state.tp_size == 1:
         return [mine]
     row = torch.tensor(mine.to_row(), dtype=torch.float64, device=state.comm_device)

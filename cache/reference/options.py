@@ -14,6 +14,10 @@ from vlaunch.cache.contract.launch import EngineEnv
 from vlaunch.cache.contract.protocol import MODES
 
 EX_CONFIG = 78
+MAX_WARMUP_TOKENS = 256
+"""The longest warm-up prompt: http.MAX_PROMPT_TOKENS, the longest a request may send."""
+TP_BACKENDS = ("auto", "nccl", "gloo")
+"""The values of --tp-backend (backend.py chooses for auto)."""
 
 
 class ConfigError(Exception):
@@ -41,6 +45,9 @@ class EngineOptions:
     parent_pid: int = 0
     draft_model: str = ""  # speculative decoding: the draft's checkpoint (its own cache group)
     speculative_tokens: int = 4
+    tp_backend: str = "auto"  # backend.py: nccl, gloo, or chosen from the ranks' devices
+    warmup_tokens: int = 8  # warmup.py: the dummy prompt's length; 0: no warm-up
+    standby_keep_memory: bool = False  # a parked standby keeps the warm-up's cached blocks
 
     def worker_argv(self, rank: int, store_port: int) -> list[str]:
         """The command line that starts worker `rank`."""
@@ -48,7 +55,8 @@ class EngineOptions:
                 "--tensor-parallel-size", str(self.tp_size), "--device", self.device,
                 "--mode", self.mode, "--timeout", str(self.timeout),
                 "--log-level", self.log_level, "--worker-rank", str(rank),
-                "--store-port", str(store_port), "--parent-pid", str(os.getpid())]
+                "--store-port", str(store_port), "--parent-pid", str(os.getpid()),
+                "--tp-backend", self.tp_backend]
         if not self.fallback:
             argv.append("--no-fallback")
         if not self.engine_layout:
@@ -105,6 +113,16 @@ def parse_args(argv: Sequence[str] | None) -> EngineOptions:
                    "$VLAUNCH_DRAFT_MODEL]")
     p.add_argument("--speculative-tokens", type=int, default=4,
                    help="tokens the draft proposes per target forward pass")
+    p.add_argument("--tp-backend", choices=TP_BACKENDS, default="auto",
+                   help="torch.distributed backend at tensor-parallel size > 1: auto picks gloo "
+                   "on the CPU or when two ranks share a GPU (NCCL refuses that), else nccl")
+    p.add_argument("--warmup-tokens", type=int, default=8, help="before it reports ready (or "
+                   "parked, as a standby) the engine generates 2 tokens from a dummy prompt of "
+                   "this many tokens, so that its first request finds every kernel loaded; 0: "
+                   "no warm-up")
+    p.add_argument("--standby-keep-memory", action="store_true", help="a parked standby keeps "
+                   "the blocks torch cached during its warm-up instead of returning them to "
+                   "the device")
     p.add_argument("--worker-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--store-port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
@@ -115,6 +133,9 @@ def parse_args(argv: Sequence[str] | None) -> EngineOptions:
         raise ConfigError(f"--port must be in 0..65535, got {opts.port}")
     if opts.speculative_tokens < 1:
         raise ConfigError(f"--speculative-tokens must be >= 1, got {opts.speculative_tokens}")
+    if not 0 <= opts.warmup_tokens <= MAX_WARMUP_TOKENS:
+        raise ConfigError(f"--warmup-tokens must be in 0..{MAX_WARMUP_TOKENS} (the longest "
+                          f"prompt a request may send), got {opts.warmup_tokens}")
     if not opts.timeout >= 0:
         raise ConfigError(f"--timeout must be >= 0, got {opts.timeout}")
     return opts

@@ -3,8 +3,10 @@
 Rank 0 (the engine process) starts ranks 1..N-1 as its children (`--worker-rank r`) before it
 imports torch, so that every rank imports torch and loads its weights at the same time. The
 ranks meet in a TCPStore whose listening socket rank 0 binds first, then form a
-torch.distributed group (gloo on CPU, nccl on CUDA). Rank 0 broadcasts each request to the
-workers: a header [op, n_tokens, max_new_tokens] (op 0: stop, 1: generate), then the tokens.
+torch.distributed group (backend.py: nccl on distinct GPUs, gloo on the CPU or when two
+ranks share a GPU). Rank 0 broadcasts each request to the workers: a header [op, n_tokens,
+max_new_tokens] (op 0: stop, 1: generate, then the tokens; 2: warm up, with n_tokens and a
+free flag in place of max_new_tokens: warmup.py).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vlaunch.engine")
 
-OP_STOP, OP_GENERATE = 0, 1
+OP_STOP, OP_GENERATE, OP_WARMUP = 0, 1, 2
 STORE_TIMEOUT = datetime.timedelta(seconds=300)
 # Workers wait in a broadcast for the next request, however long the engine idles; a dead
 # peer is caught by process monitoring (parent-death signal, rank 0's watcher), not by this.
@@ -75,6 +77,7 @@ class RankState:
     draft: TPLlama | None = None  # speculative decoding's draft model (replicated: no comm)
     speculative_tokens: int = 4
     weights_split: tuple[int, int] | None = None  # bytes (shared, own): memory.py
+    memory_logged: Any = None  # the RankMemory this rank last logged (memory.py)
 
 
 def device_for(kind: str, rank: int, tp_size: int) -> str:
@@ -123,8 +126,8 @@ def start_rank(opts: EngineOptions, rank: int, cfg: ModelConfig, store: Any,
     elif "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // opts.tp_size))
     if opts.tp_size > 1:
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=store,
-                                rank=rank, world_size=opts.tp_size, timeout=GROUP_TIMEOUT)
+        dist.init_process_group(group_backend(opts, rank), store=store, rank=rank,
+                                world_size=opts.tp_size, timeout=GROUP_TIMEOUT)
     if before_load is not None:
         before_load()
     start = time.perf_counter()
@@ -155,6 +158,17 @@ def group_barrier() -> None:
 
     if dist.is_initialized():
         dist.barrier()
+
+
+def group_backend(opts: EngineOptions, rank: int) -> str:
+    """The group's backend, from every rank's device (the same on each rank); rank 0 logs it."""
+    from vlaunch.cache.reference.backend import choose_backend
+
+    devices = [device_for(opts.device, r, opts.tp_size) for r in range(opts.tp_size)]
+    choice = choose_backend(devices, opts.tp_backend)
+    if rank == 0:
+        log.info("tensor-parallel backend %s (%s)", choice.backend, choice.reason)
+    return choice.backend
 
 
 def gather_stats(state: RankState) -> tuple[float, str, int]:
@@ -198,6 +212,19 @@ def decode(state: RankState, tokens: list[int], max_new: int) -> list[int]:
                               state.speculative_tokens)[0]
 
 
+def run_warmup(state: RankState, n_tokens: int, *, free: bool) -> Any:
+    """Tell the workers to warm up (tp > 1), then warm up this rank; its WarmupReport."""
+    import torch
+    import torch.distributed as dist
+
+    from vlaunch.cache.reference.warmup import warm_up
+
+    if state.tp_size > 1:
+        dist.broadcast(torch.tensor([OP_WARMUP, n_tokens, int(free)], dtype=torch.int64,
+                                    device=state.comm_device), src=0)
+    return warm_up(state, n_tokens, decode, free=free)
+
+
 def broadcast_stop(state: RankState) -> None:
     """Tell the workers to leave their loop."""
     import torch
@@ -214,6 +241,7 @@ def run_worker(opts: EngineOptions) -> int:
 
     from vlaunch.cache.reference.config import ModelConfig
     from vlaunch.cache.reference.memory import gather_memory
+    from vlaunch.cache.reference.warmup import warm_up
 
     _die_with_parent(opts.parent_pid)
     # the launcher signals the whole process group; rank 0 alone decides when workers stop
@@ -233,6 +261,10 @@ def run_worker(opts: EngineOptions) -> int:
         op, n_tokens, max_new = header.tolist()
         if op == OP_STOP:
             break
+        if op == OP_WARMUP:
+            warm_up(state, n_tokens, decode, free=bool(max_new))
+            gather_memory(state)
+            continue
         tokens = torch.empty(n_tokens, dtype=torch.int64, device=state.comm_device)
         dist.broadcast(tokens, src=0)
         decode(state, tokens.tolist(), max_new)

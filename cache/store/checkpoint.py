@@ -23,20 +23,20 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from vlaunch.cache.contract.errors import CheckpointError, ModelNotFoundError
 from vlaunch.cache.store.dtypes import DTYPES, nbytes, shape_problem, unknown_dtype_message
-from vlaunch.cache.store.manifest import tensor_name_problem
+from vlaunch.cache.store.manifest import MAX_NAME, tensor_name_problem
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1000 * 1000
 MAX_RANK = 16
 
 
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of a checkpoint: where its bytes lie in which file."""
+class TensorEntry(NamedTuple):
+    """One tensor of a checkpoint: where its bytes lie in which file (a NamedTuple: a
+    checkpoint of 100k tensors makes 100k of them at every rank start)."""
 
     name: str
     dtype: str
@@ -217,8 +217,14 @@ def _check_index(index_file: Path, weight_map: dict[str, str], paths: dict[str, 
                                   f"in {entry.file.relative_to(root).as_posix()}", tensor=tensor)
 
 
+_PARSED: dict[tuple[Path, int], tuple[bytes, list[TensorEntry], dict[str, str]]] = {}
+"""The last checkpoint's parsed headers, by (file, size): a rank opens its checkpoint twice
+(its identity, then its load) and the second open parses only what changed."""
+
+
 def _read_file(file: Path) -> tuple[bytes, list[TensorEntry], dict[str, str]]:
-    """Read and validate one file's header; return its raw bytes, entries and metadata."""
+    """Read and validate one file's header; return its raw bytes, entries and metadata.
+    A header whose bytes (and file size) are those parsed last time is not parsed again."""
     try:
         fd = os.open(file, os.O_RDONLY)
     except FileNotFoundError:
@@ -238,8 +244,15 @@ def _read_file(file: Path) -> tuple[bytes, list[TensorEntry], dict[str, str]]:
         header = _pread(fd, hlen, 8)
     finally:
         os.close(fd)
+    raw = struct.pack("<Q", hlen) + header
+    known = _PARSED.get((file, size))
+    if known is not None and known[0] == raw:
+        return raw, list(known[1]), dict(known[2])
     entries, meta = _parse_header(file, header, size)
-    return struct.pack("<Q", hlen) + header, entries, meta
+    if len(_PARSED) > 256:  # a checkpoint of many files, or many checkpoints: keep one's
+        _PARSED.clear()
+    _PARSED[(file, size)] = (raw, entries, meta)
+    return raw, list(entries), dict(meta)
 
 
 def _pread(fd: int, n: int, offset: int) -> bytes:
@@ -257,12 +270,14 @@ def _pread(fd: int, n: int, offset: int) -> bytes:
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """Build a JSON object, refusing duplicate keys (json.loads would keep the last)."""
-    seen: set[str] = set()
-    for key, _ in pairs:
-        if key in seen:
-            raise ValueError(f"key {key!r} appears twice")
-        seen.add(key)
-    return dict(pairs)
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"key {key!r} appears twice")
+            seen.add(key)
+    return out
 
 
 def _parse_header(file: Path, header: bytes, size: int
@@ -280,10 +295,49 @@ def _parse_header(file: Path, header: bytes, size: int
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise CheckpointError(file, "__metadata__ is not an object of strings")
     data_start = 8 + len(header)
-    entries = [_entry(file, name, info, data_start, size) for name, info in obj.items()]
-    entries.sort(key=lambda e: (e.begin, e.nbytes))
+    entries = _entries(file, obj, data_start, size)
+    entries.sort(key=_by_place)
     _check_overlaps(file, entries)
     return entries, meta
+
+
+def _by_place(e: TensorEntry) -> tuple[int, int]:
+    return e.begin, e.nbytes
+
+
+def _entries(file: Path, obj: dict[str, Any], data_start: int, size: int
+             ) -> list[TensorEntry]:
+    """Every entry of a header, each checked as `_entry` does: inline for the usual one (a
+    printable ASCII name, a dtype of whole bytes, a shape of a few dims), by `_entry` itself
+    for the rest, which also words any refusal."""
+    out = []
+    append, new = out.append, tuple.__new__
+    bits_of = {name: d.bits for name, d in DTYPES.items() if d.bits % 8 == 0}
+    for name, info in obj.items():
+        shape = dtype = offsets = None
+        if type(info) is dict:
+            dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        bits = bits_of.get(dtype) if type(dtype) is str else None
+        if bits is None or type(shape) is not list or type(offsets) is not list or \
+                len(offsets) != 2 or len(shape) > MAX_RANK or not (
+                    name.isascii() and 0 < len(name) <= MAX_NAME and name.isprintable()):
+            append(_entry(file, name, info, data_start, size))
+            continue
+        begin, end = offsets
+        count = 1
+        for d in shape:
+            if type(d) is not int or d < 0:
+                count = -1
+                break
+            count *= d
+        if count < 0 or type(begin) is not int or type(end) is not int or \
+                not 0 <= begin <= end or end - begin != count * bits // 8 or \
+                data_start + end > size:
+            append(_entry(file, name, info, data_start, size))  # raises, naming the cause
+            continue
+        append(new(TensorEntry, (name, dtype, tuple(shape), file, data_start + begin,
+                                 end - begin)))
+    return out
 
 
 def _entry(file: Path, name: str, info: object, data_start: int, size: int) -> TensorEntry:
@@ -327,12 +381,14 @@ def _entry(file: Path, name: str, info: object, data_start: int, size: int) -> T
 def _check_overlaps(file: Path, entries: list[TensorEntry]) -> None:
     """Raise if two non-empty tensors share a byte; `entries` is sorted by begin."""
     last: TensorEntry | None = None  # the non-empty tensor that ends furthest
+    furthest = -1  # where it ends
     for entry in entries:
         if entry.nbytes == 0:
             continue
-        if last is not None and entry.begin < last.end:
+        end = entry.begin + entry.nbytes
+        if last is not None and entry.begin < furthest:
             raise CheckpointError(file, f"overlaps tensor {last.name!r} (bytes {entry.begin}.."
                                   f"{entry.end} and {last.begin}..{last.end} of the file)",
                                   tensor=entry.name)
-        if last is None or entry.end > last.end:
-            last = entry
+        if last is None or end > furthest:
+            last, furthest = entry, end

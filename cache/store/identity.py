@@ -150,7 +150,8 @@ def sample_regions(ckpt: Checkpoint) -> list[tuple[Path, int, int]]:
     if not live:
         return []
     seed = bytes.fromhex(ckpt.identity)
-    keys = {t.name: _h(seed, t.name) for t in live}  # (order, position) per tensor
+    keyed = hashlib.blake2b(digest_size=16, key=seed[:64])  # copied per name: the same hash
+    keys = {t.name: _h(keyed, t.name) for t in live}  # (order, position) per tensor
     order = sorted(live, key=lambda t: keys[t.name][0])
     count = min(3 * len(order), MAX_REGIONS)
     size = min(MAX_REGION, SAMPLE_BUDGET // count)
@@ -167,9 +168,12 @@ def sample_regions(ckpt: Checkpoint) -> list[tuple[Path, int, int]]:
     return out
 
 
-def _h(seed: bytes, name: str) -> tuple[bytes, int]:
-    """A tensor's place in the sampling order and its hashed position, from seed and name."""
-    digest = hashlib.blake2b(name.encode(), digest_size=16, key=seed[:64]).digest()
+def _h(keyed: Any, name: str) -> tuple[bytes, int]:
+    """A tensor's place in the sampling order and its hashed position: blake2b of the name,
+    keyed with the checkpoint's identity (`keyed`: that hasher before any name, copied)."""
+    h = keyed.copy()
+    h.update(name.encode())
+    digest = h.digest()
     return digest[:8], int.from_bytes(digest[8:], "little")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vlaunch.cache.contract.errors import CacheBrokenError
@@ -52,7 +53,8 @@ class Manifest(NamedTuple):
 
     @classmethod
     def from_wire(cls, obj: Any) -> Manifest:
-        """Validate a manifest received from a cache; every field is checked before use."""
+        """Validate a manifest received from a cache in rows (columns.from_wire takes either
+        form); every field is checked before use."""
         try:
             return _parse(obj)
         except (TypeError, ValueError, KeyError, IndexError) as exc:
@@ -88,13 +90,13 @@ def _parse(obj: Any) -> Manifest:
         for i, d in enumerate(shape_t):
             st = stride_t[i]
             if type(d) is not int or type(st) is not int or not (
-                    0 <= d <= _LIMIT and 0 <= st <= _LIMIT):
+                    0 <= d <= LIMIT and 0 <= st <= LIMIT):
                 checked_int(d, "dim")
                 checked_int(st, "stride")
             count *= d
             span += (d - 1) * st
         if type(slab) is not int or type(offset) is not int or type(nbytes) is not int or \
-                not (0 <= slab <= _LIMIT and 0 <= offset <= _LIMIT and 0 <= nbytes <= _LIMIT):
+                not (0 <= slab <= LIMIT and 0 <= offset <= LIMIT and 0 <= nbytes <= LIMIT):
             for value, what in ((slab, "slab"), (offset, "offset"), (nbytes, "nbytes")):
                 checked_int(value, what)
         if nbytes * 8 != count * bits or slab >= nslabs or offset % (bits >> 3 or 1):
@@ -104,14 +106,14 @@ def _parse(obj: Any) -> Manifest:
         # nbytes > 0 means every dim is > 0, so `span` is the strided view's extent
         if nbytes and offset * 8 + span * bits > sizes[slab] * 8:
             raise ValueError(f"{name}: extends past the end of slab {slab}")
-        if checksum is not None and (type(checksum) is not int or not 0 <= checksum <= _LIMIT):
+        if checksum is not None and (type(checksum) is not int or not 0 <= checksum <= LIMIT):
             checked_int(checksum, "checksum")
         append(new(TensorRecord, (name, dtype, shape_t, stride_t, slab, offset, nbytes,
                                   checksum)))
     return Manifest(str(obj["backend"]), sizes, tuple(tensors))
 
 
-_LIMIT = 1 << 50
+LIMIT = 1 << 50
 
 
 def tensor_name_problem(name: object) -> str:
@@ -127,7 +129,7 @@ def tensor_name_problem(name: object) -> str:
 
 
 def checked_int(value: Any, what: str) -> int:
-    if type(value) is not int or value < 0 or value > _LIMIT:
+    if type(value) is not int or value < 0 or value > LIMIT:
         raise ValueError(f"{what} {value!r} is not a bounded non-negative integer")
     return value
 
@@ -149,25 +151,37 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 def pack(items: list[tuple[str, str, tuple[int, ...]]], *, backend: str, alignment: int,
          max_slab: int) -> Manifest:
     """Lay (name, dtype, shape) out in as few slabs as `max_slab` allows, aligned."""
+    from vlaunch.cache.store.dtypes import DTYPES
     from vlaunch.cache.store.dtypes import nbytes as size_of
 
     sizes: list[int] = [0]
     records = []
+    append, new, prod = records.append, tuple.__new__, math.prod
+    whole = {name: d.bits >> 3 for name, d in DTYPES.items() if not d.bits & 7}
+    strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # MoE experts share a few shapes
+    slab, used = 0, 0
     for name, dtype, shape in items:
-        nbytes = size_of(dtype, shape)
-        offset = -(-sizes[-1] // alignment) * alignment
-        if offset + nbytes > max_slab and sizes[-1] > 0:
+        shape = tuple(shape)
+        size = whole.get(dtype)
+        nbytes = prod(shape) * size if size is not None else size_of(dtype, shape)
+        offset = -(-used // alignment) * alignment
+        if offset + nbytes > max_slab and used > 0:
+            sizes[-1] = used
             sizes.append(0)
-            offset = 0
-        records.append(TensorRecord(name, dtype, tuple(shape), contiguous_stride(tuple(shape)),
-                                    len(sizes) - 1, offset, nbytes))
-        sizes[-1] = offset + nbytes
+            slab, offset = slab + 1, 0
+        stride = strides.get(shape)
+        if stride is None:
+            stride = strides[shape] = contiguous_stride(shape)
+        append(new(TensorRecord, (name, dtype, shape, stride, slab, offset, nbytes, None)))
+        used = offset + nbytes
+    sizes[-1] = used
     sizes = [-(-s // alignment) * alignment or alignment for s in sizes]
     return Manifest(backend, tuple(sizes), tuple(records))
 
 
 def views(manifest: Manifest, slabs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Named tensors that view the slabs (zero copy): one as_strided per tensor."""
+    """Named tensors that view the slabs (zero copy): one as_strided per tensor (a manifest
+    in columns: columns.views)."""
     import torch
 
     from vlaunch.cache.store.dtypes import is_plain, to_torch
@@ -179,7 +193,7 @@ def views(manifest: Manifest, slabs: list[torch.Tensor]) -> dict[str, torch.Tens
         found = typed.get((t.slab, t.dtype))
         if found is None:
             if not is_plain(t.dtype):  # packed or raw-byte dtypes: contiguous by construction
-                out[t.name] = _packed_view(slabs[t.slab], t)
+                out[t.name] = packed_view(slabs[t.slab], t)
                 continue
             base = slabs[t.slab].view(to_torch(t.dtype))
             found = typed[(t.slab, t.dtype)] = (base, base.element_size())
@@ -188,7 +202,7 @@ def views(manifest: Manifest, slabs: list[torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
-def _packed_view(slab: torch.Tensor, t: TensorRecord) -> torch.Tensor:
+def packed_view(slab: torch.Tensor, t: TensorRecord) -> torch.Tensor:
     """A view of a packed (F4) or raw-byte (F6, dtypes torch lacks) tensor's bytes."""
     from vlaunch.cache.store.dtypes import served_shape, to_torch
 
@@ -201,5 +215,6 @@ def _packed_view(slab: torch.Tensor, t: TensorRecord) -> torch.Tensor:
 
 def with_checksums(manifest: Manifest, checksums: dict[str, int]) -> Manifest:
     """The same manifest with each tensor's checksum filled in."""
-    tensors = tuple(t._replace(checksum=checksums.get(t.name)) for t in manifest.tensors)
+    new, get = tuple.__new__, checksums.get
+    tensors = tuple(new(TensorRecord, (*t[:7], get(t.name))) for t in manifest.tensors)
     return Manifest(manifest.backend, manifest.slab_sizes, tensors)

@@ -36,6 +36,7 @@ norm (`model.norm.`) to the last; other tensors without a layer index are on eve
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import importlib
 import json
@@ -78,6 +79,8 @@ class SliceSpec:
     groups: int = 1  # the dim holds `groups` equal blocks (fused gate|up), each split in parts
 
     def __post_init__(self) -> None:
+        if self.dim is None and self.parts == 1 and self.groups == 1 and self.part == 0:
+            return  # replicated: nothing to check (most tensors of an MoE checkpoint)
         if not 0 <= self.part < self.parts:
             raise ValueError(f"part {self.part} is not in 0..{self.parts - 1}")
         pieces = self.parts * self.groups
@@ -90,6 +93,16 @@ class SliceSpec:
         elif split_problem(self.dtype, self.full_shape, self.dim, pieces):
             raise ValueError(split_problem(self.dtype, self.full_shape, self.dim, pieces))
 
+    @classmethod
+    def whole(cls, entry: TensorEntry) -> SliceSpec:
+        """A replicated slice of `entry`: nothing to check, so made without the dataclass's
+        frozen __init__, which costs several times more (every tensor of an MoE checkpoint)."""
+        spec = object.__new__(cls)
+        spec.__dict__.update(name=entry.name, dtype=entry.dtype, full_shape=entry.shape,
+                             dim=None, part=0, parts=1, source=entry, groups=1,
+                             nbytes=entry.nbytes)
+        return spec
+
     @property
     def shape(self) -> tuple[int, ...]:
         """The slice's own shape."""
@@ -99,9 +112,9 @@ class SliceSpec:
         shape[self.dim] //= self.parts
         return tuple(shape)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
-        """Size of the slice in bytes."""
+        """Size of the slice in bytes (made once: the reader asks for it several times)."""
         return size_of(self.dtype, self.shape)
 
     def runs(self) -> list[Run]:
@@ -314,11 +327,42 @@ def plan_rank(ckpt: Checkpoint, plan: ShardPlan, layout: Layout) -> list[SliceSp
     stage_of = _stage_filter(ckpt, layout.pp_size)
     owns = _expert_filter(ckpt, plan, layout)
     whole_groups = act_order(quantization_config(ckpt.root))
+    rules = _rules_for(plan)
     slices = []
     for entry in ckpt.tensors.values():
         if stage_of(entry.name) in (None, layout.pp_rank) and owns(entry.name):
-            slices.append(_slice(entry, plan, layout, whole_groups))
+            slices.append(_slice(entry, plan, layout, whole_groups, rules))
     return slices
+
+
+_DIGITS = bytes.maketrans(b"123456789", b"000000000")
+
+
+def _rules_for(plan: ShardPlan) -> Callable[[str], tuple[int | None, int]]:
+    """`name -> (split dim, fused blocks)` for `plan`, each rule matched once per group of
+    names that differ only in their digits (layer and expert indices: the 100k tensors of an
+    MoE checkpoint are a few hundred groups). Grouping holds only where no pattern can tell
+    one digit from another: none holds a digit (a literal, a count, an escape) or a named
+    character escape; otherwise every name is matched on its own."""
+    patterns = [p.pattern for p, _ in plan.rules] + [p.pattern for p, _ in plan.fused]
+
+    def decide(name: str) -> tuple[int | None, int]:
+        return plan.split_dim(name), plan.blocks(name)
+
+    if not patterns:
+        return lambda name: (None, 1)
+    if any(re.search(r"[0-9]|\\N\{", p) for p in patterns):  # type: ignore[arg-type]
+        return decide
+    known: dict[bytes, tuple[int | None, int]] = {}
+
+    def grouped(name: str) -> tuple[int | None, int]:
+        key = name.encode().translate(_DIGITS)  # ASCII digits only: bytes.translate is fast
+        found = known.get(key)
+        if found is None:
+            found = known[key] = decide(key.decode())
+        return found
+
+    return grouped
 
 
 _EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")  # one expert's tensor: experts.N.w1.weight
@@ -354,9 +398,12 @@ def _expert_filter(ckpt: Checkpoint, plan: ShardPlan, layout: Layout) -> Callabl
 
 
 def _slice(entry: TensorEntry, plan: ShardPlan, layout: Layout,
-           whole_groups: bool = False) -> SliceSpec:
-    """Return the tensor-parallel (or expert-parallel) slice of `entry` that rank `layout` holds."""
-    dim, blocks = plan.split_dim(entry.name), plan.blocks(entry.name)
+           whole_groups: bool = False,
+           rules: Callable[[str], tuple[int | None, int]] | None = None) -> SliceSpec:
+    """Return the tensor-parallel (or expert-parallel) slice of `entry` that rank `layout` holds
+    (`rules`: the plan's rules for a name, as `_rules_for` gives them)."""
+    dim, blocks = rules(entry.name) if rules else (plan.split_dim(entry.name),
+                                                   plan.blocks(entry.name))
     parts, part, across = layout.tp_size, layout.tp_rank, "tp size"
     if plan.experts == "ep" and _EXPERT.search(entry.name):
         dim = None  # a whole expert, on the rank that owns it (plan_rank filters)
@@ -369,7 +416,7 @@ def _slice(entry: TensorEntry, plan: ShardPlan, layout: Layout,
     if dim == 0 and whole_groups and _GROUPED.search(entry.name):
         dim = None  # GPTQ act order: a row-parallel layer's ranks need every group's scales
     if dim is None:
-        parts, part, blocks = 1, 0, 1
+        return SliceSpec.whole(entry)
     shape = "[" + ",".join(map(str, entry.shape)) + "]"
     if dim is not None and dim >= len(entry.shape):
         raise PlanError(f"plan {plan.name}: tensor {entry.name!r} of shape {shape} has no "

@@ -126,6 +126,8 @@ def _fill_staged(specs: list[SliceSpec], records: dict[str, Any], slabs: list[Sl
     cuda = on_device(slabs[0]) if slabs else False
     chunk = chunk or (CUDA_CHUNK if cuda else CHUNK)
     gather = os.environ.get("VLAUNCH_SPLIT_READ", "gather") == "gather"
+    if not cuda:  # whole tensors that follow each other in a file: one preadv for many
+        specs, batches = _batched(specs, records, slabs, chunk)
     work = [(s, p) for s in specs for p in pieces(s, chunk, packed=gather)]
     maps = {f: _file_bytes(fd) for f, fd in fds.items()} if gather else {}
     mover = (_CudaMover(slabs[0].device, chunk, max(1, threads) + SPARE_BUFFERS) if cuda
@@ -140,15 +142,90 @@ def _fill_staged(specs: list[SliceSpec], records: dict[str, Any], slabs: list[Sl
                    maps.get(file))
         progress.add(piece.nbytes)
 
+    def many(items: list[tuple[SliceSpec, Piece]]) -> None:
+        for item in items:
+            one(item)
+
+    def batch(b: _Batch) -> None:
+        preadv_all(fds[b.file], b.views, b.offset, b.file)
+        progress.add(b.nbytes)
+
+    groups = [work[i:i + _PER_TASK] for i in range(0, len(work), _PER_TASK)]
     try:
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="vlaunch-read") as pool:
-            for _ in pool.map(one, work):
+            for _ in pool.map(many, groups):
                 pass
+            if not cuda:
+                for _ in pool.map(batch, batches):
+                    pass
         mover.finish()
     except BaseException:
         mover.close()
         raise
     release_later(mover)
+
+
+_PER_TASK = 16  # pieces one reader task moves: fewer hand-offs for many small tensors
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+
+
+@dataclass
+class _Batch:
+    """Whole tensors that follow each other in one file, read with one preadv into their
+    places in the slabs."""
+
+    file: str
+    offset: int
+    nbytes: int
+    views: list[memoryview]
+
+
+def _batched(specs: list[SliceSpec], records: dict[str, Any], slabs: list[np.ndarray],
+             chunk: int) -> tuple[list[SliceSpec], list[_Batch]]:
+    """Split host-slab reads into batches of whole tensors (at most `chunk` bytes and
+    IOV_MAX tensors each, back to back in their file) and the specs left to read piece by
+    piece (split slices, larger tensors)."""
+    rest: list[SliceSpec] = []
+    batches: list[_Batch] = []
+    bytes_of = [memoryview(s).cast("B") if len(s) else memoryview(b"") for s in slabs]
+    last: _Batch | None = None
+    for spec in specs:
+        n = spec.nbytes
+        if n == 0:
+            continue
+        if (spec.dim is not None and spec.parts > 1) or n > chunk:
+            rest.append(spec)
+            continue
+        rec = records[spec.name]
+        view = bytes_of[rec.slab][rec.offset:rec.offset + n]
+        file, begin = str(spec.source.file), spec.source.begin
+        if last is not None and last.file == file and last.offset + last.nbytes == begin \
+                and last.nbytes + n <= chunk and len(last.views) < _IOV_MAX:
+            last.views.append(view)
+            last.nbytes += n
+            continue
+        last = _Batch(file, begin, n, [view])
+        batches.append(last)
+    return rest, batches
+
+
+def preadv_all(fd: int, views: list[memoryview], offset: int, file: str) -> None:
+    """Fill `views`, in order, from the file's bytes at `offset` (short reads continued)."""
+    at = 0
+    while views:
+        try:
+            n = os.preadv(fd, views, offset + at)
+        except OSError as exc:
+            raise ReadError(f"reading {file} failed: {exc.strerror}; check the disk") from None
+        if n == 0:
+            raise CheckpointError(file, f"file ended at byte {offset + at} while reading "
+                                  "tensor data (truncated file)")
+        at += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views = views[1:]
+        if views and n:
+            views = [views[0][n:], *views[1:]]
 
 
 def release_later(mover: _CudaMover | _HostMover) -> None:
@@ -431,14 +508,31 @@ class _CudaMover:
 
 def checksums(manifest: Manifest, slabs: list[SlabBytes], threads: int = 8) -> dict[str, int]:
     """crc32 of every tensor's bytes (CPU slabs; CUDA slabs are copied to host in chunks)."""
-    def one(rec: object) -> tuple[str, int]:
+    def one(rec: Any) -> tuple[str, int]:
         crc = 0
-        for part in chunks(slabs[rec.slab][rec.offset:rec.offset + rec.nbytes]):  # type: ignore[attr-defined]
+        for part in chunks(slabs[rec.slab][rec.offset:rec.offset + rec.nbytes]):
             crc = zlib.crc32(part, crc)
-        return rec.name, crc  # type: ignore[attr-defined]
+        return rec.name, crc
 
+    def small(recs: tuple[Any, ...]) -> list[tuple[str, int]]:
+        """Tensors of host slabs smaller than CHUNK, through one memoryview per slab."""
+        views = [memoryview(host_array(s)).cast("B") if len(s) else memoryview(b"")
+                 for s in slabs]
+        crc32 = zlib.crc32
+        return [(r.name, crc32(views[r.slab][r.offset:r.offset + r.nbytes])) for r in recs]
+
+    tensors = manifest.tensors
     with ThreadPoolExecutor(max(1, threads)) as pool:
-        return dict(pool.map(one, manifest.tensors))
+        if slabs and on_device(slabs[0]):
+            return dict(pool.map(one, tensors))
+        large = [t for t in tensors if t.nbytes > CHUNK]
+        little = [t for t in tensors if t.nbytes <= CHUNK]
+        step = max(256, -(-len(little) // max(1, threads)))
+        out = dict(pool.map(one, large))
+        for part in pool.map(small, [tuple(little[i:i + step])
+                                     for i in range(0, len(little), step)]):
+            out.update(part)
+        return out
 
 
 def chunks(t: SlabBytes) -> Iterator[memoryview]:

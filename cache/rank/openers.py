@@ -1,0 +1,161 @@
+"""The processes that opened a rank's raw layout, and whether any of them may still map it.
+
+A lease can end with its tensors kept (`CacheClient.close()`), so an ended connection proves
+nothing: only the opener's exit does. An opener this process can name (its pid, and /proc of
+this PID namespace) is followed by pid and start time, which holds nothing open. One it cannot
+(pid 0: another PID namespace) is followed by a pidfd of its socket (SO_PEERPIDFD, Linux 6.5),
+one fd each, which the event loop watches: it is closed the moment that process exits. With
+neither (another PID namespace on an older kernel) the openers are unknown for the rank's life:
+a copy-release engine then gets a copy, never the slabs themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+from vlaunch.cache.contract import peers
+
+log = logging.getLogger("vlaunch.cache")
+
+PRUNE_AT = 64
+"""Openers noted before the exited ones are forgotten."""
+MAX_OPENERS = 256
+"""Live openers followed at most; past that the rank stops following them (and closes their
+pidfds): from then on one may always be alive."""
+
+
+@dataclass(eq=False)
+class _Opener:
+    pid: int
+    pidfd: int = -1
+    started: float = 0.0
+
+    def alive(self) -> bool:
+        if self.pidfd >= 0:
+            return not peers.pidfd_exited(self.pidfd)
+        return start_time(self.pid) == self.started
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+class Openers:
+    """Who opened one rank's raw layout; `unknown` names why the rank cannot tell any more."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._openers: list[_Opener] = []
+        self._by_pid: dict[int, _Opener] = {}  # the latest opener of each known pid
+        self._proc_ours = peers.proc_is_ours()  # /proc names the pids SO_PEERCRED gives
+        self.unknown = ""
+
+    def __len__(self) -> int:
+        return len(self._openers)
+
+    def note(self, conn: socket.socket, pid: int) -> bool:
+        """Follow the process behind `conn` (`pid`: what SO_PEERCRED gave); False when that
+        takes its start time from /proc, for `note_by_pid` to read off the reply's path."""
+        if self.unknown:
+            return True
+        if pid != peers.UNKNOWN_PID and self._proc_ours:
+            return False
+        try:
+            pidfd = peers.peer_pidfd(conn)
+        except peers.PeerGone:
+            return True  # it exited already, and its mappings with it
+        if pidfd is None:
+            self.give_up("a process in another PID namespace opened them, and this kernel "
+                         "gives no pidfd of a socket's peer (SO_PEERPIDFD: Linux 6.5)")
+            return True
+        known = self._by_pid.get(pid)
+        if known is not None and known.pidfd >= 0 and known.alive():
+            os.close(pidfd)  # a live pid names one process: followed already
+            return True
+        self._add(_Opener(pid, pidfd))
+        return True
+
+    def note_by_pid(self, pid: int) -> None:
+        """Follow `pid` by its start time (a pid and its start time name one process)."""
+        if self.unknown:
+            return
+        known = self._by_pid.get(pid)
+        if known is not None and known.alive():
+            return
+        started = start_time(pid)
+        if started:  # 0.0: it exited before this ran, and its mappings with it
+            self._add(_Opener(pid, started=started))
+
+    def alive(self) -> bool:
+        """Whether an opener may still map the slabs (forgets the ones that exited)."""
+        if self.unknown:
+            return True
+        self._prune()
+        return bool(self._openers)
+
+    def give_up(self, why: str) -> None:
+        """Stop following openers: from now on one may always be alive."""
+        if not self.unknown:
+            log.info("rank %d: copy-release engines get a copy from now on, never the slabs "
+                     "themselves: %s", self.rank, why)
+        self.unknown = why
+        self.close()
+
+    def close(self) -> None:
+        """Close every pidfd held."""
+        for opener in self._openers:
+            self._close(opener)
+        self._openers, self._by_pid = [], {}
+
+    def _add(self, opener: _Opener) -> None:
+        self._openers.append(opener)
+        if opener.pid != peers.UNKNOWN_PID:
+            self._by_pid[opener.pid] = opener
+        if opener.pidfd >= 0:  # readable once the process has exited
+            asyncio.get_running_loop().add_reader(opener.pidfd, self._exited, opener)
+        if len(self._openers) > PRUNE_AT:
+            self._prune()
+        if len(self._openers) > MAX_OPENERS:
+            self.give_up(f"more than {MAX_OPENERS} processes that opened its slabs still run")
+
+    def _prune(self) -> None:
+        kept = []
+        for opener in self._openers:
+            if opener.alive():
+                kept.append(opener)
+                continue
+            self._forget(opener)
+        self._openers = kept
+
+    def _exited(self, opener: _Opener) -> None:
+        """An opener's pidfd polled readable: it has exited, and its mappings with it."""
+        if opener in self._openers:
+            self._openers.remove(opener)
+        self._forget(opener)
+
+    def _forget(self, opener: _Opener) -> None:
+        self._close(opener)
+        if self._by_pid.get(opener.pid) is opener:
+            del self._by_pid[opener.pid]
+
+    @staticmethod
+    def _close(opener: _Opener) -> None:
+        if opener.pidfd >= 0:
+            asyncio.get_running_loop().remove_reader(opener.pidfd)
+        opener.close()
+
+
+def start_time(pid: int) -> float:
+    """When process `pid` started (0.0 when there is none): a pid and its start time name one
+    process, whatever reuses the pid later."""
+    import psutil
+
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return 0.0

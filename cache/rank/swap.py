@@ -37,6 +37,7 @@ from vlaunch.cache.contract.errors import (
 )
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.rank import staging
+from vlaunch.cache.rank.openers import Openers
 from vlaunch.cache.store.manifest import Manifest
 from vlaunch.cache.store.slabs import on_device
 
@@ -78,7 +79,7 @@ class Weights:
     copier: Any
     record: Any  # identity.Record of the files; None for a published version
     digests: dict[str, str] | None = None  # a published version's, taken at its commit
-    mappers: dict[int, float] = field(default_factory=dict)  # pids that opened these slabs
+    openers: Any = None  # rank.openers.Openers of these slabs (None: new, nobody opened them)
 
 
 @dataclass
@@ -749,9 +750,9 @@ class RankSwap:
         if server.raw_readers:
             out.append(f"{server.raw_readers} read(s) of the slabs (vlaunch verify, a seed "
                        "stream)")
-        if server._mappers_alive():
-            out += [f"pid {pid} (mapped them before)" for pid in server._raw_mappers
-                    if not any(x.pid == pid and x.mode for x in server.leases.values())]
+        if server.openers.alive() and not any(x.mode for x in server.leases.values()):
+            out.append(server.openers.unknown or "a process that opened them before and still "
+                       "runs (its lease ended; its tensors may not have)")
         copier = server.copier
         if copier is not None and copier.status()["in_flight"]:
             out.append("a copy for a copy-mode engine")
@@ -784,7 +785,7 @@ class RankSwap:
         return Weights(self.version, self.model, self.label, s.fingerprint, s.manifest,
                        s.fds, s._release, self.buffers, s.layouts, s.raw_released, s.copier,
                        integrity.record if integrity is not None else None, self.digests,
-                       dict(s._raw_mappers))
+                       s.openers)
 
     def _install(self, w: Weights) -> None:
         """Serve `w`: every field a request reads switches at once (the loop's thread, or a
@@ -793,7 +794,9 @@ class RankSwap:
         s.fingerprint, s.manifest, s.fds, s._release = w.fingerprint, w.manifest, w.fds, w.release
         s.layouts, s.raw_released, s.copier = w.layouts, w.raw_released, w.copier
         s.__dict__.pop("manifest_frame", None)  # a cached_property of the old manifest
-        s._raw_mappers = dict(w.mappers)  # new slabs, or new bytes: nobody mapped them yet
+        # who opened these slabs: new ones (or new bytes), nobody yet; the old weights' stay
+        # with them (a rollback brings them back)
+        s.openers = w.openers if w.openers is not None else Openers(s.rank)
         if s.state == "released":
             s.state = "serving"
         self.version, self.model, self.label = w.version, w.model, w.label
@@ -834,6 +837,8 @@ class RankSwap:
 
 def _discard(w: Weights) -> None:
     """Let go of weights no longer served (mapped clients keep the memory until they exit)."""
+    if w.openers is not None:
+        w.openers.close()
     wire.close_fds(w.fds)
     w.fds = []
     if w.release is not None:

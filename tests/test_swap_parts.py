@@ -65,12 +65,14 @@ def test_config_keys_of_the_architecture_must_match(tmp_path: Path) -> None:
     assert staging.config_difference(str(a), str(plain)) == ""  # nothing to compare
 
 
-def test_host_buffers_and_copies_move_every_byte() -> None:
-    sizes = (staging.COPY_CHUNK + 5, 3)
+def test_host_buffers_and_copies_move_every_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(staging, "COPY_CHUNK", 4096)  # several chunks, and a partial one
+    sizes = (3 * 4096 + 5, 3)
     src, free_src = staging.host_buffers(sizes, pinned=False)
     dst, free_dst = staging.host_buffers(sizes, pinned=False)
-    for i, b in enumerate(src):
-        b[:] = np.arange(len(b), dtype=np.uint64).astype(np.uint8) + i
+    rng = np.random.default_rng(0)
+    for b in src:
+        b[:] = rng.integers(0, 256, len(b), dtype=np.uint8)
     staging.copy_bytes(dst, src)
     assert all(np.array_equal(d, s) for d, s in zip(dst, src, strict=True))
     with pytest.raises(ValueError, match="bytes into a slab of"):

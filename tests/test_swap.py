@@ -253,7 +253,8 @@ def test_a_rank_killed_mid_swap(launch, ckpts: dict[str, Path],  # noqa: F811
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == ExitStatus.SWAP_UNAVAILABLE, err + la.text()
     assert "exited during the swap to version 1, before any cutover" in err
-    snap = la.wait_for(lambda s: serving(s) and s["ranks"]["1"]["respawns"] == 1)
+    snap = la.wait_for(lambda s: serving(s) and s["ranks"]["1"]["respawns"] == 1
+                       and s["caches_ready"])
     assert generate(la) == want["a"]
     # past the cutover's start: the launcher stops (69) whatever --on-rank-exit says
     os.killpg(snap["engine"]["pid"], signal.SIGSTOP)  # its stop takes until the SIGKILL

@@ -171,6 +171,8 @@ def test_a_second_swap_or_one_while_not_serving_is_unavailable() -> None:
     _sup, actions = history([*SERVING, engine_exit(1, 1, 5.0), ask(t=5.1)])
     assert final(actions).status == ExitStatus.SWAP_UNAVAILABLE
     assert "not serving (phase restarting)" in final(actions).message
+    _, actions = history([*SERVING, rank_exit(1, -9, 5.0), ask(t=5.1)], on_rank_exit="respawn")
+    assert "cache rank(s) 1 are not ready (respawning)" in final(actions).message
 
 
 def in_place_new_engine(**policy: Any) -> list[Event]:

@@ -28,7 +28,7 @@ from ..events import (
     SwapRequested,
     SwapStep,
 )
-from .model import ENGINE_ALIVE, EngineState, Phase, StandbyState, SwapState
+from .model import ENGINE_ALIVE, EngineState, Phase, RankState, StandbyState, SwapState
 from .state import SupervisorState
 
 S = SwapState
@@ -66,9 +66,14 @@ class SwapDecisions(SupervisorState):
         if sw.state is not S.NONE:
             return (f"another swap (to version {sw.target_version}) is in progress; wait until "
                     "it ends (vlaunch status) and try again")
-        if self._stop is not None or self.phase is not Phase.SERVING or not self.caches_ready:
+        if self._stop is not None or self.phase is not Phase.SERVING:
             return (f"the launcher is not serving (phase {self.phase.value}); a swap starts "
                     "only while it serves: try again once it does")
+        if not self.caches_ready:
+            waiting = ", ".join(str(r.rank) for r in self._ranks.values()
+                                if r.state is not RankState.READY)
+            return (f"cache rank(s) {waiting} are not ready (respawning); try again once "
+                    "every rank serves")
         return ""
 
     def _begin_swap(self, request: int, policy: SwapPolicy, version: int, model: str,

@@ -18,7 +18,7 @@ from vlaunch.cache.client.weights import (
     expected_fingerprint,
     group_role,
 )
-from vlaunch.cache.contract.engine_env import DEFAULT_PLAN
+from vlaunch.cache.contract.engine_env import DEFAULT_PLAN, EngineEnv
 from vlaunch.cache.contract.errors import (
     CacheBrokenError,
     CacheUnavailableError,
@@ -96,6 +96,12 @@ def load(model: str | None = None, *, rank: int = 0, tensor_parallel_size: int |
                                         "--timeout)") from None
         if not fallback:
             raise
+        published = EngineEnv.from_env().published_identity(rank) if role == "target" else ""
+        if published:  # no files hold these weights: a disk load would serve others
+            raise CacheUnavailableError(
+                f"rank {rank}'s weights are a published version ({published[:80]}) that only "
+                f"its cache holds, and the cache cannot be used ({exc}); it cannot be loaded "
+                "from disk: fix the cache, or swap to a checkpoint (vlaunch swap)") from exc
         kind = {CacheUnavailableError: "unavailable", FingerprintMismatchError: "mismatched",
                 CacheBrokenError: "broken"}[type(exc)]
         log.warning("vlaunch cache for rank %d is %s (%s); loading from disk instead", rank,

@@ -90,6 +90,8 @@ def expected_fingerprint(model: str, layout: Layout, device: str, plan: str = DE
     if info is None:
         info = _DEVICE_INFO[device] = backend.device_info()
     header, data = identities or identity.identities(model, socket=socket)
+    if role == "target":  # a version a trainer published: no files hold it (docs/swap.md)
+        data = EngineEnv.from_env().published_identity(layout.global_rank) or data
     return fp.build(checkpoint=header, checkpoint_data=data, plan=plan_identity(plan),
                     layout=layout.as_dict(), dtype="checkpoint", backend=backend.name,
                     device=info, kernel_backends=kernel_backends, loader=loader,

@@ -49,6 +49,7 @@ class EngineEnv(NamedTuple):
     preload: bool = False
     draft_model: str = ""  # a speculative-decoding draft model's checkpoint (its own group)
     draft_plan: str = ""
+    checkpoint_data: tuple[str, ...] = ()  # per rank: a published version's identity (swap)
 
     def to_env(self) -> dict[str, str]:
         """The VLAUNCH_* variables of the fields that are set."""
@@ -84,6 +85,14 @@ class EngineEnv(NamedTuple):
             return self  # the target's own checkpoint (MTP): its group serves the draft
         return self._replace(model=self.draft_model, plan=self.draft_plan or "replicate")
 
+    def published_identity(self, rank: int) -> str:
+        """The identity of the published version rank `rank` serves ("" for a checkpoint's
+        files): set by the launcher after a trainer published (docs/swap.md)."""
+        if not self.checkpoint_data or rank not in self.ranks:
+            return ""
+        index = self.ranks.index(rank)
+        return self.checkpoint_data[index] if index < len(self.checkpoint_data) else ""
+
     @property
     def plan_or_default(self) -> str:
         """The plan, or DEFAULT_PLAN when the launcher named none."""
@@ -103,7 +112,7 @@ def _parse(name: str, raw: str) -> Any:
             return value
         if name == "ranks":
             return tuple(int(x) for x in raw.split(",") if x.strip())
-        if name == "engine_devices":
+        if name in ("engine_devices", "checkpoint_data"):
             return tuple(x.strip() for x in raw.split(",") if x.strip())
         if name == "preload":
             return raw not in ("0", "false", "no")

@@ -29,6 +29,9 @@ PARKED_FIELD = "PARKED"
 """The sd_notify assignment (`PARKED=1`) a standby sends once it is parked."""
 PROMOTE = b"PROMOTE\n"
 """The one message the launcher writes on the promote fd."""
+PARK_ENV = "VLAUNCH_STANDBY_PARK"
+"""`before-weights`: park before mapping any weight (an in-place swap overwrites the cache's
+slabs before the promotion, docs/swap.md); unset: park with the weights mapped."""
 
 
 class StandbyError(VlaunchError):
@@ -45,6 +48,12 @@ def standby_env(promote_fd: int) -> dict[str, str]:
 def is_standby(env: Mapping[str, str] | None = None) -> bool:
     """Whether this engine was started as a standby."""
     return (os.environ if env is None else env).get(STANDBY_ENV, "0") == "1"
+
+
+def parks_before_weights(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this standby parks before it maps its weights (PARK_ENV)."""
+    env = os.environ if env is None else env
+    return is_standby(env) and env.get(PARK_ENV, "") == "before-weights"
 
 
 def promote_fd(env: Mapping[str, str] | None = None) -> int:

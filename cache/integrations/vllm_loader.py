@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 from vlaunch.cache.contract.errors import UsageError
 from vlaunch.cache.contract.launch import EngineEnv
 from vlaunch.cache.contract.protocol import MODES
-from vlaunch.cache.contract.standby import is_standby
+from vlaunch.cache.contract.standby import is_standby, parks_before_weights
 
 if TYPE_CHECKING:
     import torch
@@ -162,6 +162,11 @@ def _loader_class() -> type:
             target = torch.device(load_device)
             fields = (layout_fields(vllm_config, model_config) if self.options.engine_layout
                       and self.options.mode in ("share", "copy") else None)
+            early = parks_before_weights()  # an in-place swap's standby (docs/swap.md)
+            if early:  # devices and groups up, no weight mapped: park before the cache's
+                from vlaunch.cache.integrations.vllm_standby import park
+
+                start += park(self.options.mode)
             weights = self._cached(model_config, vllm_config, fields)
             with set_default_torch_dtype(model_config.dtype):
                 with target, parameters_on_meta():
@@ -176,7 +181,7 @@ def _loader_class() -> type:
                             weights.source == "cache" or "released" in weights.reason):
                         weights = _hand_back(model, fields, vllm_config, self.options) \
                             or weights
-                if is_standby():  # weights mapped, nothing exclusive taken: park here
+                if is_standby() and not early:  # weights mapped, nothing exclusive: park
                     from vlaunch.cache.integrations.vllm_standby import park
 
                     start += park(self.options.mode)  # the log line times the load only

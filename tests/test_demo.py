@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from vlaunch.cache.contract.exitcodes import ExitStatus
 
 

@@ -138,6 +138,9 @@ def tp_rank(path: str, tp: int, rank: int, port: int, extra: str, loads: list[st
                          hashlib.sha256(raw.numpy().tobytes()).hexdigest()]
         return out
 
+    # vLLM's CPU worker names its shared-memory collectives after the init method's port
+    # before it joins the group (cpu_worker.py); its TP communicator reads that name.
+    os.environ.setdefault("VLLM_DIST_IDENT", str(port))
     default = config("safetensors")
     with set_current_vllm_config(default):
         init_distributed_environment(world_size=tp, rank=rank, local_rank=rank,

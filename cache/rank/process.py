@@ -25,7 +25,7 @@ from vlaunch.cache.contract.roles import seat, stem
 from vlaunch.cache.contract.sockdir import RankLock, ensure_socket_dir
 from vlaunch.cache.rank.connections import raise_nofile_limit
 from vlaunch.cache.store.manifest import Manifest
-from vlaunch.cache.store.plan import Layout
+from vlaunch.cache.store.ranks import Position
 
 log = logging.getLogger("vlaunch.cache")
 
@@ -196,9 +196,9 @@ def _fingerprint(opts: RankArgs, backend: Any, shard: Any) -> fp.Fingerprint:
                         opts.model, os.environ.get("VLAUNCH_QUANTIZATION")), role=opts.role)
 
 
-def _layout(opts: RankArgs) -> Layout:
+def _layout(opts: RankArgs) -> Position:
     """Where this rank sits in the tensor/pipeline/data-parallel world."""
-    return Layout.from_global(opts.rank, opts.tensor_parallel_size,
+    return Position.from_global(opts.rank, opts.tensor_parallel_size,
                               opts.pipeline_parallel_size, opts.data_parallel_size)
 
 

@@ -158,7 +158,7 @@ def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifes
 
 def _map_source(fds: list[int], sizes: tuple[int, ...], device: str) -> list[SlabBytes]:
     """Map the source's slab fds read-only, as our own slabs' bytes are; closes every fd."""
-    from vlaunch.cache.client.connection import backend_for
+    from vlaunch.cache.store.slabs import backend_for
 
     try:
         if len(fds) != len(sizes):

@@ -189,7 +189,7 @@ class SeedSource:
         if self.server.manifest.backend == "cpu":
             seedwire.send_fd(sock, fd, offset, nbytes, self.timeout)
             return
-        from vlaunch.cache.client.connection import backend_for
+        from vlaunch.cache.store.slabs import backend_for
 
         slab = backend_for(self.server.device).map_fd(fd, size, readonly=True)
         try:

@@ -15,9 +15,7 @@ MAX_NAME = 1024
 MAX_DIMS = 16
 
 
-# NamedTuples rather than frozen dataclasses: every engine's handoff imports this module and
-# builds a record per tensor; a frozen dataclass costs several times more to define and to
-# instantiate (the same fields, repr, equality, hashing and immutability).
+# NamedTuples (see vlaunch.cache): a handoff builds a record per tensor.
 
 
 class TensorRecord(NamedTuple):

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vlaunch.cache.contract import settings
 from vlaunch.cache.contract.errors import CheckpointError, VlaunchError, exit_status
 from vlaunch.cache.store.progress import Progress
 from vlaunch.cache.store.slabs import host_array, on_device
@@ -97,25 +98,14 @@ def fill(specs: list[SliceSpec], manifest: Manifest, slabs: list[SlabBytes], *,
             os.close(fd)
 
 
-READERS = ("staging", "register")
-
-
 def reader_mode() -> str:
     """The CUDA reader (VLAUNCH_READER): `staging` (the default: reader threads read into
     pinned buffers, the copy engine moves them) or `register` (DMA out of the registered page
-    cache, no host copy: registered.py).
-
-    Measured on 2 H200s (2026-11-30/12-01, benchmarks/results/gpu_2026-12-01.md): staging
-    was faster or level in every layout (TP 1 34-39 GB/s against 23-28 registered; TP 2 19-21
-    against 10-15 a rank); at PP 2 registering was ahead in two calls of three (32.0 against
-    23.2, 22.8 against 20.2 GB/s a rank) and behind in one (18.7 against 27.9).
+    cache, no host copy: registered.py). Staging is the default: on two H200s it was faster
+    or level in every layout but PP 2, where the two traded places
+    (benchmarks/results/gpu_2026-12-01.md).
     """
-    mode = os.environ.get("VLAUNCH_READER") or "staging"
-    if mode not in READERS:
-        log.warning("VLAUNCH_READER=%s is not one of %s; using staging", mode,
-                    ", ".join(READERS))
-        return "staging"
-    return mode
+    return str(settings.get("VLAUNCH_READER"))
 
 
 def _fill_staged(specs: list[SliceSpec], records: dict[str, Any], slabs: list[SlabBytes],
@@ -125,7 +115,7 @@ def _fill_staged(specs: list[SliceSpec], records: dict[str, Any], slabs: list[Sl
     `threads`."""
     cuda = on_device(slabs[0]) if slabs else False
     chunk = chunk or (CUDA_CHUNK if cuda else CHUNK)
-    gather = os.environ.get("VLAUNCH_SPLIT_READ", "gather") == "gather"
+    gather = settings.get("VLAUNCH_SPLIT_READ") == "gather"
     if not cuda:  # whole tensors that follow each other in a file: one preadv for many
         specs, batches = _batched(specs, records, slabs, chunk)
     work = [(s, p) for s in specs for p in pieces(s, chunk, packed=gather)]
@@ -398,9 +388,9 @@ class _CudaMover:
     Why hand-written: fastsafetensors, kvikio and cuFile readers were weighed. Without the
     nvidia-fs kernel module (absent in containers and VMs), cuFile and kvikio fall back to
     POSIX reads into pinned bounce buffers, which is this pipeline, at the cost of a large
-    native dependency each; fastsafetensors reads whole files per rank and measured 26 GB/s
-    against this reader's 20-31 GB/s on the same H200. None splits a tensor per rank on the
-    device. The pipeline is some 60 lines over torch and os.preadv.
+    native dependency each; fastsafetensors reads whole files per rank and measured within
+    this reader's range on the same H200 (benchmarks/results/figures.md). None splits a
+    tensor per rank on the device. The pipeline is some 60 lines over torch and os.preadv.
     """
 
     def __init__(self, device: torch.device, chunk: int, limit: int) -> None:

@@ -80,6 +80,23 @@ def longest(repo: Path, least: int) -> list[str]:
             f"({', '.join(f'{k} {v}' for k, v in where.most_common())}):", *rows]
 
 
+def typed_any(repo: Path) -> list[str]:
+    """Per package, the share of parameters annotated `Any` (self and cls left out)."""
+    counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for path, _, node in functions(repo):
+        a = node.args
+        parts = path.relative_to(repo).parts
+        where = "/".join(parts[:2]) if len(parts) > 2 else f"{parts[0]}/*.py"
+        for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs):
+            if arg.arg in ("self", "cls"):
+                continue
+            counts[where][0] += 1
+            counts[where][1] += arg.annotation is not None and ast.unparse(arg.annotation) == "Any"
+    rows = [f"  {k:22s} {n:4d} parameters, {a:3d} typed Any ({100 * a / n:.0f}%)"
+            for k, (n, a) in sorted(counts.items()) if n]
+    return ["parameters typed `Any`, per package:", *rows]
+
+
 def environment_reads(repo: Path) -> dict[str, list[str]]:
     """VLAUNCH_* name -> where it is read: `file:line kind` (environ/getenv with a literal or
     a module-level constant, a click envvar=, a settings registry entry)."""
@@ -249,7 +266,7 @@ def main() -> None:
     ap.add_argument("--walk", default="cache/client/loader.py:load:model")
     args = ap.parse_args()
     for block in (sizes(args.repo, args.top), longest(args.repo, args.least),
-                  walk(args.repo, args.walk), environment(args.repo)):
+                  walk(args.repo, args.walk), typed_any(args.repo), environment(args.repo)):
         print("\n".join(block), end="\n\n")
 
 

@@ -132,11 +132,6 @@ def checked_int(value: Any, what: str) -> int:
     return value
 
 
-def _span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
-    """Elements from the first to one past the last element a strided view touches."""
-    return 1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True)) if all(shape) else 0
-
-
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Row-major strides for `shape`."""
     stride, acc = [], 1

@@ -21,6 +21,14 @@ def get(url: str) -> dict[str, Any] | None:
         return None
 
 
+def launcher_url(sockdir: Path) -> str | None:
+    """The health URL a launcher wrote to its socket directory's launcher.json, if it did."""
+    try:
+        return json.loads((sockdir / "launcher.json").read_text())["url"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def bare_starts(device: str, reps: int) -> list[float]:
     """Seconds from spawn to a first allocation on `device` in a bare `import torch` process."""
     # the moment the allocation is done is printed, so interpreter teardown is not counted

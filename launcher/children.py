@@ -148,6 +148,25 @@ def signal_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
 
 
+def group_running(pgid: int) -> list[int]:
+    """Processes of process group `pgid` that still run (a zombie holds no socket, no memory).
+
+    A keeper killed with its group can be reaped before its child has finished exiting: the
+    child still holds the engine's port and device memory for a moment."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return []  # the usual end: nothing of the group exists, not even a zombie
+    except PermissionError:
+        pass
+    running = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(ProcessLookupError, PermissionError, psutil.Error):
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                running.append(proc.pid)
+    return running
+
+
 def sweep(pids: Iterable[int]) -> list[str]:
     """SIGKILL the given children's groups, our child cgroup, and every descendant of ours;
     returns the killed."""

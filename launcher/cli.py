@@ -106,6 +106,23 @@ def _opt(name: str, env: str, **kw: Any) -> Callable[[F], F]:
            "has run 1 s); auto: http when --engine-health-url is set, else none.")
 @_opt("--engine-health-url", "ENGINE_HEALTH_URL", default="",
       help="URL that answers 2xx when the engine is ready (e.g. vLLM's /health).")
+@_opt("--engine-unhealthy-after", "ENGINE_UNHEALTHY_AFTER", default=120.0,
+      type=click.FloatRange(0),
+      help="Seconds a ready engine's health URL, liveness request or watchdog may fail without "
+           "a break before it counts as hung: stopped (SIGTERM, SIGKILL after --stop-timeout) "
+           "and restarted (0: never; failing only makes it not ready).")
+@_opt("--engine-liveness-request", "ENGINE_LIVENESS_REQUEST", default="",
+      help="A request that only a working engine answers with 2xx, sent once it is ready: "
+           "'METHOD URL [BODY]' (a JSON body), e.g. a one-token completion (docs/health.md).")
+@_opt("--engine-liveness-deadline", "ENGINE_LIVENESS_DEADLINE", default=10.0,
+      type=click.FloatRange(0.1),
+      help="Seconds the liveness request may take; later is a failure.")
+@_opt("--engine-liveness-interval", "ENGINE_LIVENESS_INTERVAL", default=10.0,
+      type=click.FloatRange(0.1),
+      help="Seconds between two liveness requests.")
+@_opt("--engine-watchdog", "ENGINE_WATCHDOG", default=0.0, type=click.FloatRange(0),
+      help="Give the engine WATCHDOG_USEC (these seconds) and a NOTIFY_SOCKET: once it is "
+           "ready it must send WATCHDOG=1 at least this often, or its watchdog fails (0: off).")
 @_opt("--restart-max", "RESTART_MAX", default=5, type=click.IntRange(0),
       help="Engine restarts allowed within --restart-window.")
 @_opt("--restart-window", "RESTART_WINDOW", default=300.0, type=click.FloatRange(0),

@@ -14,6 +14,7 @@ from typing import Literal
 Role = Literal["cache", "engine", "standby"]
 RankPolicy = Literal["shutdown", "respawn"]
 Readiness = Literal["notify", "http", "none"]
+Probe = Literal["health", "liveness"]
 
 
 # --------------------------------------------------------------------------------- config
@@ -42,6 +43,8 @@ class SupervisorConfig:
     start_timeout: float | None = None  # seconds to be serving, at start and after a restart
     standby: bool = False  # keep a parked standby engine, promoted when the engine exits
     standby_park_timeout: float = 300.0  # seconds a standby may take to park, else given up
+    unhealthy_after: float | None = None  # seconds of failing health after which it is hung
+    engine_watchdog: float | None = None  # WATCHDOG_USEC the engine is given, in seconds
 
     def __post_init__(self) -> None:
         """Normalise the collections and raise ValueError naming every invalid field."""
@@ -82,6 +85,10 @@ def _config_problems(c: SupervisorConfig) -> Iterator[str]:
         yield f"start_timeout must be None or > 0 (got {c.start_timeout!r})"
     if not _finite(c.standby_park_timeout) or c.standby_park_timeout <= 0:
         yield f"standby_park_timeout must be a finite number > 0 (got {c.standby_park_timeout!r})"
+    for name in ("unhealthy_after", "engine_watchdog"):
+        value = getattr(c, name)
+        if value is not None and not (_finite(value) and value > 0):
+            yield f"{name} must be None or a finite number > 0 (got {value!r})"
     if c.standby and not c.has_engine:
         yield "standby needs an engine command (there is nothing to keep a standby of)"
 
@@ -144,9 +151,20 @@ class EngineReady:
 
 @dataclass(frozen=True)
 class EngineHealth:
-    """One health probe of a running engine answered (`ok`) or failed."""
+    """One probe of a running engine answered (`ok`) or failed (`detail` says how): its health
+    URL, or its liveness request."""
 
     ok: bool
+    now: float
+    probe: Probe = "health"
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class EngineWatchdog:
+    """The engine (or the standby, by `role`) sent WATCHDOG=1 on its notify socket."""
+
+    role: Role
     now: float
 
 
@@ -192,7 +210,7 @@ class StandbyParked:
 
 
 Event = (Started | CacheReady | ChildExited | EngineReady | EngineHealth | SignalReceived
-         | Tick | Spawned | PreloadDone | CacheProgress | StandbyParked)
+         | Tick | Spawned | PreloadDone | CacheProgress | StandbyParked | EngineWatchdog)
 
 
 # -------------------------------------------------------------------------------- actions

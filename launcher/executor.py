@@ -36,6 +36,7 @@ from .health import HealthServer
 from .hooks import Child, OsHooks, ProcessHooks
 from .memory import MEMORY_EVERY, Key, MemorySampler
 from .notify import EngineNotifySocket, Notifier
+from .probes import HttpProbe
 from .progress import LoadDisplay, recv_ready
 from .spec import RunSpec
 from .standby import StandbyChannel
@@ -119,7 +120,8 @@ class Executor:
         return status
 
     def _start_surfaces(self, directory: Path, loop: asyncio.AbstractEventLoop) -> None:
-        if self.spec.supervisor and self.spec.supervisor.engine_readiness == "notify":
+        config = self.spec.supervisor
+        if config and (config.engine_readiness == "notify" or config.engine_watchdog):
             self.engine_notify = EngineNotifySocket(directory)
             loop.add_reader(self.engine_notify.sock.fileno(), self._engine_notified)
         if self.spec.health_port is not None:
@@ -187,9 +189,10 @@ class Executor:
 
     async def _spawn(self, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...],
                      role: events.Role, rank: int | None) -> _Running | None:
-        """Start a child and watch for its exit; a failed start is its exit (126/127)."""
+        """Start a child and watch for its exit; a failed start is its exit (126/127). An
+        engine or a standby runs under a keeper (keeper.py); a cache rank is one process."""
         try:
-            child = await self.hooks.spawn(argv, env, pass_fds)
+            child = await self.hooks.spawn(argv, env, pass_fds, kept=role != "cache")
         except OSError as exc:
             log.error("cannot start %s: %s; check the command and PATH", argv[0], exc)
             code = 127 if isinstance(exc, FileNotFoundError) else 126
@@ -204,6 +207,8 @@ class Executor:
         status = await running.child.wait()
         running.exited = True
         self.hooks.signal(running.child.pid, signal.SIGKILL)  # no orphaned workers
+        if running.role != "cache":  # the keeper is gone; what ran under it must be too
+            await self.hooks.settle(running.child.pid)
         if running.role == "cache" and running.rank is not None:
             _clear_stale(self.spec, running.rank)
         self.post(events.ChildExited(running.role, running.rank, running.child.pid, status,
@@ -307,8 +312,7 @@ class Executor:
         notify = str(self.engine_notify.path) if self.engine_notify else None
         env = child_env(self.env, self._engine_env(action.attempt), notify)
         self.engine = await self._spawn(list(self.spec.engine), env, (), "engine", None)
-        if self.engine and self.core.config.engine_readiness == "http":
-            self._spawn_task(self._probe_engine(self.engine))
+        self._watch_engine()
 
     async def _spawn_standby(self, action: events.SpawnStandby) -> None:
         """Start the engine command as a standby, with its promote fd and notify socket."""
@@ -334,17 +338,22 @@ class Executor:
         self.engine, self.standby = self.standby, None
         if channel is not None:
             channel.promote()
-        if self.engine and self.core.config.engine_readiness == "http":
-            self._spawn_task(self._probe_engine(self.engine))
+        self._watch_engine()
 
     def _standby_notified(self, channel: StandbyChannel) -> None:
-        """PARKED=1 from the standby; READY=1 from a promoted standby (readiness notify)."""
-        parked, ready = channel.read()
-        if parked and channel is self.standby_channel:
-            self.post(events.StandbyParked(0.0))
-        if ready and channel is self.engine_channel and \
-                self.core.config.engine_readiness == "notify":
-            self.post(events.EngineReady(0.0))
+        """PARKED=1 and WATCHDOG=1 from the standby; READY=1 (readiness notify) and WATCHDOG=1
+        from a promoted standby."""
+        parked, ready, watchdog = channel.read()
+        if channel is self.standby_channel:
+            if parked:
+                self.post(events.StandbyParked(0.0))
+            if watchdog:
+                self.post(events.EngineWatchdog("standby", 0.0))
+        elif channel is self.engine_channel:
+            if ready and self.core.config.engine_readiness == "notify":
+                self.post(events.EngineReady(0.0))
+            if watchdog:
+                self.post(events.EngineWatchdog("engine", 0.0))
 
     def _drop_channel(self, name: str) -> None:
         """Close a standby channel no longer needed (the standby exited or was replaced)."""
@@ -355,7 +364,11 @@ class Executor:
             setattr(self, name, None)
 
     def _engine_env(self, attempt: int, preload: bool = False) -> dict[str, str]:
-        return self.spec.engine_env(attempt, self.engine_devices, preload).to_env()
+        env = self.spec.engine_env(attempt, self.engine_devices, preload).to_env()
+        watchdog = self.core.config.engine_watchdog
+        if watchdog and not preload:  # sd_watchdog_enabled(3)'s variable, on our socket
+            env["WATCHDOG_USEC"] = str(round(watchdog * 1_000_000))
+        return env
 
     async def _start_preload(self, action: events.RunPreload) -> None:
         """Run the preload command in the background; it answers PreloadDone."""
@@ -367,7 +380,7 @@ class Executor:
         spec = self.spec
         env = child_env(self.env, self._engine_env(0, preload=True), None)
         try:
-            child = await self.hooks.spawn(list(spec.preload), env)
+            child = await self.hooks.spawn(list(spec.preload), env, kept=True)
         except OSError as exc:
             self.post(events.PreloadDone(False, f"could not start: {exc}", 0.0))
             return
@@ -388,19 +401,48 @@ class Executor:
     # ---------------------------------------------------------------------- readiness
 
     def _engine_notified(self) -> None:
+        """The engine's sd_notify: READY=1 (readiness notify) and WATCHDOG=1."""
         assert self.engine_notify is not None
         for fields in self.engine_notify.read():
-            if fields.get("READY") == "1":
+            if fields.get("READY") == "1" and self.core.config.engine_readiness == "notify":
                 self.post(events.EngineReady(0.0))
+            if fields.get("WATCHDOG") == "1":
+                self.post(events.EngineWatchdog("engine", 0.0))
 
-    async def _probe_engine(self, engine: _Running) -> None:
-        """Poll the engine's health URL while this engine process lives."""
-        while self.engine is engine and not engine.exited:
-            ok = await self.hooks.http_ok(self.spec.engine_health_url)
-            if self.engine is engine and not engine.exited:
-                self.post(events.EngineHealth(ok, 0.0) if self.core.engine_ready or not ok
-                          else events.EngineReady(0.0))
+    def _watch_engine(self) -> None:
+        """Start the probes of the engine just spawned or promoted: its health URL, its
+        liveness request."""
+        if self.engine is None:
+            return
+        if self.core.config.engine_readiness == "http":
+            self._spawn_task(self._probe_health(self.engine))
+        if self.spec.liveness is not None:
+            self._spawn_task(self._probe_liveness(self.engine, self.spec.liveness))
+
+    def _alive(self, engine: _Running) -> bool:
+        return self.engine is engine and not engine.exited
+
+    async def _probe_health(self, engine: _Running) -> None:
+        """Poll the engine's health URL while this engine process lives: its first 2xx is
+        EngineReady, every later answer EngineHealth."""
+        probe = HttpProbe("GET", self.spec.engine_health_url)
+        while self._alive(engine):
+            failed = await self.hooks.http_probe(probe)
+            if self._alive(engine):
+                self.post(events.EngineHealth(not failed, 0.0, "health", failed)
+                          if self.core.engine_ready or failed else events.EngineReady(0.0))
             await asyncio.sleep(PROBE_EVERY)
+
+    async def _probe_liveness(self, engine: _Running, probe: HttpProbe) -> None:
+        """Send the liveness request every liveness_interval while this engine is ready."""
+        while self._alive(engine):
+            await asyncio.sleep(self.spec.liveness_interval)
+            state = self.core.engine.state if self.core.engine else None
+            if not self._alive(engine) or state is not core.EngineState.READY:
+                continue
+            failed = await self.hooks.http_probe(probe)
+            if self._alive(engine):
+                self.post(events.EngineHealth(not failed, 0.0, "liveness", failed))
 
     async def _poll_ranks(self) -> None:
         """Refresh each ready rank's own report (bytes, leases) for the status surface."""

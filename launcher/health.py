@@ -76,7 +76,27 @@ class MetricsCollector:
         engine = s.get("engine") or {}
         yield GaugeMetricFamily("vlaunch_engine_restarts", "Engine restarts so far.",
                                 value=float(engine.get("restarts", 0)))
+        yield from _hang_metrics(engine, s.get("standby") or {})
         yield from memory_metrics(s)
+
+
+def _hang_metrics(engine: dict[str, Any], standby: dict[str, Any]) -> Iterator[GaugeMetricFamily]:
+    """The engine's probes and hangs (--engine-unhealthy-after), the parked standby's hangs."""
+    yield GaugeMetricFamily("vlaunch_engine_hangs", "Engines found hung (failing for "
+                            "--engine-unhealthy-after) and stopped so far; an engine that "
+                            "exited on its own is not counted.",
+                            value=float(engine.get("hangs", 0)))
+    yield GaugeMetricFamily("vlaunch_engine_unhealthy_seconds", "Seconds the ready engine's "
+                            "probes have failed without a break (0: healthy).",
+                            value=float(engine.get("unhealthy_for", 0.0)))
+    failing = GaugeMetricFamily("vlaunch_engine_probe_failing", "1 while this probe of the "
+                                "ready engine fails.", labels=["probe"])
+    for probe in ("health", "liveness", "watchdog"):
+        failing.add_metric([probe], float(probe in engine.get("failing", ())))
+    yield failing
+    yield GaugeMetricFamily("vlaunch_standby_hangs", "Parked standby engines whose watchdog "
+                            "pings stopped, killed and replaced so far.",
+                            value=float(standby.get("hangs", 0)))
 
 
 class HealthServer:

@@ -1,16 +1,21 @@
 """The process operations the executor needs, behind one interface (the torch elastic shape).
 
 `OsHooks` does them for real: asyncio subprocesses in their own process groups that die with
-the launcher, process-group signals, the psutil sweep, HTTP probes, rank status queries.
+the launcher, process-group signals, the psutil sweep, HTTP probes (probes.py), rank status
+queries.
 Tests hand the executor a fake with scripted results instead (tests/test_executor.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
+import os
+import shutil
 import signal
+import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,12 +26,17 @@ from . import events
 from .children import (
     contain_children,
     die_with_parent,
+    group_running,
     reap_orphans,
     signal_group,
     sweep,
 )
+from .probes import HttpProbe
 from .statusview import query_rank
 
+log = logging.getLogger("vlaunch.launcher")
+SETTLE_TIMEOUT = 10.0
+"""Seconds a stopped engine's process group may take to be gone after SIGKILL."""
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 """Signals the launcher handles (as SignalReceived events); any other keeps its default."""
 
@@ -48,8 +58,9 @@ class ProcessHooks(Protocol):
         descendants, and have the signals the core handles `post` a SignalReceived."""
 
     async def spawn(self, argv: Sequence[str], env: Mapping[str, str],
-                    pass_fds: Sequence[int] = ()) -> Child:
-        """Start argv in its own process group, dying with us; OSError if it cannot start."""
+                    pass_fds: Sequence[int] = (), kept: bool = False) -> Child:
+        """Start argv in its own process group, dying with us; OSError if it cannot start.
+        `kept`: under a keeper (keeper.py), which takes whatever argv starts down with it."""
 
     def signal(self, pid: int, sig: int) -> None:
         """Signal a child's process group (a vanished one is fine)."""
@@ -57,11 +68,16 @@ class ProcessHooks(Protocol):
     def sweep(self, pids: Iterable[int]) -> list[str]:
         """SIGKILL these groups and every descendant left; names of what was killed."""
 
+    async def settle(self, pid: int) -> None:
+        """After a kept child `pid` was reaped: SIGKILL its process group and wait until none
+        of it runs any more (its port and device memory are free then)."""
+
     def reap_orphans(self, pids: Iterable[int]) -> None:
         """Collect exited descendants that are not our own children."""
 
-    async def http_ok(self, url: str) -> bool:
-        """Whether `url` answers 2xx."""
+    async def http_probe(self, probe: HttpProbe) -> str:
+        """Send the probe: "" if the engine answered 2xx within its deadline, else how it
+        failed."""
 
     async def rank_status(self, path: Path) -> dict[str, Any]:
         """A rank's status report from its socket; OSError (or a VlaunchError) if none."""
@@ -129,7 +145,11 @@ class OsHooks:
             loop.add_signal_handler(sig, deliver, sig)
 
     async def spawn(self, argv: Sequence[str], env: Mapping[str, str],
-                    pass_fds: Sequence[int] = ()) -> Child:
+                    pass_fds: Sequence[int] = (), kept: bool = False) -> Child:
+        if kept:
+            if shutil.which(argv[0], path=env.get("PATH", os.defpath)) is None:
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
+            argv = [sys.executable, "-m", "vlaunch.launcher.keeper", "--", *argv]
         self._spawning += 1
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -145,20 +165,31 @@ class OsHooks:
     def sweep(self, pids: Iterable[int]) -> list[str]:
         return sweep(pids)
 
+    async def settle(self, pid: int) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SETTLE_TIMEOUT
+        while True:
+            signal_group(pid, signal.SIGKILL)
+            left = await loop.run_in_executor(None, group_running, pid)
+            if not left:
+                return
+            if loop.time() > deadline:
+                log.error("process(es) %s of a stopped engine survived SIGKILL for %g s "
+                          "(uninterruptible sleep in a driver call?)", left, SETTLE_TIMEOUT)
+                return
+            await asyncio.sleep(0.01)
+
     def reap_orphans(self, pids: Iterable[int]) -> None:
         if not self._spawning:
             reap_orphans([*pids, *self._ours])
 
-    async def http_ok(self, url: str) -> bool:
-        return await asyncio.get_running_loop().run_in_executor(None, _http_ok, url)
+    async def http_probe(self, probe: HttpProbe) -> str:
+        pending = asyncio.get_running_loop().run_in_executor(None, probe.run)
+        try:  # urllib bounds each socket operation; this bounds the whole exchange
+            return await asyncio.wait_for(pending, probe.timeout + 0.5)
+        except asyncio.TimeoutError:
+            return f"timed out after {probe.timeout:g} s"
 
     async def rank_status(self, path: Path) -> dict[str, Any]:
         return await asyncio.get_running_loop().run_in_executor(None, query_rank, path)
 
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return 200 <= resp.status < 300
-    except OSError:
-        return False

@@ -17,6 +17,7 @@ from .events import SupervisorConfig
 from .executor import RunSpec
 from .notify import watchdog_interval
 from .preflight import check_command
+from .probes import HttpProbe
 
 ENGINE_SETTLE = 1.0
 """Seconds an engine without a readiness check (--engine-ready none) must stay up before it
@@ -75,6 +76,8 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
         raise UsageError("--seed-listen-port needs a seed token: set VLAUNCH_SEED_TOKEN (or "
                          "--seed-token) to a long secret, or drop --seed-listen-port")
     check_command(engine, "engine command", "the command after --")
+    liveness = (HttpProbe.parse(o["engine_liveness_request"], o["engine_liveness_deadline"])
+                if o.get("engine_liveness_request") else None)
     preload = _preload(o["preload_autotune"])
     check_command(preload, "preload command", "--preload-autotune")
     draft = _draft(o, model, ranks)
@@ -92,7 +95,9 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
             standby_park_timeout=o["standby_park_timeout"],
             watchdog_interval=watchdog_interval(os.environ),
             preload=bool(o["preload_autotune"]),
-            start_timeout=o.get("start_timeout") or None)
+            start_timeout=o.get("start_timeout") or None,
+            unhealthy_after=o.get("engine_unhealthy_after") or None,
+            engine_watchdog=o.get("engine_watchdog") or None)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     port = o["health_port"]
@@ -111,7 +116,8 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
                    preload=preload,
                    preload_timeout=o["preload_timeout"], verify=o["verify"],
                    draft_model=o.get("draft_model") or "",
-                   draft_plan=o.get("draft_plan") or "replicate")
+                   draft_plan=o.get("draft_plan") or "replicate",
+                   liveness=liveness, liveness_interval=o.get("engine_liveness_interval", 10.0))
 
 
 def _draft(o: dict[str, Any], model: str, ranks: tuple[int, ...]) -> tuple[int, ...]:

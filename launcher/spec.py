@@ -12,6 +12,7 @@ from vlaunch.cache.contract.roles import DRAFT, TARGET, seat, unseat
 from vlaunch.cache.contract.sockdir import socket_path
 
 from . import events
+from .probes import HttpProbe
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class RunSpec:
     verify: bool = False  # each rank checks every byte against the files after its first load
     draft_model: str = ""  # a speculative-decoding draft model: its own group beside the target
     draft_plan: str = "replicate"
+    liveness: HttpProbe | None = None  # --engine-liveness-request, sent once the engine is ready
+    liveness_interval: float = 10.0  # seconds between two liveness requests
 
     @property
     def world(self) -> int:

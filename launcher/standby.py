@@ -36,13 +36,14 @@ class StandbyChannel:
             os.close(self.read_fd)
             self.read_fd = -1
 
-    def read(self) -> tuple[bool, bool]:
-        """Drain the notify socket: (PARKED=1 seen, READY=1 seen)."""
-        parked = ready = False
+    def read(self) -> tuple[bool, bool, bool]:
+        """Drain the notify socket: (PARKED=1 seen, READY=1 seen, WATCHDOG=1 seen)."""
+        parked = ready = watchdog = False
         for fields in self.notify.read():
             parked = parked or fields.get(PARKED_FIELD) == "1"
             ready = ready or fields.get("READY") == "1"
-        return parked, ready
+            watchdog = watchdog or fields.get("WATCHDOG") == "1"
+        return parked, ready, watchdog
 
     def promote(self) -> bool:
         """Write PROMOTE and close the pipe; False if the standby is already gone."""

@@ -46,7 +46,10 @@ def format_status(s: dict[str, Any]) -> str:
     e = s.get("engine")
     if e:
         lines.append(f"engine {e['state']}  pid {e['pid']}  restarts {e['restarts']}  "
-                     f"last exit {e['last_exit']}")
+                     f"hangs {e.get('hangs', 0)}  last exit {e['last_exit']}")
+        if e.get("failing"):  # docs/health.md: hung after --engine-unhealthy-after of this
+            lines.append(f"engine failing: {', '.join(e['failing'])} for "
+                         f"{e.get('unhealthy_for', 0):.1f} s")
     for rank, r in sorted(s["ranks"].items(), key=lambda kv: int(kv[0])):
         changed = (r.get("checkpoint") or {}).get("changed")
         if changed:  # docs/integrity.md: new engines get a mismatch until the rank restarts

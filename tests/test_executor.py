@@ -24,6 +24,7 @@ from vlaunch.cache.contract.launch import EngineEnv, RankArgs
 from vlaunch.cache.contract.notify import parse_fields
 from vlaunch.launcher import events
 from vlaunch.launcher.executor import Executor
+from vlaunch.launcher.probes import HttpProbe
 from vlaunch.launcher.spec import RunSpec
 
 from .conftest import eventually
@@ -61,13 +62,16 @@ class FakeHooks:
         self.adopted: dict[int, tuple[dict[str, Any], list[int]]] = {}
         self.slabs: dict[int, int] = {}  # rank -> its memfd (the rank's own copy)
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.probes: list[Any] = []  # every HTTP probe sent, in order
+        self.probe_failures: list[str] = []  # how the next probes fail ("": they pass)
+        self.settled: list[int] = []  # kept children whose process group was waited for
         self._next = 1000
 
     def prepare(self, post: Any) -> None:
         self.loop = asyncio.get_running_loop()
 
     async def spawn(self, argv: Sequence[str], env: Mapping[str, str],
-                    pass_fds: Sequence[int] = ()) -> FakeChild:
+                    pass_fds: Sequence[int] = (), kept: bool = False) -> FakeChild:
         if argv[0] in self.missing:
             raise FileNotFoundError(2, "No such file or directory", argv[0])
         assert self.loop is not None
@@ -114,11 +118,15 @@ class FakeHooks:
     def sweep(self, pids: Any) -> list[str]:
         return []
 
+    async def settle(self, pid: int) -> None:
+        self.settled.append(pid)
+
     def reap_orphans(self, pids: Any) -> None:
         list(pids)
 
-    async def http_ok(self, url: str) -> bool:
-        return True
+    async def http_probe(self, probe: Any) -> str:
+        self.probes.append(probe)
+        return self.probe_failures.pop(0) if self.probe_failures else ""
 
     async def rank_status(self, path: Path) -> dict[str, Any]:
         raise OSError("the fake ranks answer no status")
@@ -173,15 +181,17 @@ def start(tmp_path: Path, notify: socket.socket) -> Iterator[Any]:
     runs: list[Running] = []
 
     def start(engine: tuple[str, ...] = ("engine-cmd",), hooks: FakeHooks | None = None,
-              **config: Any) -> Running:
+              liveness: HttpProbe | None = None, **config: Any) -> Running:
         ranks = (0, 1)
         spec = RunSpec(model="/models/m", socket_dir=tmp_path / "s", ranks=ranks,
                        devices=dict.fromkeys(ranks, "cpu"), tensor_parallel_size=2,
                        plan="replicate",
-                       engine=engine, health_port=None,
+                       engine=engine, health_port=None, liveness=liveness,
+                       liveness_interval=0.02,
                        supervisor=events.SupervisorConfig(ranks=ranks, has_engine=bool(engine),
                                                           backoff_initial=0.0, **config))
-        run = Running(spec, hooks or FakeHooks(), {"NOTIFY_SOCKET": notify.getsockname()})
+        run = Running(spec, hooks or FakeHooks(), {"NOTIFY_SOCKET": notify.getsockname(),
+                                                   "WATCHDOG_USEC": "30000000"})
         runs.append(run)
         return run
 
@@ -237,6 +247,7 @@ def test_ranks_and_engine_are_told_the_contract_and_sigterm_stops_all(
     assert argv == ["engine-cmd"]
     assert EngineEnv.from_env(env) == run.executor.spec.engine_env(1, {})
     assert "NOTIFY_SOCKET" not in env  # systemd's socket is the launcher's alone
+    assert "WATCHDOG_USEC" not in env  # and so is systemd's watchdog
     assert run.executor.escrow.fd_count() == 2
     run.post(events.SignalReceived(signal.SIGTERM, 0.0))
     assert run.wait() == 0
@@ -435,3 +446,35 @@ def test_the_orphan_sweep_leaves_a_child_that_exits_during_its_spawn_to_asyncio(
         return await asyncio.wait_for(child.wait(), 10)
 
     assert uvloop.run(main()) == 0
+
+
+def test_the_engine_gets_a_watchdog_and_an_engine_that_stops_pinging_is_restarted(
+        start: Any) -> None:
+    run = start(engine_watchdog=0.3, unhealthy_after=0.3)
+    eventually(lambda: run.executor.core.engine.state.value == "ready", 10, what="ready")
+    _, env = run.hooks.spawned[-1]
+    assert env["WATCHDOG_USEC"] == "300000"
+    assert env["NOTIFY_SOCKET"] == str(run.executor.engine_notify.path)  # ours, not systemd's
+    first = run.pid("engine")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as ping:
+        for _ in range(10):  # 1 s of pings every 0.1 s: never hung
+            ping.sendto(b"WATCHDOG=1", env["NOTIFY_SOCKET"])
+            threading.Event().wait(0.1)
+        assert run.executor.core.engine.pid == first and not run.executor.core.engine.hangs
+    eventually(lambda: (first, signal.SIGTERM) in run.hooks.signals, 10, what="SIGTERM")
+    eventually(lambda: run.executor.core.engine.attempt == 2, 10, what="the restart")
+    assert run.executor.core.engine.hangs == 1
+    assert run.hooks.settled == [first]  # its process group was gone before the restart
+
+
+def test_a_liveness_request_that_fails_gets_the_engine_restarted(start: Any) -> None:
+    hooks = FakeHooks()
+    hooks.probe_failures = ["timed out after 1 s"] * 1000
+    probe = HttpProbe("POST", "http://127.0.0.1:1/v1/completions", b"{}", 1.0)
+    run = start(hooks=hooks, liveness=probe, unhealthy_after=0.2)
+    eventually(lambda: run.executor.core.engine.state.value == "ready", 10, what="ready")
+    first = run.pid("engine")
+    eventually(lambda: (first, signal.SIGTERM) in hooks.signals, 10, what="SIGTERM")
+    assert hooks.probes[0] is probe
+    assert run.executor.engine_notify is None  # no watchdog, readiness none: no socket
+    eventually(lambda: run.executor.core.engine.attempt == 2, 10, what="the restart")

@@ -123,15 +123,21 @@ def test_final_sweep_leaves_no_grandchild(tmp_path: Path, llama_ckpt: Path) -> N
               "s.connect(os.environ['NOTIFY_SOCKET']); s.send(b'READY=1')\n"
               "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
               "time.sleep(600)\n")
-    la = Launcher(tmp_path, llama_ckpt, "--engine-ready", "notify",
+    la = Launcher(tmp_path, llama_ckpt, "--engine-ready", "notify", "--backoff-initial", "0",
                   engine=[sys.executable, "-c", engine], tp=1)
     try:
-        la.wait_for(serving)
+        snap = la.wait_for(serving)
         grandchild = int(marker.read_text())
-        assert psutil.pid_exists(grandchild)
+        # the engine's keeper alone, as the OOM killer might: the engine dies with it (its
+        # parent-death signal), its daemon re-parents to the launcher, a subreaper
+        os.kill(snap["engine"]["pid"], signal.SIGKILL)
+        la.wait_for(lambda s: serving(s) and s["engine"]["attempt"] == 2)
+        assert not _gone(grandchild)
+        second = int(marker.read_text())  # the next engine's daemon, under its keeper
         la.proc.send_signal(signal.SIGTERM)
         assert la.wait_exit() == ExitStatus.OK
-        eventually(lambda: _gone(grandchild), 10, what="the grandchild swept")
+        eventually(lambda: _gone(grandchild) and _gone(second), 10, what="both daemons gone")
+        # the first by the launcher's final sweep; the second with its engine, by its keeper
         assert "swept 1 leftover" in la.text() and "sleep 600" in la.text()
     finally:
         la.close()

@@ -60,11 +60,11 @@ def test_kill_the_engine_promotes_the_standby_at_tp2(launch, tmp_path: Path) -> 
     snap = la.wait_for(lambda s: standby_of(s)["state"] == "parked")
     first, standby_pid = snap["engine"]["pid"], standby_of(snap)["pid"]
     assert not la.text().count("Traceback")
-    # /status samples what each child holds: the parked standby too (its two ranks), and on
-    # the CPU no device figure at all (null, not 0)
+    # /status samples what each child holds: the parked standby too (its keeper and its two
+    # ranks), and on the CPU no device figure at all (null, not 0)
     mem = la.wait_for(lambda s: ((s["memory"] or {}).get("standby") or {}).get("pid")
                       == standby_pid)["memory"]
-    assert len(mem["standby"]["pids"]) == 2 and len(mem["engine"]["pids"]) == 2
+    assert len(mem["standby"]["pids"]) == 3 and len(mem["engine"]["pids"]) == 3
     for entry in (*mem["ranks"].values(), mem["engine"], mem["standby"]):
         assert 0 < entry["uss"] <= entry["pss"] <= entry["rss"]
         assert entry["device_bytes"] is None

@@ -140,3 +140,17 @@ def test_sighup_restart_promotes_the_parked_standby() -> None:
                             engine_exit(1, 0, 5.2)], standby=True)
     assert of(PromoteStandby, actions) == [PromoteStandby()]
     assert sup.engine is not None and sup.engine.attempt == 2
+
+
+def test_sighup_promotion_is_outside_the_budget_and_the_backoff() -> None:
+    """A promotion that SIGHUP (`systemctl reload`) triggers counts as a SIGHUP restart: with
+    room for one restart, a crash after it is still restarted, after the first backoff."""
+    sup, actions = history([*SERVING, *parked(), SignalReceived(signal.SIGHUP, 5.0),
+                            engine_exit(1, 0, 5.2), EngineReady(5.5)], standby=True,
+                           restart_max=1, backoff_initial=2.0)
+    assert of(PromoteStandby, actions) == [PromoteStandby()]
+    assert sup.engine is not None and sup.engine.pid == 301 and sup.engine.restarts == 1
+    sup, more = history([ChildExited("engine", None, 301, 1, 6.0)], sup)
+    assert any(line.startswith("WARNING") and "restarting it in 2 s (1 of at most 1 restarts"
+               in line for line in logs(more)), logs(more)
+    assert sup.exit_status is None and sup.engine.state is EngineState.BACKOFF

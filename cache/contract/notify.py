@@ -1,6 +1,7 @@
 """sd_notify: datagrams to $NOTIFY_SOCKET that never block and never end the sender.
 
-One implementation for the launcher, the cache ranks and the reference engine. The socket is
+One implementation for the launcher, the cache ranks and the reference engine (whose
+`Watchdog` pings are the launcher's --engine-watchdog). The socket is
 non-blocking: a reader that does not keep up (its queue is full) costs a dropped message, not
 a stalled event loop. A variable naming a socket that is gone (a stale NOTIFY_SOCKET left in
 a shell, a systemd that restarted) costs one warning, then the process carries on.
@@ -15,9 +16,11 @@ outside latin-1, in a path say, is silently dropped).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 log = logging.getLogger("vlaunch.notify")
 MAX_DATAGRAM = 4096
@@ -85,3 +88,33 @@ class SdNotify:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+class Watchdog:
+    """`WATCHDOG=1` on NOTIFY_SOCKET at most every quarter of `WATCHDOG_USEC`, when it is set
+    (and `WATCHDOG_PID`, if set, names this process): sd_watchdog_enabled(3)'s rule. Call
+    `ping` from the loop whose progress it vouches for: a stuck loop stops the pings."""
+
+    def __init__(self, env: Mapping[str, str] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        env = os.environ if env is None else env
+        usec, pid = env.get("WATCHDOG_USEC", ""), env.get("WATCHDOG_PID", "")
+        on = usec.isdigit() and int(usec) > 0 and pid in ("", str(os.getpid()))
+        self.every: float | None = int(usec) / 4e6 if on else None
+        self._out = SdNotify(env) if on else None
+        self._clock = clock
+        self._next = -math.inf
+
+    @property
+    def enabled(self) -> bool:
+        """Whether pings are asked for (and there is a socket to send them to)."""
+        return self._out is not None and self._out.enabled
+
+    def ping(self) -> None:
+        """Send WATCHDOG=1 unless one went out less than a quarter interval ago."""
+        if self._out is None or self.every is None:
+            return
+        now = self._clock()
+        if now >= self._next:
+            self._next = now + self.every
+            self._out.send({"WATCHDOG": "1"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import socket
@@ -63,18 +64,44 @@ def socket_path(directory: Path | str, rank: int, role: str = TARGET) -> Path:
     return path
 
 
+def memo_name(socket: str) -> str:
+    """The identity memo of the rank serving `socket` (…/rank-N.sock): …/rank-N.identity.json
+    (cache/store/identity.py writes it, the rank's lock holder removes it)."""
+    return socket.removesuffix(".sock") + ".identity.json"
+
+
+def open_lock(path: Path) -> int:
+    """Open (create) a lock file; SocketDirError (73) if something else is there: a symlink
+    (followed by nobody), a directory, a file of another user."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.EISDIR, errno.EACCES, errno.EPERM,
+                             errno.ENXIO):
+            raise
+        raise SocketDirError(f"lock path {path} is a symlink or not a file of ours "
+                             f"({exc.strerror}); remove it (it is not vlaunch's)") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise SocketDirError(f"lock path {path} is a symlink or not a file of ours "
+                             f"(owned by uid {st.st_uid}); remove it (it is not vlaunch's)")
+    return fd
+
+
 class RankLock:
-    """An exclusive flock per rank: one cache per rank; the holder removes stale sockets."""
+    """An exclusive flock per rank: one cache per rank; the holder removes stale sockets and
+    identity memos."""
 
     def __init__(self, directory: Path, rank: int, role: str = TARGET) -> None:
         self.path = directory / f"{stem(role, rank)}.lock"
         self.socket = socket_path(directory, rank, role)
+        self.memo = Path(memo_name(str(self.socket)))
         self._fd = -1
 
     def acquire(self) -> None:
         """Take the lock or raise CacheBusyError; then clear a stale socket file."""
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                           0o600)
+        self._fd = open_lock(self.path)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -87,13 +114,16 @@ class RankLock:
                 os.unlink(self.socket)
 
     def release(self) -> None:
-        """Remove the socket (only a socket: a stray file stays for its owner) and the lock
-        file, then drop the lock."""
+        """Remove the socket (only a socket: a stray file stays for its owner), the identity
+        memo (only a regular file) and the lock file, then drop the lock."""
         if self._fd < 0:
             return
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISSOCK(os.lstat(self.socket).st_mode):
                 os.unlink(self.socket)
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISREG(os.lstat(self.memo).st_mode):
+                os.unlink(self.memo)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         os.close(self._fd)
@@ -110,8 +140,7 @@ class LauncherLock:
     def acquire(self) -> None:
         """Take the lock (held until release or exit) or raise CacheBusyError naming the
         launcher that holds it."""
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                           0o600)
+        self._fd = open_lock(self.path)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -6,7 +6,7 @@ Any engine can implement it (docs/standby.md); three steps, all on channels the 
    (the read end of a pipe) in its environment, and its own `NOTIFY_SOCKET`.
 2. The standby does everything that can be shared (import, device set-up, distributed group,
    weights mapped in share mode), then sends `PARKED=1` on its NOTIFY_SOCKET and blocks on
-   `wait_for_promotion`.
+   `wait_for_promotion` (pinging `WATCHDOG=1` meanwhile, when it was given `WATCHDOG_USEC`).
 3. The launcher writes `PROMOTE` on the pipe when the serving engine has exited. Only then does
    the standby take what must be exclusive (its port, KV cache memory, compute), and report
    `READY=1` on the same NOTIFY_SOCKET as any engine does. An end of file on the pipe (the
@@ -16,7 +16,8 @@ Any engine can implement it (docs/standby.md); three steps, all on channels the 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import select
+from collections.abc import Callable, Mapping
 
 from .errors import VlaunchError, exit_status
 
@@ -56,8 +57,12 @@ def promote_fd(env: Mapping[str, str] | None = None) -> int:
     return int(raw)
 
 
-def wait_for_promotion(fd: int) -> None:
-    """Block until the launcher promotes this standby; StandbyError if it never will (EOF)."""
+def wait_for_promotion(fd: int, ping: Callable[[], None] | None = None,
+                       every: float | None = None) -> None:
+    """Block until the launcher promotes this standby; StandbyError if it never will (EOF).
+    `ping` runs every `every` seconds meanwhile (a parked standby's WATCHDOG=1)."""
+    while ping is not None and every and not select.select([fd], [], [], every)[0]:
+        ping()
     data = b""
     with os.fdopen(fd, "rb", buffering=0, closefd=True) as pipe:
         while len(data) < len(PROMOTE):

@@ -43,8 +43,9 @@ import psutil
 from vlaunch.cache.contract.errors import VlaunchError
 from vlaunch.cache.contract.exitcodes import CONFIG_ERROR_STATUSES
 from vlaunch.cache.contract.logs import setup_logging
-from vlaunch.cache.contract.notify import SdNotify, parse_fields
+from vlaunch.cache.contract.notify import SdNotify, Watchdog, parse_fields
 from vlaunch.cache.contract.standby import StandbyError, is_standby, promote_fd, wait_for_promotion
+from vlaunch.cache.reference import faults
 from vlaunch.cache.reference.http import EngineStopping, parse_generate, start_http
 from vlaunch.cache.reference.options import EX_CONFIG, ConfigError, EngineOptions, parse_args
 from vlaunch.cache.reference.workers import (
@@ -146,6 +147,7 @@ class Engine:
         self._interruptible = False
         self._stop_requested = False
         self.http: ThreadingHTTPServer | None = None
+        self.watchdog = Watchdog()  # --engine-watchdog: pings from the serving loop and park
 
     @property
     def ready(self) -> bool:
@@ -207,8 +209,8 @@ class Engine:
         """Start ranks 1..N-1 at once (before this process imports torch) and the thread that
         watches them; returns the store's listening socket."""
         listener = reserve_store()
-        env = dict(os.environ)
-        env.pop("NOTIFY_SOCKET", None)  # only rank 0 speaks for the engine
+        env = {k: v for k, v in os.environ.items()  # only rank 0 speaks for the engine
+               if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
         # started from the main thread: the parent-death signal fires when the forking thread
         # exits, not the process
         for rank in range(1, self.opts.tp_size):
@@ -243,7 +245,7 @@ class Engine:
         worker waits in its broadcast meanwhile, so the group is promoted together)."""
         log.info("parked as a standby (pid %d): waiting for the launcher's promotion", os.getpid())
         notify("PARKED=1\nSTATUS=parked (standby)")
-        wait_for_promotion(fd)
+        wait_for_promotion(fd, self.watchdog.ping, self.watchdog.every)
         self.stats["promoted_at"] = time.time()
         log.info("promoted: taking over")
 
@@ -293,6 +295,8 @@ class Engine:
         """Run queued requests in this (the main) thread until STOP."""
         while (job := self.next_job()) is not STOP:
             assert job.tokens is not None
+            if faults.take(0) == "generate-stall":
+                faults.stall()
             try:
                 tokens = run_generate(state, job.tokens, job.max_new)
                 self.record_memory(state)  # before the reply: /stats is current once it is in
@@ -304,6 +308,7 @@ class Engine:
     def next_job(self) -> Job:
         """The next queued job; wakes up regularly so that signal handlers get to run."""
         while True:
+            self.watchdog.ping()  # this loop runs every request: a stuck one stops the pings
             # a signal that the kernel delivers to another thread does not interrupt this
             # wait; Python runs the handler only once the main thread wakes up
             with contextlib.suppress(queue.Empty):

@@ -11,11 +11,13 @@ Requests are served from threads; each generation is queued for the engine's mai
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import sys
 import threading
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -32,6 +34,7 @@ log = logging.getLogger("vlaunch.engine")
 MAX_PROMPT_TOKENS = 256
 MAX_NEW_TOKENS = 64
 MAX_BODY_BYTES = 64 << 10
+BIND_PATIENCE = 5.0
 
 
 class EngineStopping(Exception):
@@ -43,7 +46,7 @@ class EngineStopping(Exception):
 
 def start_http(engine: Engine) -> ThreadingHTTPServer:
     """Bind the HTTP server, serve it from a daemon thread, log and publish its port."""
-    server = _Server((engine.opts.host, engine.opts.port), _Handler)
+    server = _bind((engine.opts.host, engine.opts.port))
     server.engine = engine
     threading.Thread(target=server.serve_forever, name="vlaunch-http", daemon=True).start()
     port = int(server.server_address[1])
@@ -51,6 +54,25 @@ def start_http(engine: Engine) -> ThreadingHTTPServer:
     if engine.opts.port_file:
         write_port_file(Path(engine.opts.port_file), port)
     return server
+
+
+def _bind(address: tuple[str, int], patience: float = BIND_PATIENCE) -> _Server:
+    """The server bound to `address`, retrying while the port is in use for `patience` s.
+
+    The engine this one replaces (a promoted standby starts serving the moment it is gone)
+    may still hold the port for a moment after its death: the kernel can close a killed
+    process's sockets after it has been reaped (the last reference dropped late, on a
+    workqueue), most often a listener with a connection in its queue."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return _Server(address, _Handler)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or not address[1] or time.monotonic() > deadline:
+                raise
+            log.debug("port %d still in use (the engine before this one closing?); retrying",
+                      address[1])
+            time.sleep(0.05)
 
 
 def write_port_file(path: Path, port: int) -> None:

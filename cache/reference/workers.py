@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.contract.lifetime import die_with_parent
+from vlaunch.cache.reference import faults
 from vlaunch.cache.reference.options import ConfigError, EngineOptions
 
 if TYPE_CHECKING:
@@ -250,6 +251,8 @@ def run_worker(opts: EngineOptions) -> int:
             continue
         tokens = torch.empty(n_tokens, dtype=torch.int64, device=state.comm_device)
         dist.broadcast(tokens, src=0)
+        if faults.take(rank) == "worker-stall":
+            faults.stall_in_collective()
         decode(state, tokens.tolist(), max_new)
         gather_memory(state)  # rank 0 reports every rank's memory after each request
     dist.destroy_process_group()

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from vlaunch.cache.contract.errors import VerifyError
+from vlaunch.cache.contract.sockdir import memo_name
 
 if TYPE_CHECKING:
     from vlaunch.cache.store.checkpoint import Checkpoint
@@ -205,11 +206,7 @@ _SEEN: dict[str, dict[str, Any]] = {}  # model path -> memo of a checkpoint this
 
 def memo_path(socket: os.PathLike[str] | str) -> Path:
     """Where the rank serving `socket` (…/rank-N.sock) keeps its memo: …/rank-N.identity.json."""
-    return Path(_memo_name(os.fspath(socket)))
-
-
-def _memo_name(socket: str) -> str:
-    return socket.removesuffix(".sock") + ".identity.json"
+    return Path(memo_name(os.fspath(socket)))
 
 
 def write_memo(path: Path, rec: Record) -> None:
@@ -242,7 +239,7 @@ def identities(model: str | os.PathLike[str], memo: os.PathLike[str] | str | Non
     """
     path = _absolute(os.fspath(model))
     if memo is None and socket is not None:
-        memo = _memo_name(os.fspath(socket))
+        memo = memo_name(os.fspath(socket))
     for candidate in (_SEEN.get(path), _read_memo(memo)):
         hit = _memo_hit(path, candidate)
         if hit is not None:

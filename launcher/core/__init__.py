@@ -2,8 +2,9 @@
 
 One concern a module: `supervisor` (the entry, `Supervisor.handle`, and the contract with the
 executor), `model` (phases, states, records), `state` (the shared state), `ranks`, `engine`,
-`budget`, `standby`, `stop`, `timers`, `view` (the status surface) and `exits` (how a child
-ended, in words). None of them does I/O or reads a clock (tests/test_layout.py checks it).
+`budget`, `hang` (health probes, the engine watchdog, hung engines and standbys), `standby`,
+`stop`, `timers`, `view` (the status surface) and `exits` (how a child ended, in words). None
+of them does I/O or reads a clock (tests/test_layout.py checks it).
 """
 
 from .exits import CACHE_STATUSES, describe_exit

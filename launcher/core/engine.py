@@ -1,5 +1,6 @@
-"""The engine: spawn, readiness and health, an exit (config error, success, restart with
-backoff inside the budget), and SIGHUP's restart outside the budget."""
+"""The engine: spawn, readiness, an exit (config error, success, restart with backoff inside
+the budget; after a hang, always a restart), and SIGHUP's restart outside the budget. Its
+health and hangs are in hang.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from vlaunch.cache.contract.exitcodes import ExitStatus
 from ..events import (
     Action,
     ChildExited,
-    EngineHealth,
     EngineReady,
     Log,
     Notify,
@@ -21,7 +21,7 @@ from ..events import (
     SpawnEngine,
 )
 from .exits import describe_exit
-from .model import ENGINE_ALIVE, EngineState
+from .model import ENGINE_ALIVE, EngineState, RankState
 from .state import SupervisorState, stale
 
 
@@ -32,16 +32,6 @@ class EngineDecisions(SupervisorState):
         """The engine reported ready: READY=1 (again after a restart) and STATUS=serving."""
         return self._engine_became_ready(e.now)
 
-    def _on_engine_health(self, e: EngineHealth) -> list[Action]:
-        """Track a ready engine's health; log and update STATUS when it changes."""
-        engine = self._engine
-        if engine is None or engine.state is not EngineState.READY or engine.healthy == e.ok:
-            return []
-        self._engine = replace(engine, healthy=e.ok)
-        level, word = ("INFO", "passes again") if e.ok else ("WARNING", "fails: not ready")
-        return [Log(level, f"engine (pid {engine.pid}) health check {word}"),
-                Notify({"STATUS": self._status_line()})]
-
     def _spawn_engine(self) -> list[Action]:
         """Start the engine's next attempt now (promote the standby, if one is parked)."""
         if self._standby_parked():
@@ -49,8 +39,10 @@ class EngineDecisions(SupervisorState):
         engine = self._require_engine()
         attempt = engine.attempt + 1
         self._engine = replace(engine, state=EngineState.STARTING, pid=None, attempt=attempt,
-                               restarts=engine.restarts + (attempt > 1), healthy=True)
+                               restarts=engine.restarts + (attempt > 1), healthy=True,
+                               failing=())
         self._respawn_due = None
+        self._reset_health(None)
         return [Log("INFO", f"starting the engine (attempt {attempt})"),
                 Notify({"STATUS": self._status_line()}), SpawnEngine(attempt)]
 
@@ -66,8 +58,9 @@ class EngineDecisions(SupervisorState):
         engine = self._engine
         if engine is None or engine.state is not EngineState.STARTING or self._stop is not None:
             return []
-        self._engine = replace(engine, state=EngineState.READY, healthy=True)
+        self._engine = replace(engine, state=EngineState.READY, healthy=True, failing=())
         self._ready_since, self._ready_sent, self._reloading = now, True, False
+        self._reset_health(now)
         return [Log("INFO", f"engine ready (pid {engine.pid}, attempt {engine.attempt})"),
                 Notify({"READY": "1", "STATUS": self._status_line()}), *self._spawn_standby(now)]
 
@@ -76,16 +69,25 @@ class EngineDecisions(SupervisorState):
         engine = self._require_engine()
         if engine.state not in ENGINE_ALIVE or stale(engine.pid, e.pid):
             return []
-        self._reset_budget_if_stable(e.now)
+        hung = self._hung_engine_gone()
+        # a hung engine was stable only until its health began to fail
+        self._reset_budget_if_stable(e.now if hung is None else (self._unhealthy_since or e.now))
+        self._reset_health(None)
         self._settle_due = None
-        self._engine = replace(engine, state=EngineState.EXITED, pid=None, last_exit=e.status)
+        self._engine = replace(engine, state=EngineState.EXITED, pid=None, last_exit=e.status,
+                               healthy=True, failing=())
         what = (f"engine (pid {e.pid}) exited: {describe_exit(e.status)}" if e.pid else
                 f"engine could not be started: {describe_exit(e.status)}")
+        if hung is not None:
+            what = (f"hung engine (pid {e.pid}) stopped ({hung}): "
+                    f"{describe_exit(e.status, hint=False)}")
         if self._stop is not None:
             return [Log("INFO", what), *self._stop_ranks(), *self._finish_if_done()]
         if self._reload_deadline is not None:
             self._reload_deadline = None
             return [Log("INFO", f"{what}; restarting it (SIGHUP)"), *self._spawn_engine()]
+        if hung is not None:  # whatever its status: a hang is a failure, never a success
+            return self._schedule_restart(what, e.now)
         return self._engine_crashed(e, what)
 
     def _engine_crashed(self, e: ChildExited, what: str) -> list[Action]:
@@ -131,8 +133,13 @@ class EngineDecisions(SupervisorState):
         return {"RELOADING": "1"}
 
     def _respawn_if_due(self, now: float) -> list[Action]:
-        """Respawn the engine once its backoff has passed."""
+        """Respawn the engine once its backoff has passed and every cache rank serves (a new
+        engine would find a respawning rank's socket missing; a parked standby has its
+        weights mapped already and is promoted at once)."""
         if self._respawn_due is None or now < self._respawn_due:
+            return []
+        if not self._standby_parked() and any(
+                r.state is RankState.RESPAWNING for r in self._ranks.values()):
             return []
         return self._spawn_engine()
 

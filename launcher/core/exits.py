@@ -19,12 +19,13 @@ _SIGNAL_HINTS: dict[int, str] = {
 }
 
 
-def describe_exit(status: int) -> str:
-    """Say how a child ended, from its raw status (negative: killed by signal -status)."""
+def describe_exit(status: int, *, hint: bool = True) -> str:
+    """Say how a child ended, from its raw status (negative: killed by signal -status);
+    `hint`: guess who sent the signal (not when the launcher did)."""
     if status < 0:
         if not known_signal(-status):
             return f"killed by signal {-status}"
-        hint = _SIGNAL_HINTS.get(-status)
+        hint = _SIGNAL_HINTS.get(-status) if hint else None
         return f"killed by signal {-status} ({signal_name(-status)}{': ' + hint if hint else ''})"
     # A shell between the launcher and the program reports a signal death as 128+N.
     shell = 128 < status < 256 and known_signal(status - 128)

@@ -112,6 +112,8 @@ class EngineStatus:
     restarts: int = 0
     last_exit: int | None = None
     healthy: bool = True
+    failing: tuple[str, ...] = ()  # the probes failing now: health, liveness, watchdog
+    hangs: int = 0  # engines found hung (--engine-unhealthy-after) and stopped
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ class StandbyStatus:
     promotions: int = 0
     failures: int = 0  # standbys in a row that died before parking
     given_up: bool = False
+    hangs: int = 0  # parked standbys whose watchdog pings stopped, killed and replaced
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,8 @@ class RankDecisions(SupervisorState):
             return actions
         if not self._caches_loaded and self.caches_ready:
             return actions + self._caches_loaded_now()
-        return [*actions, Notify({"STATUS": self._status_line()})]
+        # an engine restart that waited for this rank's respawn goes ahead now
+        return [*actions, Notify({"STATUS": self._status_line()}), *self._respawn_if_due(e.now)]
 
     def _on_cache_progress(self, e: CacheProgress) -> list[Action]:
         """Record a loading rank's bytes; while loading, STATUS= shows the bytes so far."""

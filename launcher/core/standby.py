@@ -29,8 +29,10 @@ class StandbyDecisions(SupervisorState):
     """When to start, promote, replace, stop or give up the standby engine."""
 
     def _standby_parked(self) -> bool:
-        """Whether a parked standby waits for its promotion."""
-        return self._standby is not None and self._standby.state is StandbyState.PARKED
+        """Whether a parked standby waits for its promotion (and pings, under a watchdog:
+        hang.py)."""
+        return self._standby is not None and self._standby.state is StandbyState.PARKED and \
+            self._standby_responsive()
 
     def _is_promoted(self, pid: int) -> bool:
         """Whether `pid` is the engine now: a standby promoted before its exit was reaped."""
@@ -63,6 +65,7 @@ class StandbyDecisions(SupervisorState):
             return []
         self._standby = replace(sb, state=StandbyState.PARKED, failures=0)
         self._park_due = None
+        self._standby_ping = e.now  # its watchdog runs from here (hang.py)
         actions: list[Action] = [Log("INFO", f"standby engine {sb.number} (pid {sb.pid}) parked")]
         if self._respawn_due is not None and self._stop is None:  # the engine is in backoff
             actions += self._spawn_engine()
@@ -76,6 +79,7 @@ class StandbyDecisions(SupervisorState):
         attempt = engine.attempt + 1
         self._standby = replace(sb, state=StandbyState.NONE, pid=None,
                                 promotions=sb.promotions + 1)
+        self._standby_ping, self._standby_hang_streak = None, 0
         self._engine = replace(engine, state=EngineState.STARTING, pid=sb.pid, attempt=attempt,
                                restarts=engine.restarts + (attempt > 1), healthy=True)
         self._respawn_due = None
@@ -94,19 +98,23 @@ class StandbyDecisions(SupervisorState):
         if sb is None or sb.state is StandbyState.NONE or (sb.pid is not None and sb.pid != e.pid):
             return []
         parked = sb.state is StandbyState.PARKED
+        hung = self._hung_standby_gone()
         self._standby = sb = replace(sb, state=StandbyState.NONE, pid=None,
                                      failures=sb.failures + (not parked))
-        self._park_due = None
-        what = f"standby engine {sb.number} (pid {e.pid}) exited: {describe_exit(e.status)}"
+        self._park_due, self._standby_ping = None, None
+        how = "hung while parked, killed" if hung else "exited"
+        what = f"standby engine {sb.number} (pid {e.pid}) {how}: " \
+               f"{describe_exit(e.status, hint=not hung)}"
         if self._stop is not None:
             return [Log("INFO", what), *self._finish_if_done()]
         if sb.given_up:
             return [Log("INFO", what)]
-        if sb.failures >= STANDBY_MAX_FAILS:
+        if sb.failures >= STANDBY_MAX_FAILS or self._standby_hang_streak >= STANDBY_MAX_FAILS:
             self._standby = replace(sb, given_up=True)
-            return [Log("WARNING", f"{what}; {sb.failures} standbys in a row died before "
-                                   "parking: giving standbys up, engine restarts are ordinary "
-                                   "restarts from now on")]
+            streak = (f"{sb.failures} standbys in a row died before parking" if not hung else
+                      f"{self._standby_hang_streak} parked standbys in a row hung")
+            return [Log("WARNING", f"{what}; {streak}: giving standbys up, engine restarts are "
+                                   "ordinary restarts from now on")]
         return [Log("WARNING", f"{what}; replacing it"), *self._spawn_standby(e.now)]
 
     def _park_timeout(self, now: float) -> list[Action]:

@@ -53,6 +53,14 @@ class SupervisorState:
         self._park_due: float | None = None  # the standby must park by then
         self._now = 0.0  # the time of the event being handled
         self._preloading = False  # the preload command runs (PreloadDone not yet)
+        self._failing: dict[str, str] = {}  # the ready engine's failing probes: how each fails
+        self._unhealthy_since: float | None = None  # failing continuously since then
+        self._last_ping: float | None = None  # the ready engine's last WATCHDOG=1 (or ready)
+        self._hang: str | None = None  # why the engine now being stopped was found hung
+        self._hang_kill_due: float | None = None  # SIGKILL the hung engine then
+        self._standby_ping: float | None = None  # the parked standby's last WATCHDOG=1 (or park)
+        self._standby_hung = False  # the standby being killed hung while parked
+        self._standby_hang_streak = 0  # parked standbys in a row that hung
 
     @property
     def phase(self) -> Phase:

@@ -24,6 +24,12 @@ Contract with the executor:
   engine counts as ready once it has stayed up `engine_settle` seconds after its `Spawned`
   (at once when 0; an `EngineReady` sent anyway is ignored), so an engine that exits at once
   is never reported ready.
+- Engine health, once the engine is ready: `EngineHealth(probe="health")` for each probe of the
+  health URL, `EngineHealth(probe="liveness")` for each liveness request (a timeout is a
+  failure), `EngineWatchdog` for each `WATCHDOG=1` of the engine (role "engine") or of the
+  parked standby (role "standby"). With `unhealthy_after`, failing that long makes the engine
+  hung (hang.py): `SignalChild` SIGTERM, SIGKILL after `stop_timeout`, and its exit is a
+  restart whatever its status.
 - `RunPreload` (only with `SupervisorConfig.preload`, once, when every rank is first ready) is
   answered by exactly one `PreloadDone`, after the command ended, timed out or failed to
   start; the engine is spawned (or READY=1 sent) only then. The executor kills a preload
@@ -49,6 +55,7 @@ from ..events import (
     ChildExited,
     EngineHealth,
     EngineReady,
+    EngineWatchdog,
     Event,
     Log,
     Notify,
@@ -63,6 +70,7 @@ from ..events import (
 )
 from .engine import EngineDecisions
 from .exits import signal_name
+from .hang import HangDecisions
 from .model import SupervisorProtocolError
 from .ranks import RankDecisions
 from .standby import StandbyDecisions
@@ -71,8 +79,8 @@ from .timers import EXTEND_BY, EXTEND_EVERY, Timers, usec
 from .view import StatusView
 
 
-class Supervisor(RankDecisions, EngineDecisions, StandbyDecisions, StopDecisions, Timers,
-                 StatusView):
+class Supervisor(RankDecisions, EngineDecisions, HangDecisions, StandbyDecisions, StopDecisions,
+                 Timers, StatusView):
     """The launcher's decisions: `handle(event)` returns the actions to execute, in order."""
 
     def __init__(self, config: SupervisorConfig) -> None:
@@ -84,6 +92,7 @@ class Supervisor(RankDecisions, EngineDecisions, StandbyDecisions, StopDecisions
             EngineHealth: self._on_engine_health, SignalReceived: self._on_signal,
             Tick: self._on_tick, Spawned: self._on_spawned, PreloadDone: self._on_preload_done,
             CacheProgress: self._on_cache_progress, StandbyParked: self._on_standby_parked,
+            EngineWatchdog: self._on_engine_watchdog,
         }
 
     def handle(self, event: Event) -> list[Action]:
@@ -139,11 +148,12 @@ class Supervisor(RankDecisions, EngineDecisions, StandbyDecisions, StopDecisions
         return [Log("WARNING", f"{signal_name(e.sig)} ignored")]
 
     def _on_tick(self, e: Tick) -> list[Action]:
-        """Fire whatever is due: watchdog, timeout extension, backoff, kill deadlines."""
+        """Fire whatever is due: watchdog, timeout extension, backoff, kill deadlines, hangs."""
         return [*self._watchdog(e.now), *self._extend(e.now), *self._settle_if_due(e.now),
                 *self._respawn_if_due(e.now),
                 *self._reload_timeout(e.now), *self._stop_timeout(e.now),
-                *self._start_timeout(e.now), *self._park_timeout(e.now)]
+                *self._start_timeout(e.now), *self._park_timeout(e.now),
+                *self._hang_checks(e.now)]
 
     def _on_child_exited(self, e: ChildExited) -> list[Action]:
         """Dispatch a reaped child to the engine, the standby or the rank handler."""

@@ -10,6 +10,7 @@ from typing import Any
 from vlaunch.cache.contract.exitcodes import ExitStatus
 
 from .exits import describe_exit
+from .hang import PROBE_WORDS
 from .model import EngineState, EngineStatus, Failure, Phase, RankState, RankStatus, StandbyStatus
 from .state import SupervisorState
 
@@ -68,7 +69,9 @@ class StatusView(SupervisorState):
             "loaded_bytes": sum(r.loaded_bytes for r in self._ranks.values()),
             "total_bytes": sum(r.total_bytes for r in self._ranks.values()),
             "engine": None if self._engine is None else {
-                **jsonable(self._engine), "recent_restarts": len(self._budget)},
+                **jsonable(self._engine), "recent_restarts": len(self._budget),
+                "unhealthy_for": (0.0 if self._unhealthy_since is None
+                                  else round(self._now - self._unhealthy_since, 3))},
             "first_failure": None if self._first_failure is None else {
                 **jsonable(self._first_failure),
                 "description": describe_exit(self._first_failure.status)},
@@ -92,12 +95,13 @@ class StatusView(SupervisorState):
             of = f", {loaded / 1e9:.2f}/{total / 1e9:.2f} GB loaded" if total else ""
             return f"loading: {ready}/{len(self._ranks)} cache ranks ready{of}"
         if engine is None or phase is Phase.SERVING:
-            sick = engine is not None and not engine.healthy
-            return "serving" + (" (engine health check failing)" if sick else "")
+            failing = ", ".join(PROBE_WORDS[p] for p in engine.failing) if engine else ""
+            return "serving" + (f" (engine {failing} failing)" if failing else "")
         verb = "starting" if phase is Phase.STARTING_ENGINE else "restarting"
         return f"{verb} engine (attempt {engine.attempt})"
 
 
 def jsonable(record: RankStatus | EngineStatus | StandbyStatus | Failure) -> dict[str, Any]:
     """A status record as a flat JSON-able dict (enums by value)."""
-    return {k: v.value if isinstance(v, enum.Enum) else v for k, v in vars(record).items()}
+    return {k: v.value if isinstance(v, enum.Enum) else list(v) if isinstance(v, tuple) else v
+            for k, v in vars(record).items()}

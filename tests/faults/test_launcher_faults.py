@@ -103,21 +103,19 @@ def _is_rank(pid: int) -> bool:
 
 
 def test_a_killed_launcher_leaves_no_child(launch, tmp_path: Path, llama_ckpt: Path) -> None:
-    """SIGKILL of the launcher: ranks and engine die with it (parent-death signal); a worker
-    that left the engine's process group is found in the launcher's cgroup when there is one
-    (docs/lifecycle.md), else it is the documented limit."""
+    """SIGKILL of the launcher: ranks and the engine's keeper die with it (parent-death
+    signal), and the keeper kills the engine and a worker that left the engine's process group
+    (docs/lifecycle.md), with or without a cgroup to find it in."""
     la = _start(launch, tmp_path, llama_ckpt, engine_cmd=WITH_WORKER)
     snap = la.wait_for(serving)
     children = la.pids(snap)
-    eventually(lambda: len(descendants(la.proc.pid)) > len(children), what="the worker")
+    # the keeper, the engine and its worker
+    eventually(lambda: len(descendants(snap["engine"]["pid"])) == 2, what="the worker")
     everything = descendants(la.proc.pid)
+    assert len(everything) == len(children) + 2
     la.proc.kill()
     la.proc.wait(10)
-    assert_gone(children)
-    worker = [p for p in everything if p not in children]
-    for pid in worker:  # the documented limit without a cgroup: clean it up ourselves
-        with __import__("contextlib").suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    assert_gone(everything)
 
 
 @pytest.mark.parametrize("policy,status", [("shutdown", ExitStatus.RANK_EXITED),
@@ -138,3 +136,33 @@ def test_a_rank_killed_under_a_serving_engine(launch, tmp_path: Path, llama_ckpt
     else:
         assert la.wait_exit(30) == status
     assert_gone(pids, la.sockdir)
+
+
+def _left_in(sockdir: Path) -> list[str]:
+    """What is left in the socket directory (the launcher removes it when it made it and it
+    is empty)."""
+    return sorted(p.name for p in sockdir.iterdir()) if sockdir.exists() else []
+
+
+@pytest.mark.parametrize("fault", ["rank SIGKILL", "SIGQUIT", "stubborn engine"])
+def test_fault_paths_leave_nothing_in_the_socket_directory(launch, tmp_path: Path,
+                                                           llama_ckpt: Path, fault: str) -> None:
+    """A rank killed with SIGKILL, a SIGQUIT, a stop that ends in SIGKILL: no socket, lock or
+    identity memo is left (the launcher clears what its dead ranks leave)."""
+    la = _start(launch, tmp_path, llama_ckpt, "--stop-timeout", "1",
+                engine_cmd=STUBBORN if fault == "stubborn engine" else engine())
+    snap = la.wait_for(serving)
+    assert "rank-0.identity.json" in _left_in(la.sockdir)  # the rank wrote its memo
+    pids = la.pids(snap) + descendants(la.proc.pid)
+    if fault == "rank SIGKILL":
+        os.kill(snap["ranks"]["0"]["pid"], signal.SIGKILL)
+        expected = ExitStatus.RANK_EXITED
+    elif fault == "SIGQUIT":
+        la.proc.send_signal(signal.SIGQUIT)
+        expected = ExitStatus.QUIT
+    else:
+        la.proc.send_signal(signal.SIGTERM)
+        expected = ExitStatus.STOP_TIMEOUT
+    assert la.wait_exit(30) == expected
+    assert_gone(pids)
+    assert _left_in(la.sockdir) == []

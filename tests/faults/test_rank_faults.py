@@ -154,6 +154,29 @@ def test_a_stray_path_at_the_socket_is_refused_before_ready(llama_ckpt: Path, so
     assert_gone([r.pid])
 
 
+@pytest.mark.parametrize("stray", ["symlink", "dangling symlink", "directory", "fifo"])
+def test_a_stray_path_at_the_lock_is_refused_with_73(llama_ckpt: Path, sockdir: Path,
+                                                     tmp_path: Path, stray: str) -> None:
+    """The exit-status table's 73 (SOCKET_DIR) for whatever is not a lock file of ours, not an
+    I/O error (74): the lock is opened O_NOFOLLOW, a symlink there fails with ELOOP."""
+    path = sockdir / "rank-0.lock"
+    if stray == "directory":
+        path.mkdir()
+    elif stray == "fifo":
+        os.mkfifo(path)
+    else:
+        target = tmp_path / "elsewhere"
+        if stray == "symlink":
+            target.write_text("")
+        path.symlink_to(target)
+    r = start_rank(llama_ckpt, sockdir)
+    assert not r.ready
+    assert r.proc.wait(30) == ExitStatus.SOCKET_DIR
+    assert f"lock path {path} is a symlink or not a file of ours" in r.text()
+    assert os.path.lexists(path) and not (tmp_path / "elsewhere").is_dir()  # left alone
+    assert_gone([r.pid])
+
+
 # ---------------------------------------------------------------------- clients
 
 

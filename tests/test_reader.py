@@ -13,8 +13,9 @@ from safetensors.torch import load_file, save_file
 from vlaunch.cache.store import registered
 from vlaunch.cache.store.checkpoint import open_checkpoint
 from vlaunch.cache.store.manifest import pack, views
+from vlaunch.cache.store.pieces import NARROW, pieces
 from vlaunch.cache.store.plan import LLAMA_PLAN, Position, plan_rank
-from vlaunch.cache.store.reader import NARROW, fill, pieces
+from vlaunch.cache.store.reader import fill
 from vlaunch.cache.store.registered import window_copies, windows
 from vlaunch.cache.store.shard import PlainBackend
 from vlaunch.cache.store.slabs import CpuBackend
@@ -164,7 +165,7 @@ def test_window_copies_move_each_kept_byte_once_inside_its_window(
     """The registered reader's copies, replayed on the host: bit-exact, never across windows."""
     import numpy as np
 
-    from vlaunch.cache.store.reader import Piece
+    from vlaunch.cache.store.pieces import Piece
 
     file = np.arange(1000, dtype=np.int64).astype(np.uint8) ^ 0x5A
     offset = 37

@@ -202,5 +202,8 @@ _ALL = (
             "A standby's inherited pipe the launcher promotes it on.", ENGINE),
     Setting("VLAUNCH_PROMOTE_PIPE", _text, "", "unset",
             "`pid:fd:dev:inode` of the promote pipe, for a vLLM standby's workers.", INTERNAL),
+    Setting("VLAUNCH_REFERENCE_FAULT_FILE", _text, "", "unset",
+            "Test only: a file naming a hang the reference engine injects (tests/faults); "
+            "never set it in production.", INTERNAL),
 )
 REGISTRY: dict[str, Setting] = {s.name: s for s in _ALL}

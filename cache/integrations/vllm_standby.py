@@ -60,7 +60,7 @@ class PromotePipeError(UsageError):
 def export_promote_pipe(env: MutableMapping[str, str] | None = None) -> None:
     """In the process that holds the launcher's promote fd, name the pipe for vLLM's children."""
     env = os.environ if env is None else env
-    if not is_standby(env) or PROMOTE_PIPE_ENV in env:
+    if not is_standby(env) or settings.get(PROMOTE_PIPE_ENV, env):
         return
     fd = promote_fd(env)
     try:

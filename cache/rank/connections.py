@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from vlaunch.cache.contract import protocol, wire
+from vlaunch.cache.contract import protocol, settings, wire
 from vlaunch.cache.contract.errors import RankStarvedError
 
 log = logging.getLogger("vlaunch.cache")
@@ -34,8 +34,9 @@ IDLE_GRACE = 1.0
 """Seconds a connection must have been quiet before it may be shed (not mid-handoff)."""
 COPY_GRACE = 30.0
 """Seconds a copy-mode connection must have been quiet before it may be shed."""
-STARVED_AFTER = 30.0
-"""Seconds without a successful accept, shedding included, before the rank gives up."""
+STARVED_AFTER = settings.STARVED_AFTER
+"""Seconds without a successful accept, shedding included, before the rank gives up
+($VLAUNCH_STARVED_AFTER overrides)."""
 _SHORT_OF = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
@@ -52,9 +53,9 @@ def raise_nofile_limit() -> tuple[int, int]:
 def connection_bound(env: Mapping[str, str], reserved_fds: int) -> int:
     """The most client connections this rank keeps open: $VLAUNCH_MAX_CONNECTIONS as given,
     else MAX_CONNECTIONS capped by the file-descriptor limit less a reserve."""
-    raw = env.get("VLAUNCH_MAX_CONNECTIONS", "").strip()
-    if raw.isdigit() and int(raw) > 0:
-        return int(raw)
+    given = settings.get("VLAUNCH_MAX_CONNECTIONS", env)
+    if given is not None:
+        return int(given)
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
         return MAX_CONNECTIONS
@@ -63,11 +64,7 @@ def connection_bound(env: Mapping[str, str], reserved_fds: int) -> int:
 
 def starved_after(env: Mapping[str, str]) -> float:
     """$VLAUNCH_STARVED_AFTER (seconds), else STARVED_AFTER."""
-    try:
-        value = float(env.get("VLAUNCH_STARVED_AFTER", "") or STARVED_AFTER)
-    except ValueError:
-        return STARVED_AFTER
-    return value if value > 0 else STARVED_AFTER
+    return float(settings.get("VLAUNCH_STARVED_AFTER", env))
 
 
 class Connections:

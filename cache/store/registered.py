@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from vlaunch.cache.store.reader import Piece
+    from vlaunch.cache.store.pieces import Piece
 
 log = logging.getLogger("vlaunch.cache.store.registered")
 WINDOW = 32 << 20  # bytes registered at once; a multiple of the page size

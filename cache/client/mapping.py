@@ -42,7 +42,7 @@ class Opened(NamedTuple):
             if sizes is None:
                 raw = reply.get("sizes")
                 if not isinstance(raw, list) or len(raw) > MAX_SLABS:
-                    raise ValueError(f"no list of at most {MAX_SLABS} slab sizes")
+                    raise ValueError("no list of at most 4096 slab sizes")
                 sizes = tuple(checked_int(s, "slab size") for s in raw)
             pieces = _pieces(reply.get("pieces"), sizes)
         except (TypeError, ValueError) as exc:

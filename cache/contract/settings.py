@@ -38,7 +38,7 @@ class Setting(NamedTuple):
     default: Any
     """The value when the variable is unset or empty."""
     shown: str
-    """The default as docs/configuration.md shows it."""
+    """The default, as docs/configuration.md's table shows it."""
     doc: str
     kind: str = KNOB
 
@@ -138,7 +138,7 @@ STARVED_AFTER = 30.0
 WATCH_EVERY = 5.0
 
 _ALL = (
-    Setting("VLAUNCH_IO_TIMEOUT", seconds(IO_TIMEOUT), IO_TIMEOUT, "30",
+    Setting("VLAUNCH_IO_TIMEOUT", seconds(IO_TIMEOUT), IO_TIMEOUT, "`30`",
             "Seconds each step of an engine's handoff (a reply, the slab fds) may take before "
             "the cache counts as stalled (`CacheUnavailableError`); a malformed value or one "
             "<= 0 is the default."),
@@ -146,26 +146,28 @@ _ALL = (
             "The engine's quantization method, a fingerprint field (`load(quantization=...)` "
             "wins on the engine side); give the caches the same value."),
     Setting("VLAUNCH_MAX_CONNECTIONS", _count, None,
-            "4096, at most `RLIMIT_NOFILE` less 64",
+            "`4096`, at most `RLIMIT_NOFILE` less 64",
             "Client connections a rank keeps open; past it, idle ones are shed, then new ones "
             "refused with `busy`. A positive integer is taken as given."),
-    Setting("VLAUNCH_STARVED_AFTER", seconds(STARVED_AFTER), STARVED_AFTER, "30",
+    Setting("VLAUNCH_STARVED_AFTER", seconds(STARVED_AFTER), STARVED_AFTER, "`30`",
             "Seconds a rank may go without accepting a connection, shedding included, before "
             "it gives up (exit status of `RankStarvedError`)."),
-    Setting("VLAUNCH_WATCH_EVERY", seconds(WATCH_EVERY, 1e6), WATCH_EVERY, "5",
+    Setting("VLAUNCH_WATCH_EVERY", seconds(WATCH_EVERY, 1e6), WATCH_EVERY, "`5`",
             "Seconds between two looks of a serving rank at its checkpoint's files "
             "([Checkpoint integrity](integrity.md))."),
-    Setting("VLAUNCH_READER", _reader, "staging", "staging",
+    Setting("VLAUNCH_READER", _reader, "staging", "`staging`",
             "How a CUDA rank moves its slices to the GPU: `staging` (pinned buffers, the copy "
             "engine) or `register` (the page cache registered with the driver, no host copy)."),
-    Setting("VLAUNCH_SPLIT_READ", _text, "gather", "gather",
+    Setting("VLAUNCH_SPLIT_READ", _text, "gather", "`gather`",
             "Narrow dimension-1 splits at TP > 1: `gather` each row's part on the host; any "
             "other value (`span`) reads whole spans and splits them on the device."),
-    Setting("VLAUNCH_CPU_SLAB_PAGES", _pages, "auto", "auto",
-            "`auto`: CPU slabs ask for 2 MiB pages where the host allows them; `4k`: never."),
-    Setting("VLAUNCH_CPU_SLABS", _slabs, "auto", "auto",
+    Setting("VLAUNCH_CPU_SLAB_PAGES", _pages, "auto", "`auto`",
+            "`auto`: CPU slabs ask for 2 MiB pages where the host allows them; `4k`: never. "
+            "The rank reports what it got as `slab_pages` "
+            "([How it works](how-it-works.md#cpu-slabs-sealed-memfds))."),
+    Setting("VLAUNCH_CPU_SLABS", _slabs, "auto", "`auto`",
             "Retired (file-backed CPU slabs); any value but `auto` or `memfd` stops the rank."),
-    Setting("VLAUNCH_CACHE_DIR", _text, "", "`$XDG_CACHE_HOME/vlaunch`",
+    Setting("VLAUNCH_CACHE_DIR", _text, "", "`$XDG_CACHE_HOME/vlaunch` (else `~/.cache/vlaunch`)",
             "Where `vlaunch demo` keeps its generated checkpoint."),
     # what vlaunch run tells its engine (EngineEnv: engine_env.py)
     Setting("VLAUNCH_MODEL", _text, "", "unset",

@@ -27,7 +27,7 @@ from vlaunch.cache.contract import fingerprint as fp
 from vlaunch.cache.contract import wire
 from vlaunch.cache.contract.connection import Connection, Reply
 from vlaunch.cache.contract.errors import CacheBrokenError
-from vlaunch.cache.store import columns
+from vlaunch.cache.store import artifacts, columns
 from vlaunch.cache.store.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -40,8 +40,7 @@ log = logging.getLogger("vlaunch.cache.client.connection")
 SPIN_FOR_COPY = 0.1
 """Seconds an engine polls for the reply that its copy is done before it sleeps on it: more
 than a GPU rank's copy of the largest shard takes."""
-MANIFEST = {"op": "manifest", "form": "columns"}
-"""The manifest request: its columns form, checked and viewed in bulk (store/columns.py)."""
+MANIFEST = columns.REQUEST
 TRACE: dict[str, float] = {}
 """The last handoff's steps (time.perf_counter() at start, asked (every request sent: in share
 mode, the fingerprint computed), replies, imported, hello, copied, done; then load()'s handed,
@@ -74,8 +73,7 @@ class CacheClient(Connection):
 
     def manifest(self) -> Manifest:
         """The validated manifest of the rank (its columns form: checked in bulk)."""
-        reply = self.request(MANIFEST)[0]
-        return columns.from_wire(reply["manifest"], reply.get("tail"))
+        return columns.fetch(self)
 
     def map(self, manifest: Manifest, *, mode: str = "share", device: str = "cpu",
             layout: str = "") -> dict[str, torch.Tensor]:
@@ -231,32 +229,15 @@ class CacheClient(Connection):
 
     def artifact_get(self, kind: str, key: str) -> bytes | None:
         """An artifact's bytes, or None when the cache does not hold it."""
-        from vlaunch.cache.store.artifacts import decode
-
-        with self._lock:
-            self._send({"op": "artifact_get", "kind": kind, "key": key})
-            reply, fds = self._recv()
-        if reply.get("error") == "miss":
-            return None
-        reply, _ = self.checked(reply, fds)
-        if not isinstance(reply.get("data"), str):
-            raise CacheBrokenError(f"cache at {self.path} sent an artifact without data")
-        return decode(reply["data"])
+        return artifacts.fetch(self, kind, key)
 
     def artifact_put(self, kind: str, key: str, data: bytes) -> None:
         """Hand an artifact to the cache (checked here first: name and size)."""
-        from vlaunch.cache.store.artifacts import check_name, check_size, encode
+        artifacts.put(self, kind, key, data)
 
-        check_name(kind, key)
-        check_size(kind, len(data))
-        self.request({"op": "artifact_put", "kind": kind, "key": key, "data": encode(data)})
-
-    def artifact_list(self) -> list[tuple[str, str, int]]:
+    def artifact_list(self) -> list[artifacts.Held]:
         """(kind, key, size) of every artifact the cache holds."""
-        rows = self.request({"op": "artifact_list"})[0].get("artifacts")
-        if not isinstance(rows, list) or len(rows) > 4096:
-            raise CacheBrokenError(f"cache at {self.path} sent a bad artifact list")
-        return [(str(k), str(h), int(n)) for k, h, n in rows]
+        return artifacts.listing(self)
 
     def watch(self) -> None:
         """Warn once when the cache process goes away (one watcher thread serves every lease)."""

@@ -19,7 +19,7 @@ import resource
 import socket
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Protocol
 
 from vlaunch.cache.contract import protocol, settings, wire
 from vlaunch.cache.contract.errors import RankStarvedError
@@ -67,6 +67,12 @@ def starved_after(env: Mapping[str, str]) -> float:
     return float(settings.get("VLAUNCH_STARVED_AFTER", env))
 
 
+class Leased(Protocol):
+    """What the shedding policy reads of a connection's lease (daemon.Lease)."""
+
+    mode: str  # "" before any open; share, copy or copy-release after
+
+
 class Connections:
     """Open client connections by id, when each last spoke, and how many may be open."""
 
@@ -95,7 +101,7 @@ class Connections:
         self._socks.pop(cid, None)
         self._active.pop(cid, None)
 
-    def shed_idle(self, leases: Mapping[int, Any], count: int) -> int:
+    def shed_idle(self, leases: Mapping[int, Leased], count: int) -> int:
         """Cut up to `count` idle connections that hold no mapping, quietest first."""
         now = time.monotonic()
         idle = sorted((t, cid) for cid, t in self._active.items()
@@ -111,7 +117,7 @@ class Connections:
         return len(idle[:count])
 
     async def accept_loop(self, loop: asyncio.AbstractEventLoop, listener: socket.socket,
-                          leases: Mapping[int, Any], serve: Callable[[socket.socket], None]
+                          leases: Mapping[int, Leased], serve: Callable[[socket.socket], None]
                           ) -> None:
         """Accept clients forever; hand each to `serve`. Refuses past the bound (after
         shedding), and survives EMFILE; raises RankStarvedError when it can accept no more."""
@@ -137,7 +143,7 @@ class Connections:
                 continue
             serve(conn)
 
-    def _short_of_fds(self, exc: OSError, since: float, leases: Mapping[int, Any]) -> None:
+    def _short_of_fds(self, exc: OSError, since: float, leases: Mapping[int, Leased]) -> None:
         """Log once, shed, and give up once the shortage has lasted `starved_after`."""
         if not self._short_logged:
             self._short_logged = True
@@ -171,7 +177,7 @@ class Connections:
             conn.close()
 
 
-def _grace(lease: Any) -> float:
+def _grace(lease: Leased | None) -> float:
     """Seconds of quiet after which a connection may be shed: IDLE_GRACE if it never opened
     the slabs; longer after a copy (its copies may still run); never while it maps them."""
     if lease is None or not lease.mode:

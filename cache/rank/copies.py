@@ -25,11 +25,17 @@ import socket
 import threading
 import time
 from ctypes import c_void_p
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vlaunch.cache.contract import wire
 from vlaunch.cache.contract.errors import DeviceError
 from vlaunch.cache.store import cudadrv as cu
+
+if TYPE_CHECKING:
+    import torch
+
+    from vlaunch.cache.store.slabs import Slab
+    from vlaunch.cache.store.slabs_cuda import CudaBackend
 
 log = logging.getLogger("vlaunch.cache")
 
@@ -66,7 +72,7 @@ class Copy:
     once the handles are gone.
     """
 
-    def __init__(self, slabs: list[Any], fds: list[int], event: Any,
+    def __init__(self, slabs: list[Slab], fds: list[int], event: torch.cuda.Event,
                  slot: Slots, what: str, steps: tuple[float, ...],
                  pieces: list[list[int]] | None = None) -> None:
         self.fds = fds
@@ -177,7 +183,7 @@ class Slots:
 class RankCopier:
     """Makes engines' copies of this rank's slabs on its GPU, on a stream of its own."""
 
-    def __init__(self, backend: Any, fds: list[int], sizes: tuple[int, ...]) -> None:
+    def __init__(self, backend: CudaBackend, fds: list[int], sizes: tuple[int, ...]) -> None:
         import torch
 
         self._backend, self._sizes = backend, sizes
@@ -205,7 +211,7 @@ class RankCopier:
         asked = time.perf_counter()
         if not self._sources or not self._slots.acquire():
             return None
-        slabs: list[Any] = []
+        slabs: list[Slab] = []
         fds: list[int] = []
         cuts: list[list[int]] = []
         first = 0.0
@@ -242,7 +248,7 @@ class RankCopier:
         each = sum(-(-max(n, 1) // granule) * granule for n in self._sizes)
         return {"in_flight": taken, "bytes": taken * each}
 
-    def _record(self) -> Any:
+    def _record(self) -> torch.cuda.Event:
         """An event on the rank's stream after every copy queued so far."""
         import torch
 

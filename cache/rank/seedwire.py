@@ -37,6 +37,8 @@ from vlaunch.cache.contract.errors import SeedError
 from vlaunch.cache.store.slabs import on_device
 
 if TYPE_CHECKING:
+    import torch
+
     from vlaunch.cache.store.slabs import SlabBytes
 
 RANGE = 64 << 20
@@ -249,7 +251,8 @@ class DeviceSender:
         self.stream: Any = None
         self.buffers: list[Any] = []
 
-    def send(self, sock: int, slab: Any, offset: int, nbytes: int, timeout: float) -> None:
+    def send(self, sock: int, slab: torch.Tensor, offset: int, nbytes: int, timeout: float
+             ) -> None:
         """Write bytes [offset, offset + nbytes) of a CUDA slab to the non-blocking `sock`."""
         import torch
 

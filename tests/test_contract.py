@@ -106,3 +106,17 @@ def test_the_reference_engine_reads_the_same_environment(monkeypatch: pytest.Mon
     monkeypatch.setenv("VLAUNCH_TENSOR_PARALLEL_SIZE", "-1")
     with pytest.raises(ConfigError, match="VLAUNCH_TENSOR_PARALLEL_SIZE"):
         parse_args([])
+
+
+def test_the_target_arguments_the_type_checker_sees_are_those_resolve_takes() -> None:
+    """TargetArgs is defined for type checkers only; ARGS names the same keys at run time."""
+    import ast
+    from pathlib import Path
+
+    from vlaunch.cache.store import target
+
+    tree = ast.parse(Path(target.__file__).read_text())
+    typed = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)
+                 and n.name == "TargetArgs")
+    keys = tuple(s.target.id for s in typed.body if isinstance(s, ast.AnnAssign))
+    assert keys == target.ARGS

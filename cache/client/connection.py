@@ -27,13 +27,15 @@ from vlaunch.cache.contract import fingerprint as fp
 from vlaunch.cache.contract import wire
 from vlaunch.cache.contract.connection import Connection, Reply
 from vlaunch.cache.contract.errors import CacheBrokenError
-from vlaunch.cache.store import artifacts, columns
+from vlaunch.cache.store import columns
 from vlaunch.cache.store.manifest import Manifest
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     import torch
+
+    from vlaunch.cache.store.artifacts import Held
 
 log = logging.getLogger("vlaunch.cache.client.connection")
 
@@ -229,14 +231,20 @@ class CacheClient(Connection):
 
     def artifact_get(self, kind: str, key: str) -> bytes | None:
         """An artifact's bytes, or None when the cache does not hold it."""
+        from vlaunch.cache.store import artifacts
+
         return artifacts.fetch(self, kind, key)
 
     def artifact_put(self, kind: str, key: str, data: bytes) -> None:
         """Hand an artifact to the cache (checked here first: name and size)."""
+        from vlaunch.cache.store import artifacts
+
         artifacts.put(self, kind, key, data)
 
-    def artifact_list(self) -> list[artifacts.Held]:
+    def artifact_list(self) -> list[Held]:
         """(kind, key, size) of every artifact the cache holds."""
+        from vlaunch.cache.store import artifacts
+
         return artifacts.listing(self)
 
     def watch(self) -> None:

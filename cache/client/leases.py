@@ -16,22 +16,23 @@ import select
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from typing import Protocol
+
     import torch
 
+    class Watched(Protocol):
+        """A lease's connection, as the watcher sees it (client.connection.CacheClient)."""
+
+        def fileno(self) -> int:
+            """The connection's fd; -1 once closed."""
+
+        def went_away(self) -> None:
+            """Called once when the cache closed the connection."""
+
 log = logging.getLogger("vlaunch.cache.client.leases")
-
-
-class Watched(Protocol):
-    """A lease's connection, as the watcher sees it."""
-
-    def fileno(self) -> int:
-        """The connection's fd; -1 once closed."""
-
-    def went_away(self) -> None:
-        """Called once when the cache closed the connection."""
 
 
 class Lease:

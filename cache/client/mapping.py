@@ -11,13 +11,12 @@ import select
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.contract import wire
 from vlaunch.cache.contract.errors import CacheBrokenError
 from vlaunch.cache.contract.protocol import MAX_FDS
 from vlaunch.cache.store.manifest import checked_int
-from vlaunch.cache.store.slabs import backend_for
 
 if TYPE_CHECKING:
     import torch
@@ -25,13 +24,20 @@ if TYPE_CHECKING:
 MAX_SLABS = 4096
 
 
-class Opened(NamedTuple):
-    """How to take the fds of an `open` reply."""
+class Opened:
+    """How to take the fds of an `open` reply: the slabs' `sizes`; per slab, the sizes of the
+    allocations it is made of, an fd each (`pieces`, or None); whether they are our own copy,
+    which the rank is still making (`copying`: mapped writable), or the rank's own slabs,
+    ours now (`handed_over`: copy-release, nobody else's). A plain class, as
+    contract/settings.py's `Setting`: defined at every engine start."""
 
-    sizes: tuple[int, ...]  # of each slab
-    pieces: tuple[tuple[int, ...], ...] | None = None  # per slab, its allocations (an fd each)
-    copying: bool = False  # our own copy, which the rank is still making: mapped writable
-    handed_over: bool = False  # the rank's own slabs, ours now (copy-release, nobody else's)
+    __slots__ = ("copying", "handed_over", "pieces", "sizes")
+
+    def __init__(self, sizes: tuple[int, ...],
+                 pieces: tuple[tuple[int, ...], ...] | None = None, copying: bool = False,
+                 handed_over: bool = False) -> None:
+        self.sizes, self.pieces, self.copying, self.handed_over = (sizes, pieces, copying,
+                                                                   handed_over)
 
     @classmethod
     def of(cls, reply: dict[str, Any], mode: str,
@@ -79,6 +85,8 @@ def import_slabs(fds: list[int], opened: Opened, device: str,
     do not shorten them, and mapping a slab while earlier copies ran stalled on them
     (benchmarks/results/gpu_2026-12-01.md).
     """
+    from vlaunch.cache.store.slabs import backend_for
+
     sizes, pieces = opened.sizes, opened.pieces
     try:
         if len(fds) != (sum(map(len, pieces)) if pieces else len(sizes)):

@@ -11,7 +11,7 @@ variable is its default). Three kinds:
 docs/configuration.md lists every entry with its default, and tests/test_settings.py fails on
 a VLAUNCH_* variable read anywhere else, or missing from the page. `vlaunch run`'s and `vlaunch
 cache`'s options, which click reads from VLAUNCH_<OPTION>, are in the same page's option tables.
-Light: no torch, nothing from the rest of `vlaunch.cache`; NamedTuples, as engine_env.py says.
+Light: no torch, nothing from the rest of `vlaunch.cache`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 from vlaunch.cache.contract.errors import DeviceError, UsageError
 
@@ -29,18 +29,22 @@ log = logging.getLogger("vlaunch.cache")
 KNOB, ENGINE, INTERNAL = "knob", "engine", "internal"
 
 
-class Setting(NamedTuple):
-    """One VLAUNCH_* variable: how its text reads, its value when unset, what it does."""
+class Setting:
+    """One VLAUNCH_* variable: its name, how its text reads (`parse`: the stripped, non-empty
+    text to the value, or the error a malformed value is), its value when unset or empty
+    (`default`), that default as docs/configuration.md shows it (`shown`), what it does
+    (`doc`) and who sets it (`kind`). A plain class: the registry is built at every engine
+    start, where even a NamedTuple's definition is a cost (see vlaunch.cache)."""
 
-    name: str
-    parse: Callable[[str], Any]
-    """The stripped, non-empty text to the value; raises the error a malformed value is."""
-    default: Any
-    """The value when the variable is unset or empty."""
-    shown: str
-    """The default, as docs/configuration.md's table shows it."""
-    doc: str
-    kind: str = KNOB
+    __slots__ = ("default", "doc", "kind", "name", "parse", "shown")
+
+    def __init__(self, name: str, parse: Callable[[str], Any], default: Any, shown: str,
+                 doc: str, kind: str = KNOB) -> None:
+        self.name, self.parse, self.default, self.shown, self.doc, self.kind = (
+            name, parse, default, shown, doc, kind)
+
+    def __repr__(self) -> str:
+        return f"Setting({self.name!r}, default={self.default!r}, kind={self.kind!r})"
 
 
 def get(name: str, env: Mapping[str, str] | None = None) -> Any:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, TypedDict
+from typing import TYPE_CHECKING, NamedTuple
 
 from vlaunch.cache.contract import fingerprint as fp
 from vlaunch.cache.contract import settings
@@ -27,27 +27,31 @@ from vlaunch.cache.store.builtin_plans import builtin_identity
 from vlaunch.cache.store.ranks import Position
 
 if TYPE_CHECKING:
-    from typing import Unpack
+    from typing import TypedDict, Unpack
 
+    class TargetArgs(TypedDict, total=False):
+        """What a caller may say of its target; what it leaves out (or gives as None) comes
+        from the environment `vlaunch run` gives its engine, then the defaults. (For type
+        checkers only, as ARGS names them at run time: a TypedDict's definition is a cost at
+        every engine start.)"""
+
+        model: str | None  # the checkpoint (VLAUNCH_MODEL)
+        rank: int  # the global rank (0)
+        tensor_parallel_size: int | None  # (VLAUNCH_TENSOR_PARALLEL_SIZE, else 1)
+        pipeline_parallel_size: int | None  # (VLAUNCH_PIPELINE_PARALLEL_SIZE, else 1)
+        data_parallel_size: int | None  # (VLAUNCH_DATA_PARALLEL_SIZE, else 1)
+        socket_dir: str | None  # (VLAUNCH_SOCKET_DIR, else the default directory)
+        device: str | None  # where this engine maps (VLAUNCH_DEVICE, else cuda if torch has)
+        plan: str | None  # the shard plan (VLAUNCH_PLAN, else DEFAULT_PLAN)
+        kernel_backends: str | None  # fingerprint field (VLAUNCH_KERNEL_BACKENDS)
+        loader: str  # fingerprint field ("vlaunch")
+        quantization: str | None  # the engine's method (VLAUNCH_QUANTIZATION, else config's)
+        role: str  # "target", or "draft": a speculative-decoding draft model's group
+
+ARGS = ("model", "rank", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+        "socket_dir", "device", "plan", "kernel_backends", "loader", "quantization", "role")
+"""The keyword arguments that name a target (TargetArgs' keys)."""
 _DEVICE_INFO: dict[str, dict[str, str]] = {}  # device -> its fingerprint fields, per process
-
-
-class TargetArgs(TypedDict, total=False):
-    """What a caller may say of its target; what it leaves out (or gives as None) comes from
-    the environment `vlaunch run` gives its engine, then the defaults."""
-
-    model: str | None  # the checkpoint (VLAUNCH_MODEL)
-    rank: int  # the global rank (0)
-    tensor_parallel_size: int | None  # (VLAUNCH_TENSOR_PARALLEL_SIZE, else 1)
-    pipeline_parallel_size: int | None  # (VLAUNCH_PIPELINE_PARALLEL_SIZE, else 1)
-    data_parallel_size: int | None  # (VLAUNCH_DATA_PARALLEL_SIZE, else 1)
-    socket_dir: str | None  # (VLAUNCH_SOCKET_DIR, else the default directory)
-    device: str | None  # where this engine maps (VLAUNCH_DEVICE, else cuda if torch sees one)
-    plan: str | None  # the shard plan (VLAUNCH_PLAN, else DEFAULT_PLAN)
-    kernel_backends: str | None  # fingerprint field (VLAUNCH_KERNEL_BACKENDS)
-    loader: str  # fingerprint field ("vlaunch")
-    quantization: str | None  # the engine's method (VLAUNCH_QUANTIZATION, else config.json's)
-    role: str  # "target", or "draft": a speculative-decoding draft model's group
 
 
 class Target(NamedTuple):
@@ -67,10 +71,10 @@ class Target(NamedTuple):
     @classmethod
     def resolve(cls, model: str | None = None, /, **given: Unpack[TargetArgs]) -> Target:
         """The target of what the caller gives (TargetArgs), the rest from the environment."""
-        unknown = sorted(set(given) - set(TargetArgs.__annotations__))
+        unknown = sorted(set(given) - set(ARGS))
         if unknown:
             raise TypeError(f"unexpected argument(s) {', '.join(unknown)} for a vlaunch "
-                            f"Target; use {', '.join(TargetArgs.__annotations__)}")
+                            f"Target; use {', '.join(ARGS)}")
         env = EngineEnv.from_env()
         model = model or given.get("model")
         role = given.get("role") or TARGET

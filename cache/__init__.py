@@ -4,10 +4,11 @@ Importing this package is light (no torch): the launcher imports its protocol, f
 and exit-status modules. `load`, `Target` and `CacheClient` are imported on first use.
 
 Value types that an engine's start or a process's import defines (the manifest's records,
-`Target`, `Position`, `EngineEnv`, dtypes, file stats, settings, exit-table rows) are
-NamedTuples, not frozen dataclasses: defining a frozen dataclass costs several times more,
-for the same fields, repr, equality and immutability (tests/test_import_cost.py checks that
-the share path defines none). Elsewhere, dataclasses.
+`Target`, `Position`, `EngineEnv`, dtypes, file stats, exit-table rows) are NamedTuples, not
+frozen dataclasses: defining a frozen dataclass costs several times more, for the same
+fields, repr, equality and immutability (tests/test_import_cost.py checks that the share path
+defines none). Where even a NamedTuple's definition shows (settings.Setting, mapping.Opened),
+a plain class with __slots__. Elsewhere, dataclasses.
 """
 
 from __future__ import annotations

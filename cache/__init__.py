@@ -17,7 +17,8 @@ from typing import Any
 
 from vlaunch.cache.contract.version import __version__
 
-__all__ = ["CacheClient", "Target", "Weights", "__version__", "hand_back", "load"]
+__all__ = ["CacheClient", "Published", "Target", "Weights", "__version__", "hand_back",
+           "load", "publish"]
 
 
 def __getattr__(name: str) -> Any:
@@ -33,6 +34,10 @@ def __getattr__(name: str) -> Any:
         from vlaunch.cache.client.layout import hand_back
 
         return hand_back
+    if name in ("publish", "Published", "PublishError"):
+        from vlaunch.cache.client import publish
+
+        return getattr(publish, name)
     if name == "CacheClient":
         from vlaunch.cache.client.connection import CacheClient
 

@@ -260,9 +260,11 @@ def _exec_rank(args: RankArgs) -> None:
 
 def _add_cache_command() -> None:
     cli.add_command(rank_command("cache", _exec_rank))
+    from .swapcmd import swap
     from .verify import verify
 
     cli.add_command(verify)
+    cli.add_command(swap)
 
 
 _add_cache_command()

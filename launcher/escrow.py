@@ -104,7 +104,10 @@ class Escrow:
     def hand_over(self, rank: int, sock: socket.socket) -> None:
         """Send a respawned rank its escrow on its adopt channel (we keep our duplicates)."""
         held = self._held[rank]
-        extra = {"released": True} if held.released else {}
+        extra: dict[str, Any] = {k: held.ready[k] for k in ("version", "model", "label")
+                                 if k in held.ready}  # what a swap made the rank serve
+        if held.released:
+            extra["released"] = True
         wire.send_frame(sock, protocol.event("escrow", manifest=held.ready["manifest"],
                                              fingerprint=held.ready["fingerprint"], **extra),
                         held.fds)

@@ -15,6 +15,12 @@ Role = Literal["cache", "engine", "standby"]
 RankPolicy = Literal["shutdown", "respawn"]
 Readiness = Literal["notify", "http", "none"]
 Probe = Literal["health", "liveness"]
+SwapStepName = Literal["prepare", "stage", "commit", "finish", "rollback", "abort"]
+"""What the launcher asks the swapped ranks to do (docs/swap.md)."""
+SwapAnswer = Literal["prepared", "staged", "committed", "rolled_back", "refused", "published"]
+"""What a rank answers, or (published) reports on its own after a trainer's commit."""
+SWAP_MODES = ("auto", "double", "in-place")
+SWAP_ON_FAILURE = ("rollback", "stop")
 
 
 # --------------------------------------------------------------------------------- config
@@ -45,10 +51,13 @@ class SupervisorConfig:
     standby_park_timeout: float = 300.0  # seconds a standby may take to park, else given up
     unhealthy_after: float | None = None  # seconds of failing health after which it is hung
     engine_watchdog: float | None = None  # WATCHDOG_USEC the engine is given, in seconds
+    model: str = ""  # the checkpoint the ranks load first (/status until a swap replaces it)
+    swap_ranks: tuple[int, ...] = ()  # the ranks a swap changes (the target group); (): all
 
     def __post_init__(self) -> None:
         """Normalise the collections and raise ValueError naming every invalid field."""
         object.__setattr__(self, "ranks", tuple(self.ranks))
+        object.__setattr__(self, "swap_ranks", tuple(self.swap_ranks))
         statuses = frozenset(self.engine_config_error_statuses)
         object.__setattr__(self, "engine_config_error_statuses", statuses)
         problems = list(_config_problems(self))
@@ -91,6 +100,8 @@ def _config_problems(c: SupervisorConfig) -> Iterator[str]:
             yield f"{name} must be None or a finite number > 0 (got {value!r})"
     if c.standby and not c.has_engine:
         yield "standby needs an engine command (there is nothing to keep a standby of)"
+    if not set(c.swap_ranks) <= set(c.ranks):
+        yield f"swap_ranks must be some of ranks (got {c.swap_ranks!r})"
 
 
 def _is_count(value: object) -> bool:
@@ -101,6 +112,37 @@ def _is_count(value: object) -> bool:
 def _finite(value: object) -> bool:
     """Whether `value` is a real, finite number."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SwapPolicy:
+    """How one swap is carried out: `vlaunch swap`'s options (docs/swap.md)."""
+
+    mode: str = "auto"  # auto (double if every device has room), double, in-place
+    on_failure: str = "rollback"  # the new engine never got ready: roll back, or stop (86)
+    standby: bool = True  # cut over to a standby when the launcher keeps one
+    margin: int = 1 << 30  # bytes a device must have free beyond the new shard (double)
+    lease_wait: float = 10.0  # seconds an in-place copy waits for other leases to end
+    attempts: int = 3  # exits of the new engine before it was ready, then on_failure
+    ready_timeout: float = 300.0  # seconds from the cutover until the new engine is ready
+
+    def __post_init__(self) -> None:
+        """Raise ValueError naming every invalid field."""
+        problems = []
+        if self.mode not in SWAP_MODES:
+            problems.append(f"mode must be one of {', '.join(SWAP_MODES)} (got {self.mode!r})")
+        if self.on_failure not in SWAP_ON_FAILURE:
+            problems.append(f"on_failure must be rollback or stop (got {self.on_failure!r})")
+        if not _is_count(self.margin):
+            problems.append(f"margin must be bytes >= 0 (got {self.margin!r})")
+        if not _is_count(self.attempts) or self.attempts < 1:
+            problems.append(f"attempts must be an integer >= 1 (got {self.attempts!r})")
+        for name in ("lease_wait", "ready_timeout"):
+            if not _finite(getattr(self, name)) or getattr(self, name) < 0:
+                problems.append(f"{name} must be a finite number >= 0 (got "
+                                f"{getattr(self, name)!r})")
+        if problems:
+            raise ValueError("invalid swap policy: " + "; ".join(problems))
 
 
 # --------------------------------------------------------------------------------- events
@@ -209,8 +251,38 @@ class StandbyParked:
     now: float
 
 
+@dataclass(frozen=True)
+class SwapRequested:
+    """`vlaunch swap` asked (on the control socket, as `request`) for new weights: `model`."""
+
+    request: int
+    model: str
+    policy: SwapPolicy
+    now: float
+
+
+@dataclass(frozen=True)
+class SwapStep:
+    """A swapped rank answered a swap step of `version` (`answer`), or reported that a trainer
+    committed a published version (`published`, with its `label` and staging `mode`).
+
+    prepared: every check passed; `fits`: the device has room for the new shard beside the
+    old one. refused: `status` (an exit status) and `message` say why."""
+
+    rank: int
+    answer: SwapAnswer
+    version: int
+    now: float
+    fits: bool = False
+    status: int = 0
+    message: str = ""
+    label: str = ""
+    mode: str = ""
+
+
 Event = (Started | CacheReady | ChildExited | EngineReady | EngineHealth | SignalReceived
-         | Tick | Spawned | PreloadDone | CacheProgress | StandbyParked | EngineWatchdog)
+         | Tick | Spawned | PreloadDone | CacheProgress | StandbyParked | EngineWatchdog
+         | SwapRequested | SwapStep)
 
 
 # -------------------------------------------------------------------------------- actions
@@ -276,9 +348,12 @@ class RunPreload:
 @dataclass(frozen=True)
 class SpawnStandby:
     """Start the engine command as a standby (`number` counts standbys from 1); answered by
-    Spawned/ChildExited with role "standby", and StandbyParked once it is parked."""
+    Spawned/ChildExited with role "standby", and StandbyParked once it is parked.
+    `next_weights`: for an in-place swap, it gets the new weights' environment and parks
+    before it maps any weight (the old ones are overwritten before its promotion)."""
 
     number: int
+    next_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -287,5 +362,35 @@ class PromoteStandby:
     exit may still arrive with role "standby")."""
 
 
+@dataclass(frozen=True)
+class SwapRanks:
+    """Send swap `step` of `version` to every swapped rank (`ranks`: only these), which
+    answers with a SwapStep (finish and abort are not answered). `model`, `mode` and `policy`
+    go with prepare; `mode` with stage and commit; `status` and `message` tell a publishing
+    trainer how its version ended (finish: 0)."""
+
+    step: SwapStepName
+    version: int
+    model: str = ""
+    mode: str = ""
+    policy: SwapPolicy | None = None
+    ranks: tuple[int, ...] = ()
+    status: int = 0
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class SwapReply:
+    """Answer the `vlaunch swap` of `request` (0: a published version, nobody to answer):
+    accepted (not `final`), then its outcome once (`status` 0: the new weights serve)."""
+
+    request: int
+    final: bool
+    status: int
+    message: str
+    version: int
+    mode: str = ""
+
+
 Action = (SpawnCache | SpawnEngine | SignalChild | KillAll | Notify | Log | Exit | RunPreload
-          | SpawnStandby | PromoteStandby)
+          | SpawnStandby | PromoteStandby | SwapRanks | SwapReply)

@@ -40,6 +40,7 @@ from .probes import HttpProbe
 from .progress import LoadDisplay, recv_ready
 from .spec import RunSpec
 from .standby import StandbyChannel
+from .swapper import Swapper
 
 __all__ = ["Executor", "RunSpec", "run"]
 
@@ -88,6 +89,7 @@ class Executor:
         # a thread of its own: the default pool's threads block in the ranks' channels
         self._memory_pool = ThreadPoolExecutor(1, thread_name_prefix="vlaunch-memory")
         self.display = LoadDisplay()
+        self.swapper = Swapper(self)  # swaps: the control socket, the ranks' swap steps
         self._tasks: set[asyncio.Task[Any]] = set()
         self.handlers: dict[type, Callable[[Any], Awaitable[None]]] = {
             events.SpawnCache: self._spawn_cache, events.SpawnEngine: self._spawn_engine,
@@ -95,10 +97,12 @@ class Executor:
             events.RunPreload: self._start_preload, events.Notify: self._notify,
             events.Log: self._log, events.Exit: self._exit,
             events.SpawnStandby: self._spawn_standby, events.PromoteStandby: self._promote_standby,
+            events.SwapRanks: self.swapper.send, events.SwapReply: self.swapper.reply,
         }
         self._channel_handlers: dict[str, Callable[[int, dict[str, Any], list[int]], None]] = {
             "ready": self._rank_ready, "layout": self._rank_layout,
             "release": self._rank_release, "artifact": self._rank_artifact,
+            "swap_answer": self.swapper.on_answer,
         }
 
     # ----------------------------------------------------------------------- main loop
@@ -109,6 +113,7 @@ class Executor:
         directory = self.directory = ensure_socket_dir(self.spec.socket_dir)
         self._start_surfaces(directory, asyncio.get_running_loop())
         self.post(events.Started(0.0))
+        self._spawn_task(self.swapper.serve(directory))
         self._spawn_task(self._ticker())
         self._spawn_task(self._poll_ranks())
         self._spawn_task(self._poll_memory())
@@ -253,6 +258,7 @@ class Executor:
             loop.call_soon_threadsafe(self.post, events.CacheProgress(rank, loaded, total, 0.0))
 
         expect: tuple[str, ...] = ("ready",)
+        self.swapper.channels[rank] = sock  # the launcher's swap steps go the other way
         with sock:
             while True:
                 try:
@@ -269,7 +275,7 @@ class Executor:
                     self._bad_report(running, str(exc))
                     return
                 self._channel_handlers[msg["event"]](rank, msg, fds)
-                expect = ("layout", "release", "artifact")
+                expect = ("layout", "release", "artifact", "swap_answer")
 
     def _bad_report(self, running: _Running, why: str) -> None:
         log.error("cache rank %s sent a bad report (%s): killing it", running.rank, why)
@@ -278,6 +284,7 @@ class Executor:
     def _rank_ready(self, rank: int, ready: dict[str, Any], fds: list[int]) -> None:
         """Escrow the slab fds (no CUDA context needed) and tell the core."""
         self.escrow.keep(rank, ready, fds)
+        self.swapper.on_ready(rank, ready)
         self.rank_detail[rank] = {"bytes_held": {ready["device"]: ready["bytes"]}}
         uuid = str(ready["fingerprint"].get("device_uuid", ""))
         if uuid.startswith("GPU-"):  # the engine pairs its ranks with these GPUs by UUID
@@ -322,8 +329,9 @@ class Executor:
                                               self._standby_notified, channel)
         engine = self.core.engine
         attempt = (engine.attempt if engine else 0) + 1
-        env = child_env(self.env, {**self._engine_env(attempt), **channel.env()},
-                        str(channel.notify.path))
+        env = child_env(self.env, {**self._engine_env(attempt),
+                                   **self.swapper.engine_env(action.next_weights),
+                                   **channel.env()}, str(channel.notify.path))
         try:
             self.standby = await self._spawn(list(self.spec.engine), env, (channel.read_fd,),
                                              "standby", None)
@@ -364,7 +372,8 @@ class Executor:
             setattr(self, name, None)
 
     def _engine_env(self, attempt: int, preload: bool = False) -> dict[str, str]:
-        env = self.spec.engine_env(attempt, self.engine_devices, preload).to_env()
+        env = {**self.spec.engine_env(attempt, self.engine_devices, preload).to_env(),
+               **self.swapper.engine_env()}
         watchdog = self.core.config.engine_watchdog
         if watchdog and not preload:  # sd_watchdog_enabled(3)'s variable, on our socket
             env["WATCHDOG_USEC"] = str(round(watchdog * 1_000_000))
@@ -498,6 +507,7 @@ class Executor:
             log.warning("swept %d leftover process(es): %s", len(killed), killed)
         for rank in self.spec.slots:
             _clear_stale(self.spec, rank)
+        self.swapper.close()
         self.escrow.close()
         self._memory_pool.shutdown(wait=False)
         self._drop_channel("standby_channel")

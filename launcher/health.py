@@ -77,6 +77,14 @@ class MetricsCollector:
         yield GaugeMetricFamily("vlaunch_engine_restarts", "Engine restarts so far.",
                                 value=float(engine.get("restarts", 0)))
         yield from _hang_metrics(engine, s.get("standby") or {})
+        swap = s.get("swap") or {}  # docs/swap.md
+        yield GaugeMetricFamily("vlaunch_weights_version", "Version of the weights the caches "
+                                "serve (0: as loaded; +1 with each swap).",
+                                value=float(swap.get("version", 0)))
+        yield GaugeMetricFamily("vlaunch_swap_in_progress", "A swap of the weights is under "
+                                "way.", value=float(swap.get("state", "none") != "none"))
+        yield GaugeMetricFamily("vlaunch_swap_rollbacks", "Swaps rolled back so far.",
+                                value=float(swap.get("rollbacks", 0)))
         yield from memory_metrics(s)
 
 

@@ -95,7 +95,7 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
             standby_park_timeout=o["standby_park_timeout"],
             watchdog_interval=watchdog_interval(os.environ),
             preload=bool(o["preload_autotune"]),
-            start_timeout=o.get("start_timeout") or None,
+            start_timeout=o.get("start_timeout") or None, model=model, swap_ranks=ranks,
             unhealthy_after=o.get("engine_unhealthy_after") or None,
             engine_watchdog=o.get("engine_watchdog") or None)
     except ValueError as exc:

@@ -59,6 +59,15 @@ def format_status(s: dict[str, Any]) -> str:
         if copies.get("in_flight"):  # docs/modes.md: a GPU rank makes copy-mode engines' copies
             lines.append(f"rank {rank}: making {copies['in_flight']} copy-mode engine "
                          f"copies ({copies.get('bytes', 0) / 1e9:.2f} GB of device memory)")
+    sw = s.get("swap")
+    if sw:  # docs/swap.md: which weights serve, and a swap in progress
+        what = f"published {sw['label']!r}" if sw.get("label") else \
+            sw.get("model") or (s.get("launcher") or {}).get("model", "")
+        lines.append(f"weights version {sw['version']}: {what}")
+        if sw.get("state", "none") != "none":
+            mode = sw.get("mode") or "mode not chosen yet"
+            lines.append(f"swap to version {sw['target_version']} ({mode}): "
+                         f"{sw['state'].replace('_', ' ')}")
     lines += memory_lines(s.get("memory"))
     if s.get("first_failure"):
         f = s["first_failure"]

@@ -563,6 +563,8 @@ INTERNAL = {
     "max_bytes must be >= 1, got": "cache.plan: an internal argument",
     "slab size must be >= 0, got": "cache.slabs_cuda: an internal argument",
     "a pre-encoded frame carries no fds": "contract.wire: a rank handler bug",
+    "bytes into a slab of": "rank.staging.copy_bytes: both sides come from one manifest",
+    "has nothing staged for version": "rank.swap: the launcher sends steps in order",
 }
 
 

@@ -549,6 +549,9 @@ def test_snapshot_is_json_and_names_the_first_failure() -> None:
                    "recent_restarts": 1, "unhealthy_for": 0.0},
         "first_failure": {"rank": 1, "pid": 101, "status": -9,
                           "description": "killed by signal 9 (SIGKILL: the OOM killer?)"},
+        "swap": {"state": "none", "version": 0, "model": "", "label": "", "target_version": 0,
+                 "target_model": "", "target_label": "", "mode": "", "swaps": 0,
+                 "rollbacks": 0, "failures": 0, "last": ""},
         "stop": {"cause": 69, "reason": "cache rank 1 (pid 101) exited: killed by signal 9 "
                                         "(SIGKILL: the OOM killer?)"},
         "exit_status": None,

@@ -357,3 +357,49 @@ def test_vllm_standby_under_vlaunch_run_takes_over_after_a_kill(
         assert la.wait_exit(120) == 0
     finally:
         la.close()
+
+
+def test_a_swap_restarts_vllm_on_the_new_weights_and_rebuilds_its_layout(
+        tiny: Path, tmp_path: Path) -> None:
+    """docs/swap.md, vLLM: under a caches-only `vlaunch run`, vLLM's first start hands its
+    engine layout back; `vlaunch swap` to a checkpoint of the same architecture (every weight
+    negated) drops it; the next vLLM start on the new checkpoint, through the normal path,
+    generates what vLLM's own loader does from it and hands back the new layout, which the
+    start after maps."""
+    import shutil
+    import signal
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_launcher import Launcher, serving
+    from vlaunch.launcher.statusview import query_rank
+
+    b = tmp_path / "b"
+    shutil.copytree(tiny, b)
+    for f in b.glob("*.safetensors"):
+        save_file({k: (-v.float()).to(v.dtype) for k, v in load_file(f).items()}, str(f),
+                  metadata={"format": "pt"})
+    want_a = _generate(tiny, "safetensors")["tokens"]
+    want_b = _generate(b, "safetensors")["tokens"]
+    assert want_a != want_b
+    la = Launcher(tmp_path, tiny, "--plan", "replicate", tp=1)
+    try:
+        la.wait_for(serving, timeout=300)
+        assert _generate(tiny, "vlaunch", la.sockdir, fallback=False)["tokens"] == want_a
+        r = subprocess.run([sys.executable, "-m", "vlaunch.launcher.cli", "swap", "--socket-dir",
+                            str(la.sockdir), "--model", str(b)], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr + la.text()
+        assert _generate(b, "vlaunch", la.sockdir, fallback=False)["tokens"] == want_b
+        rank = query_rank(la.sockdir / "rank-0.sock")  # the layout handed back is B's
+        [layout] = rank["layouts"]
+        assert rank["checkpoint"]["model"] == str(b)
+        assert layout["fingerprint"]["checkpoint_data"] == rank["checkpoint"]["identity"]
+        assert _generate(b, "vlaunch", la.sockdir, fallback=False)["tokens"] == want_b
+        text = la.text()
+        assert text.count("engine layout") >= 2 and "loading from disk" not in text
+        la.proc.send_signal(signal.SIGTERM)
+        assert la.wait_exit(120) == 0
+    finally:
+        la.close()

@@ -78,6 +78,12 @@ def load(target: Target | str | None = None, *, mode: str = "share", fallback: b
                                         "--timeout)") from None
         if not fallback:
             raise
+        if target.published:  # no files hold these weights: a disk load would serve others
+            raise CacheUnavailableError(
+                f"rank {target.rank}'s weights are a published version "
+                f"({target.published[:80]}) that only its cache holds, and the cache cannot be "
+                f"used ({exc}); it cannot be loaded from disk: fix the cache, or swap to a "
+                "checkpoint (vlaunch swap)") from exc
         kind = {CacheUnavailableError: "unavailable", FingerprintMismatchError: "mismatched",
                 CacheBrokenError: "broken"}[type(exc)]
         log.warning("vlaunch cache for rank %d is %s (%s); loading from disk instead",

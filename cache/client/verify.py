@@ -36,11 +36,19 @@ _SOCKET = re.compile(r"rank-(\d+)\.sock")
 
 def verify_rank(socket: Path, model: str = "", threads: int = 8,
                 timeout: float = 600.0) -> dict[str, Any]:
-    """Compare one rank's slabs with the files: {rank, model, tensors, changed, mismatches}."""
+    """Compare one rank's slabs with the files: {rank, model, tensors, changed, mismatches}.
+    A published version (docs/swap.md) has no files: its slabs are compared with the digests
+    the rank took when the trainer committed it."""
     client = CacheClient(socket, client="vlaunch verify", io_timeout=timeout)
     try:
         status = client.status()
         checkpoint = status.get("checkpoint") or {}
+        if checkpoint.get("published"):
+            recorded = _held(client, "published_digests")
+            held = _held(client)
+            return {"rank": int(status["rank"]),
+                    "model": f"published {checkpoint['published']}", "tensors": len(held),
+                    "changed": [], "mismatches": compare_digests(held, recorded)}
         fp = status["fingerprint"]
         layout = Position(**{k: int(fp[k]) for k in ("tp_size", "tp_rank", "pp_size", "pp_rank",
                                                    "dp_size", "dp_rank")})
@@ -59,12 +67,13 @@ def verify_rank(socket: Path, model: str = "", threads: int = 8,
             "changed": checkpoint.get("changed") or [], "mismatches": bad}
 
 
-def _held(client: CacheClient) -> dict[str, str]:
-    """The rank's digests, a page at a time (the first request computes them)."""
+def _held(client: CacheClient, op: str = "digest") -> dict[str, str]:
+    """The rank's digests, a page at a time (the first request computes them); `op`
+    published_digests: those it took of a published version at its commit."""
     out: dict[str, str] = {}
     total = None
     while total is None or len(out) < total:
-        reply, _ = client.request({"op": "digest", "start": len(out), "count": PAGE})
+        reply, _ = client.request({"op": op, "start": len(out), "count": PAGE})
         try:
             total, rows = int(reply["total"]), reply["digests"]
             if not 0 <= total <= MAX_TENSORS or not isinstance(rows, list) or len(rows) > PAGE:

@@ -47,6 +47,7 @@ class EngineEnv(NamedTuple):
     preload: bool = False
     draft_model: str = ""  # a speculative-decoding draft model's checkpoint (its own group)
     draft_plan: str = ""
+    checkpoint_data: tuple[str, ...] = ()  # per rank: a published version's identity (swap)
 
     def to_env(self) -> dict[str, str]:
         """The VLAUNCH_* variables of the fields that are set."""
@@ -76,6 +77,20 @@ class EngineEnv(NamedTuple):
         if self.model and os.path.realpath(self.draft_model) == os.path.realpath(self.model):
             return self  # the target's own checkpoint (MTP): its group serves the draft
         return self._replace(model=self.draft_model, plan=self.draft_plan or "replicate")
+
+    def engine_device(self, rank: int) -> str:
+        """The device global rank `rank`'s cache holds it on ("" when vlaunch run says none)."""
+        if rank not in self.ranks or self.ranks.index(rank) >= len(self.engine_devices):
+            return ""
+        return self.engine_devices[self.ranks.index(rank)]
+
+    def published_identity(self, rank: int) -> str:
+        """The identity of the published version rank `rank` serves ("" for a checkpoint's
+        files): set by the launcher after a trainer published (docs/swap.md)."""
+        if not self.checkpoint_data or rank not in self.ranks:
+            return ""
+        index = self.ranks.index(rank)
+        return self.checkpoint_data[index] if index < len(self.checkpoint_data) else ""
 
     @property
     def plan_or_default(self) -> str:

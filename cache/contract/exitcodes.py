@@ -36,6 +36,9 @@ class ExitStatus(enum.IntEnum):
     STOP_TIMEOUT = 82
     START_TIMEOUT = 83
     OUT_OF_MEMORY = 84
+    SWAP_ROLLED_BACK = 85
+    SWAP_FAILED = 86
+    SWAP_UNAVAILABLE = 87
     QUIT = 131
 
 
@@ -114,11 +117,25 @@ EXIT_TABLE: tuple[ExitInfo, ...] = (
              "A cache rank could not get the memory or the threads it needs (a memory limit: "
              "ulimit -v, a container's or a unit's MemoryMax; host memory taken by others).",
              True),
+    ExitInfo(ExitStatus.SWAP_ROLLED_BACK, "swap",
+             "A swap was abandoned after its cutover began: the new engine did not become "
+             "ready (it kept exiting, or ran past --ready-timeout), or a rank refused the "
+             "cutover; the ranks rolled back and the previous weights serve again.", False),
+    ExitInfo(ExitStatus.SWAP_FAILED, "launcher, swap",
+             "A swap could not complete and the launcher stopped: --on-failure stop, a cache "
+             "rank exited during the cutover, or a stop began meanwhile; nothing serves a mix "
+             "of the two checkpoints.", True),
+    ExitInfo(ExitStatus.SWAP_UNAVAILABLE, "swap",
+             "No swap was made: no launcher answers on the control socket, it is not serving, "
+             "another swap is in progress, a cache rank exited while the new weights were "
+             "staged, or no outcome came within --timeout.", True),
     ExitInfo(ExitStatus.QUIT, "launcher",
              "Stopped at once on SIGQUIT: every child was killed with SIGKILL, the socket "
              "directory cleaned (128+3, what a shell reports for a SIGQUIT death).", True),
 )
 
-CONFIG_ERROR_STATUSES: tuple[int, ...] = tuple(int(i.status) for i in EXIT_TABLE
-                                               if not i.retry and i.status != ExitStatus.OK)
-"""Statuses that a restart cannot fix (systemd's RestartPreventExitStatus=)."""
+CONFIG_ERROR_STATUSES: tuple[int, ...] = tuple(
+    int(i.status) for i in EXIT_TABLE
+    if not i.retry and i.status != ExitStatus.OK and ("launcher" in i.who or "cache" in i.who))
+"""Statuses of the launcher or a cache rank that a restart cannot fix (systemd's
+RestartPreventExitStatus=); a `vlaunch swap` command's own statuses are not among them."""

@@ -159,8 +159,15 @@ REQUESTS: dict[str, dict[str, tuple[type, bool]]] = {
                      "sizes": (_LIST, True)},
     "layout_commit": {"fields": (_DICT, True), "tensors": (_LIST, True),
                       "copy": (_LIST, True), "release_raw": (_BOOL, True)},
+    # a trainer publishes a version (docs/swap.md): staging slabs (fds back, writable), then
+    # the [name, dtype, shape] of every tensor it wrote; the commit's reply comes once the
+    # launcher's cutover ended
+    "publish_begin": {"label": (_STR, True), "mode": (_STR, False), "margin": (_INT, False)},
+    "publish_commit": {"label": (_STR, True), "tensors": (_LIST, True)},
+    "publish_abort": {},
+    "published_digests": {"start": (_INT, True), "count": (_INT, True)},  # vlaunch verify
 }
-LARGE_OPS = frozenset({"artifact_put", "layout_commit"})
+LARGE_OPS = frozenset({"artifact_put", "layout_commit", "publish_commit"})
 """Requests whose body may exceed MAX_REQUEST_BODY (up to MAX_ARTIFACT_BODY)."""
 MODES = ("share", "copy", "copy-release")
 
@@ -227,14 +234,35 @@ def error(code: str, message: str, **extra: Any) -> dict[str, Any]:
 EVENTS: dict[str, dict[str, tuple[type, bool]] | None] = {
     "ready": {"rank": (_INT, True), "pid": (_INT, True), "socket": (_STR, True),
               "at": (float, True), "bytes": (_INT, True), "device": (_STR, True),
-              "manifest": (_DICT, True), "fingerprint": (_DICT, True)},
+              "manifest": (_DICT, True), "fingerprint": (_DICT, True),
+              "version": (_INT, False), "model": (_STR, False), "label": (_STR, False)},
     "escrow": {"manifest": (_DICT, True), "fingerprint": (_DICT, True),
-               "released": (_BOOL, False)},
+               "released": (_BOOL, False), "version": (_INT, False), "model": (_STR, False),
+               "label": (_STR, False)},
     "layout": None,
     "release": {"layout": (_STR, True)},
     "progress": {"rank": (_INT, True), "loaded": (_INT, True), "total": (_INT, True)},
     "artifact": {"kind": (_STR, True), "key": (_STR, True), "data": (_STR, True)},
+    # a swap (docs/swap.md): the launcher's steps, on the same channel the other way, and the
+    # rank's answer to each (committed and rolled_back carry the raw slab fds to escrow, with
+    # the manifest and fingerprint they are served under; then the layout frames again)
+    "swap_prepare": {"version": (_INT, True), "model": (_STR, True), "mode": (_STR, True),
+                     "margin": (_INT, True), "keep": (_BOOL, True)},
+    "swap_stage": {"version": (_INT, True), "mode": (_STR, True)},
+    "swap_commit": {"version": (_INT, True), "mode": (_STR, True),
+                    "lease_wait_ms": (_INT, True)},
+    "swap_finish": {"version": (_INT, True)},
+    "swap_rollback": {"version": (_INT, True), "status": (_INT, True),
+                      "message": (_STR, True)},
+    "swap_abort": {"version": (_INT, True), "status": (_INT, True), "message": (_STR, True)},
+    "swap_answer": {"answer": (_STR, True), "version": (_INT, True), "fits": (_BOOL, False),
+                    "status": (_INT, False), "message": (_STR, False), "label": (_STR, False),
+                    "mode": (_STR, False), "model": (_STR, False),
+                    "manifest": (_DICT, False), "fingerprint": (_DICT, False)},
 }
+SWAP_STEPS = ("swap_prepare", "swap_stage", "swap_commit", "swap_finish", "swap_rollback",
+              "swap_abort")
+"""The launcher's swap frames to a rank."""
 
 
 def event(name: str, **fields: Any) -> dict[str, Any]:

@@ -202,10 +202,17 @@ _ALL = (
             "A speculative-decoding draft model's checkpoint (its own cache group).", ENGINE),
     Setting("VLAUNCH_DRAFT_PLAN", _text, "", "unset (`replicate`)",
             "The draft group's shard plan.", ENGINE),
+    Setting("VLAUNCH_CHECKPOINT_DATA", _words, (), "unset",
+            "Per local rank, the identity of the published version it serves, after a "
+            "trainer published one ([Changing the weights](swap.md)).", ENGINE),
     Setting("VLAUNCH_ENGINE_STANDBY", _text, "0", "unset",
             "`1` in a standby engine's environment ([Standby engine](standby.md)).", ENGINE),
     Setting("VLAUNCH_PROMOTE_FD", _text, "", "unset",
             "A standby's inherited pipe the launcher promotes it on.", ENGINE),
+    Setting("VLAUNCH_STANDBY_PARK", _text, "", "unset",
+            "`before-weights`: the standby parks before it maps any weight (an in-place swap "
+            "overwrites the cache's slabs before the promotion: [Changing the weights](swap.md)).",
+            ENGINE),
     Setting("VLAUNCH_PROMOTE_PIPE", _text, "", "unset",
             "`pid:fd:dev:inode` of the promote pipe, for a vLLM standby's workers.", INTERNAL),
     Setting("VLAUNCH_REFERENCE_FAULT_FILE", _text, "", "unset",

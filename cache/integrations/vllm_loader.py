@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from vlaunch.cache.contract.errors import UsageError
 from vlaunch.cache.contract.protocol import MODES
 from vlaunch.cache.contract.roles import DRAFT, TARGET
-from vlaunch.cache.contract.standby import is_standby
+from vlaunch.cache.contract.standby import is_standby, parks_before_weights
 from vlaunch.cache.store.target import Target
 
 if TYPE_CHECKING:
@@ -197,6 +197,11 @@ def load_model(loader: Any, vllm_config: Any, model_config: Any, prefix: str) ->
     target = vllm_target(vllm_config, model_config, options)
     fields = (layout_fields(vllm_config, model_config) if options.engine_layout
               and options.mode in ("share", "copy") and target.role != DRAFT else None)
+    early = parks_before_weights()  # an in-place swap's standby (docs/swap.md)
+    if early:  # devices and groups up, no weight mapped: park before the cache's
+        from vlaunch.cache.integrations.vllm_standby import park
+
+        start += park(options.mode)
     weights = _cached(target, options, vllm_config, fields)
     with set_default_torch_dtype(model_config.dtype):
         with device, parameters_on_meta():
@@ -210,7 +215,7 @@ def load_model(loader: Any, vllm_config: Any, model_config: Any, prefix: str) ->
             if fields is not None and options.mode == "share" and (
                     weights.source == "cache" or "released" in weights.reason):
                 weights = _hand_back(model, fields, target) or weights
-        if is_standby():  # weights mapped, nothing exclusive taken: park here
+        if is_standby() and not early:  # weights mapped, nothing exclusive taken: park here
             from vlaunch.cache.integrations.vllm_standby import park
 
             start += park(options.mode)  # the log line times the load only

@@ -92,6 +92,7 @@ class CacheServer:
         self.copier = copier  # rank.copies.RankCopier on a GPU: the rank makes engines' copies
         self._copies: dict[int, Any] = {}  # id(lease) -> its copy in flight (rank.copies.Copy)
         self.escrow: socket.socket | None = None  # the launcher's ready channel, kept open
+        self.swap: Any = None  # rank.swap.RankSwap: swaps, and versions trainers publish
         self._next = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self.bound = asyncio.Event()  # set once the socket is bound and listening
@@ -180,16 +181,36 @@ class CacheServer:
 
     def _dispatch(self, cid: int, op: str,
                   f: dict[str, Any]) -> tuple[dict[str, Any] | bytes, list[int]]:
+        if self.state == "swapping" and (op in ("hello", "manifest", "open")
+                                         or op.startswith("layout")):
+            return protocol.error("busy", "the cache is copying new weights into its slabs (a "
+                                  "swap in place); try again in a moment"), []
+        if op.startswith("publish"):
+            if self.swap is None:
+                return protocol.error("refused", "this rank takes no published weights"), []
+            return self.swap.request(op, self.leases[cid], f)
         if self.state == "released" and op in ("hello", "manifest", "open"):
             return protocol.error("released", "the cache released its copy after a copy-release "
                                   "handoff; restart the cache to serve again"), []
         if f.get("layout"):
             return self._layout_request(op, self.leases[cid], f)
         if self.raw_released and op in ("hello", "manifest", "open"):
-            return protocol.error("released", "the raw layout was released once an engine "
-                                  "layout was handed back; start the engine with that layout's "
-                                  "fields, or restart the cache"), []
+            return protocol.error("released", self._raw_released_message()), []
         return getattr(self, f"handle_{op}")(self.leases[cid], f)
+
+    def _raw_released_message(self) -> str:
+        """Why a raw hello, manifest or open is refused once an engine layout replaced the raw
+        layout, naming the likely cause (the files changed) and the way forward."""
+        changed = self.integrity.changed if self.integrity is not None else []
+        if changed:
+            return (f"the checkpoint changed on disk since this cache loaded it "
+                    f"({', '.join(changed[:3])}), and the cache holds only an engine layout "
+                    "of the old weights (its raw layout was released when that layout was "
+                    "handed back); serve the new checkpoint without a cold start with "
+                    "vlaunch swap --model PATH, or restart the cache")
+        return ("the raw layout was released once an engine layout was handed back; start the "
+                "engine with that layout's fields, serve other weights with vlaunch swap "
+                "--model PATH, or restart the cache")
 
     def handle_hello(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """hello: compare the client's fingerprint with ours."""
@@ -429,12 +450,14 @@ class CacheServer:
             asyncio.get_running_loop().call_soon(release)  # answer first: freeing takes a while
 
     def _close_raw(self) -> None:
-        """Close the raw layout's fds and the copier's views of its slabs."""
+        """Close the raw layout's fds and the copier's (and a swap's) views of its slabs."""
         wire.close_fds(self.fds)
         self.fds = []
         self.openers.close()  # nothing is left to hand over
         if self.copier is not None:
             self.copier.close()
+        if self.swap is not None:
+            self.swap.raw_closed()
 
     def _send_escrow(self, frame: dict[str, Any], fds: list[int]) -> None:
         """Tell the launcher (if it listens) what to escrow or drop; see docs/engine-layout.md."""
@@ -493,9 +516,13 @@ class CacheServer:
         return {"ok": True, "artifacts": self.artifacts.listing()}, []
 
     def bytes_held(self) -> dict[str, int]:
-        """Slab bytes held, keyed by device."""
+        """Slab bytes held, keyed by device (a swap's staging and kept weights included; in
+        host memory under "host")."""
         raw = 0 if self.state == "released" or self.raw_released else self.manifest.nbytes
-        return {self.device: raw + self.layouts.nbytes}
+        held = {self.device: raw + self.layouts.nbytes}
+        for where, n in (self.swap.held() if self.swap is not None else {}).items():
+            held[where] = held.get(where, 0) + n
+        return held
 
     def status(self, exclude: Lease | None = None) -> dict[str, Any]:
         """A JSON-able status snapshot."""
@@ -510,7 +537,9 @@ class CacheServer:
                 "fingerprint": self.fingerprint,
                 "raw": "released" if self.raw_released else "held",
                 "handover_blocked": self._why_not_hand_over(exclude) if self.fds else "",
-                "layouts": self.layouts.listing(), **self.slab_pages()}
+                "layouts": self.layouts.listing(),
+                "weights": self.swap.status() if self.swap is not None else None,
+                **self.slab_pages()}
 
     def slab_pages(self) -> dict[str, str]:
         """The page size the CPU slabs got ("2M" or "4k": the host decides); {} on CUDA."""

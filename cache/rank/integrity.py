@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vlaunch.cache.contract import protocol
+from vlaunch.cache.contract import protocol, settings
 from vlaunch.cache.contract.errors import CheckpointChangedError, VerifyError, VlaunchError
 from vlaunch.cache.store import identity
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vlaunch.cache")
 
-WATCH_EVERY = 5.0
+WATCH_EVERY = settings.WATCH_EVERY
 """Seconds between two stats of the checkpoint's files while a rank serves
 ($VLAUNCH_WATCH_EVERY overrides it)."""
 DIGEST_PAGE = 1024
@@ -90,8 +90,10 @@ def data_identity(model: str, shard: Any) -> str:
 class Integrity:
     """What a serving rank knows about the files its slabs came from."""
 
-    def __init__(self, server: Any, model: str, plan: str, socket: Path) -> None:
+    def __init__(self, server: Any, model: str, plan: str, socket: Path,
+                 published: str = "") -> None:
         self.server, self.socket = server, socket
+        self.published = published  # the label of a published version: no files to watch
         self.plan = os.path.abspath(plan) if os.path.isfile(plan) else plan  # for verify
         self.model = str(Path(model).absolute())
         self.record: identity.Record | None = _LAST.get("record")
@@ -104,7 +106,7 @@ class Integrity:
 
     def start(self) -> Integrity:
         """Check adopted slabs against the files, write the memo, start watching."""
-        if self.record is None:  # adopted from escrow: nothing was read in this process
+        if self.record is None and not self.published:  # adopted: nothing was read here
             self._check_adopted()
         if self.record is not None and not self.changed:
             memo = identity.memo_path(self.socket)
@@ -130,22 +132,44 @@ class Integrity:
             self.record = rec
 
     def _watch(self) -> None:
-        every = _seconds(os.environ.get("VLAUNCH_WATCH_EVERY", ""), WATCH_EVERY)
+        every = float(settings.get("VLAUNCH_WATCH_EVERY"))
         while True:
             time.sleep(every)
             self.poll()
 
     def poll(self) -> list[str]:
         """Re-stat the files; report and act on any that changed since the load."""
-        if self.record is None:
+        rec = self.record
+        if rec is None:
             return self.changed
-        new = [n for n in self.record.restat() if n not in self.changed]
+        new = [n for n in rec.restat() if n not in self.changed]
         if new:
-            self._mark(new)
+            self._mark(new, rec)
         return self.changed
 
-    def _mark(self, names: list[str]) -> None:
+    def rebase(self, model: str, record: identity.Record | None, slabs: list[SlabBytes] | None,
+               published: str = "") -> None:
+        """The rank serves other weights (a swap): their files (none for a published
+        version), memo and digests; what changed under the old files no longer matters."""
         with self._lock:
+            self.model = str(Path(model).absolute())
+            self.record, self.slabs, self.published = record, slabs, published
+            self.changed, self.changed_at, self._digests = [], None, None
+        memo = identity.memo_path(self.socket)
+        try:
+            if record is None:
+                memo.unlink(missing_ok=True)  # nothing on disk is what the rank serves
+            else:
+                identity.write_memo(memo, record)
+                atexit.register(_unlink, memo)
+        except OSError as exc:
+            log.warning("rank %d: cannot write the identity memo %s (%s); engines read "
+                        "samples of the checkpoint instead", self.server.rank, memo, exc)
+
+    def _mark(self, names: list[str], rec: identity.Record | None = None) -> None:
+        with self._lock:
+            if rec is not None and rec is not self.record:
+                return  # a swap replaced those files meanwhile
             self.changed = [*self.changed, *names]
             self.changed_at = self.changed_at or time.time()
             first = self.changed[0]
@@ -161,10 +185,12 @@ class Integrity:
     def status(self) -> dict[str, Any]:
         """The rank status's `checkpoint` field."""
         rec = self.record
+        published = self.server.fingerprint.get("checkpoint_data") if self.published else None
         return {"model": self.model, "plan": self.plan,
-                "identity": rec.data if rec else None,
+                "identity": rec.data if rec else published,
                 "files": list(rec.names) if rec else [],
-                "changed": list(self.changed), "changed_at": self.changed_at}
+                "changed": list(self.changed), "changed_at": self.changed_at,
+                "published": self.published or None}
 
     # ------------------------------------------------------------------------- digests
 
@@ -242,12 +268,3 @@ def verify_loaded(model: str, plan: str, layout: Any, manifest: Manifest,
 def _unlink(path: Path) -> None:
     with contextlib.suppress(OSError):
         path.unlink()
-
-
-def _seconds(text: str, default: float) -> float:
-    """A positive number of seconds from an environment variable, else `default`."""
-    try:
-        value = float(text)
-    except ValueError:
-        return default
-    return value if 0 < value < 1e6 else default

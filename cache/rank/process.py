@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import os
 import signal
@@ -24,6 +23,7 @@ from vlaunch.cache.contract.notify import SdNotify
 from vlaunch.cache.contract.roles import seat, stem
 from vlaunch.cache.contract.sockdir import RankLock, ensure_socket_dir
 from vlaunch.cache.rank.connections import raise_nofile_limit
+from vlaunch.cache.rank.failures import out_of_memory
 from vlaunch.cache.store.manifest import Manifest
 from vlaunch.cache.store.ranks import Position
 
@@ -70,17 +70,6 @@ def _root_cause(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def out_of_memory(exc: BaseException) -> bool:
-    """Whether `exc` means the process could not get memory or a thread."""
-    if isinstance(exc, MemoryError):
-        return True
-    if isinstance(exc, OSError):
-        return exc.errno == errno.ENOMEM
-    if isinstance(exc, ImportError):  # the loader could not map a shared library
-        return "failed to map segment" in str(exc) or "Cannot allocate memory" in str(exc)
-    return isinstance(exc, RuntimeError) and "can't start new thread" in str(exc)
-
-
 def _exit_quietly(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -105,9 +94,10 @@ def _run(opts: RankArgs, rank: int) -> int:
         store = ArtifactStore(_artifact_dir(opts.artifact_dir, stem(opts.role, rank)))
         adopted: list[Any] = []
         raw_released = False
+        weights: dict[str, Any] = {}  # an escrow's version, model and label (after a swap)
         if opts.adopt_fd >= 0:
-            manifest, fds, fingerprint, release, adopted, raw_released = _adopt(opts.adopt_fd,
-                                                                                store)
+            manifest, fds, fingerprint, release, adopted, raw_released = _adopt(
+                opts.adopt_fd, store, weights)
         elif opts.seed:
             with collector.paused():  # per-tensor objects that live as long as the rank
                 manifest, fds, fingerprint, release = _seed_or_load(opts, backend, rank, store)
@@ -132,8 +122,15 @@ def _run(opts: RankArgs, rank: int) -> int:
             server.openers.give_up("its slabs were adopted from a rank that exited, and the "
                                    "engines that mapped them then may still")
         from vlaunch.cache.rank.integrity import Integrity
+        from vlaunch.cache.rank.swap import RankSwap
 
-        server.integrity = Integrity(server, opts.model, opts.plan, lock.socket).start()
+        label = str(weights.get("label", ""))
+        server.integrity = Integrity(server, opts.model, opts.plan, lock.socket,
+                                     published=label).start()
+        server.swap = RankSwap(server, plan=opts.plan, layout=_layout(opts), backend=backend,
+                               threads=opts.threads, model=opts.model,
+                               version=int(weights.get("version", 0)), label=label,
+                               checksum=opts.checksum)
         asyncio_run(_serve(server, lock, opts))
         log.info("stopped; socket and lock removed")
         return int(ExitStatus.OK)
@@ -243,11 +240,12 @@ def _seed_or_load(opts: RankArgs, backend: Any, rank: int, store: Any
     return _finish(opts, backend, shard, seeded.manifest)
 
 
-def _adopt(fd: int, store: Any
+def _adopt(fd: int, store: Any, weights: dict[str, Any]
            ) -> tuple[Manifest, list[int], fp.Fingerprint, Any, list[Any], bool]:
     """Take over escrowed slabs (fds + manifest) from the launcher instead of loading: the raw
     layout's (unless it was released), then any engine layout's (docs/engine-layout.md), and
-    the escrowed artifacts into `store`."""
+    the escrowed artifacts into `store`; `weights` gets the escrow's version, model and
+    label (what a swap made the rank serve)."""
     from vlaunch.cache.rank.layouts import LayoutError, adopt
 
     layouts: list[Any] = []
@@ -271,6 +269,7 @@ def _adopt(fd: int, store: Any
             pass
     if msg.get("event") != "escrow" or not isinstance(msg.get("fingerprint"), dict):
         raise ProtocolError("adopt channel did not carry an escrow frame")
+    weights.update({k: msg[k] for k in ("version", "model", "label") if k in msg})
     from vlaunch.cache.store.columns import from_wire
 
     manifest = from_wire(msg["manifest"])  # the columns form the ready frame gave the escrow
@@ -351,17 +350,22 @@ def _report_ready(server: Any, lock: RankLock, opts: RankArgs) -> None:
     if opts.ready_fd >= 0:
         sock = socket.socket(fileno=opts.ready_fd)
         try:
+            weights = {"version": server.swap.version, "model": server.swap.model,
+                       "label": server.swap.label} if server.swap is not None else {}
             wire.send_frame(sock, protocol.event(
                 "ready", rank=rank, pid=os.getpid(), socket=str(lock.socket), at=time.time(),
                 bytes=server.manifest.nbytes, device=server.device,
-                manifest=columns.to_json(server.manifest), fingerprint=server.fingerprint),
-                server.fds)
+                manifest=columns.to_json(server.manifest), fingerprint=server.fingerprint,
+                **weights), server.fds)
         except OSError:
             sock.close()
             raise
         # The channel stays open: engine layouts and the raw layout's release follow on it
-        # (docs/engine-layout.md), so that the launcher's escrow holds what the rank holds.
+        # (docs/engine-layout.md), so that the launcher's escrow holds what the rank holds;
+        # the launcher's swap steps come the other way (docs/swap.md).
         server.escrow = sock
+        if server.swap is not None:
+            server.swap.listen(sock, asyncio.get_running_loop())
         for layout in server.layouts.layouts.values():
             server._send_escrow(layout.escrow(), layout.fds)
         if server.raw_released:

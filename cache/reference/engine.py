@@ -44,7 +44,13 @@ from vlaunch.cache.contract.errors import VlaunchError
 from vlaunch.cache.contract.exitcodes import CONFIG_ERROR_STATUSES
 from vlaunch.cache.contract.logs import setup_logging
 from vlaunch.cache.contract.notify import SdNotify, Watchdog, parse_fields
-from vlaunch.cache.contract.standby import StandbyError, is_standby, promote_fd, wait_for_promotion
+from vlaunch.cache.contract.standby import (
+    StandbyError,
+    is_standby,
+    parks_before_weights,
+    promote_fd,
+    wait_for_promotion,
+)
 from vlaunch.cache.reference import faults
 from vlaunch.cache.reference.http import EngineStopping, parse_generate, start_http
 from vlaunch.cache.reference.options import EX_CONFIG, ConfigError, EngineOptions, parse_args
@@ -53,6 +59,7 @@ from vlaunch.cache.reference.workers import (
     broadcast_stop,
     device_for,
     gather_stats,
+    group_barrier,
     open_store,
     reserve_store,
     run_generate,
@@ -169,13 +176,22 @@ class Engine:
             self._interruptible = True
             if self._stop_requested:
                 raise _StopRequested
-            state = start_rank(self.opts, 0, self.cfg, store)
+            early = standby and parks_before_weights()  # an in-place swap's standby
+
+            def park_early() -> None:  # the group is up, no weight mapped: park here
+                self.park(fd)
+                group_barrier()  # the workers wait for this, then every rank maps
+
+            state = start_rank(self.opts, 0, self.cfg, store,
+                               before_load=park_early if early else None)
             self.stats["layout"] = state.layout
             stats = gather_stats(state)
             self.record_memory(state, log_it=True)  # as loaded
-            self.warm_up(state, free=standby and not self.opts.standby_keep_memory)
-            if standby:  # every rank has its weights mapped and is warm: park until promoted
+            # an early standby is promoted already: what it warms up, it keeps
+            self.warm_up(state, free=standby and not early and not self.opts.standby_keep_memory)
+            if standby and not early:  # weights mapped and warm on every rank: park until promoted
                 self.park(fd)
+            if standby:
                 self.http = start_http(self)
             self.became_ready(*stats)
             self.serve(state)
@@ -358,5 +374,15 @@ def notify(state: str) -> None:
     out.close()
 
 
+def leave(status: int) -> None:
+    """Exit with `status` once the log is out, without the interpreter's teardown: torch's
+    took 1-2 s of a 2-core machine after the engine had stopped, and while the process lives
+    its port is not free for the engine that takes over (a swap's or a restart's downtime)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -48,7 +48,9 @@ def start_http(engine: Engine) -> ThreadingHTTPServer:
     """Bind the HTTP server, serve it from a daemon thread, log and publish its port."""
     server = _bind((engine.opts.host, engine.opts.port))
     server.engine = engine
-    threading.Thread(target=server.serve_forever, name="vlaunch-http", daemon=True).start()
+    # polled every 50 ms: the stop's shutdown() waits for the next poll (0.5 s by default)
+    threading.Thread(target=server.serve_forever, args=(0.05,), name="vlaunch-http",
+                     daemon=True).start()
     port = int(server.server_address[1])
     log.info("listening on http://%s:%d", engine.opts.host, port)
     if engine.opts.port_file:

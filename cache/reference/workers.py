@@ -17,10 +17,12 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.contract.lifetime import die_with_parent
+from vlaunch.cache.contract.standby import parks_before_weights
 from vlaunch.cache.reference import faults
 from vlaunch.cache.reference.options import ConfigError, EngineOptions
 
@@ -87,11 +89,12 @@ def device_for(kind: str, rank: int, tp_size: int) -> str:
     """
     if kind == "cpu":
         return "cpu"
+    from vlaunch.cache.contract.engine_env import EngineEnv
     from vlaunch.cache.contract.errors import DeviceError
     from vlaunch.cache.store.slabs import cuda_index
 
-    raw = os.environ.get("VLAUNCH_ENGINE_DEVICES", "")
-    items = [x.strip() for x in raw.split(",") if x.strip()]
+    items = EngineEnv.from_env().engine_devices
+    raw = ",".join(items)
     if not items:
         return f"cuda:{rank}"
     if len(items) < tp_size:
@@ -104,8 +107,10 @@ def device_for(kind: str, rank: int, tp_size: int) -> str:
         raise ConfigError(f"VLAUNCH_ENGINE_DEVICES entry {item!r}: {exc}") from None
 
 
-def start_rank(opts: EngineOptions, rank: int, cfg: ModelConfig, store: Any) -> RankState:
-    """Join the process group (tp > 1), load the rank's weights and build its model."""
+def start_rank(opts: EngineOptions, rank: int, cfg: ModelConfig, store: Any,
+               before_load: Callable[[], None] | None = None) -> RankState:
+    """Join the process group (tp > 1), load the rank's weights and build its model;
+    `before_load` runs once the group is up (a standby parked before its weights)."""
     import torch
     import torch.distributed as dist
 
@@ -125,6 +130,8 @@ def start_rank(opts: EngineOptions, rank: int, cfg: ModelConfig, store: Any) -> 
     if opts.tp_size > 1:
         dist.init_process_group(group_backend(opts, rank), store=store, rank=rank,
                                 world_size=opts.tp_size, timeout=GROUP_TIMEOUT)
+    if before_load is not None:
+        before_load()
     start = time.perf_counter()
     loaded = load_weights(opts, rank, device, cfg)
     if device.startswith("cuda"):
@@ -145,6 +152,14 @@ def start_rank(opts: EngineOptions, rank: int, cfg: ModelConfig, store: Any) -> 
                      comm_device=device if device.startswith("cuda") else "cpu", model=model,
                      weights_ms=ms, source=loaded.source, nbytes=nbytes, layout=loaded.layout,
                      draft=draft, speculative_tokens=opts.speculative_tokens)
+
+
+def group_barrier() -> None:
+    """Wait for every rank of the group (without one: return at once)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def group_backend(opts: EngineOptions, rank: int) -> str:
@@ -236,7 +251,10 @@ def run_worker(opts: EngineOptions) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     rank = opts.worker_rank or 0
     cfg = ModelConfig.from_dir(opts.model)
-    state = start_rank(opts, rank, cfg, open_store(opts, None))
+    # a standby parked before its weights: rank 0 waits for its promotion, the workers for
+    # rank 0 (then the whole group maps the weights the cache holds by then)
+    early = group_barrier if parks_before_weights() else None
+    state = start_rank(opts, rank, cfg, open_store(opts, None), before_load=early)
     gather_stats(state)
     gather_memory(state, log_it=True)
     header = torch.empty(3, dtype=torch.int64, device=state.comm_device)

@@ -55,8 +55,9 @@ _DEVICE_INFO: dict[str, dict[str, str]] = {}  # device -> its fingerprint fields
 
 
 class Target(NamedTuple):
-    """One engine rank's wants: which checkpoint, at which position, on which device, shaped
-    how (plan, kernel backends, loader, quantization), from which cache group and socket."""
+    """One engine rank's wants: which checkpoint (or published version of it), at which
+    position, on which device, shaped how (plan, kernel backends, loader, quantization), from
+    which cache group and socket."""
 
     model: str
     position: Position
@@ -67,6 +68,7 @@ class Target(NamedTuple):
     quantization: str = ""  # the engine's method; "": config.json's quant_method
     role: str = TARGET  # the cache group that serves it (a draft may be the target's)
     socket: Path | None = None  # the rank's socket, whose identity memo an engine reads
+    published: str = ""  # the identity of a published version it serves (docs/swap.md)
 
     @classmethod
     def resolve(cls, model: str | None = None, /, **given: Unpack[TargetArgs]) -> Target:
@@ -97,7 +99,8 @@ class Target(NamedTuple):
                    given.get("loader", "vlaunch"),
                    given.get("quantization") or settings.get("VLAUNCH_QUANTIZATION"), role,
                    socket_path(given.get("socket_dir") or default_socket_dir(),
-                               position.global_rank, role))
+                               position.global_rank, role),
+                   env.published_identity(position.global_rank) if role == TARGET else "")
 
     @property
     def rank(self) -> int:
@@ -109,7 +112,8 @@ class Target(NamedTuple):
         """The fingerprint of a cache that serves this target: of the files at `model` (or
         the identity memo of the rank at `socket`), unless `checkpoint` says whose (what a
         rank read, what an engine layout recorded); `plan`: the plan's identity when known
-        (a rank's shard has it), else that of the spec."""
+        (a rank's shard has it), else that of the spec. A published version's identity stands
+        for the files' data (docs/swap.md)."""
         from vlaunch.cache.store import quant
         from vlaunch.cache.store.slabs import backend_for
 
@@ -118,7 +122,7 @@ class Target(NamedTuple):
         if info is None:
             info = _DEVICE_INFO[self.device] = backend.device_info()
         header, data = checkpoint or identity.identities(self.model, socket=self.socket)
-        return fp.build(checkpoint=header, checkpoint_data=data,
+        return fp.build(checkpoint=header, checkpoint_data=self.published or data,
                         plan=plan or plan_identity(self.plan), layout=self.position.as_dict(),
                         dtype="checkpoint", backend=backend.name, device=info,
                         kernel_backends=self.kernel_backends, loader=self.loader,

@@ -3,8 +3,8 @@
 One concern a module: `supervisor` (the entry, `Supervisor.handle`, and the contract with the
 executor), `model` (phases, states, records), `state` (the shared state), `ranks`, `engine`,
 `budget`, `hang` (health probes, the engine watchdog, hung engines and standbys), `standby`,
-`stop`, `timers`, `view` (the status surface) and `exits` (how a child ended, in words). None
-of them does I/O or reads a clock (tests/test_layout.py checks it).
+`swap` (new weights), `stop`, `timers`, `view` (the status surface) and `exits` (how a child
+ended, in words). None of them does I/O or reads a clock (tests/test_layout.py checks it).
 """
 
 from .exits import CACHE_STATUSES, describe_exit
@@ -18,6 +18,8 @@ from .model import (
     StandbyState,
     StandbyStatus,
     SupervisorProtocolError,
+    SwapState,
+    SwapStatus,
 )
 from .standby import STANDBY_MAX_FAILS
 from .supervisor import Supervisor
@@ -26,5 +28,6 @@ from .timers import EXTEND_BY, EXTEND_EVERY
 __all__ = [
     "CACHE_STATUSES", "EXTEND_BY", "EXTEND_EVERY", "STANDBY_MAX_FAILS", "EngineState",
     "EngineStatus", "Failure", "Phase", "RankState", "RankStatus", "StandbyState",
-    "StandbyStatus", "Supervisor", "SupervisorProtocolError", "describe_exit",
+    "StandbyStatus", "Supervisor", "SupervisorProtocolError", "SwapState", "SwapStatus",
+    "describe_exit",
 ]

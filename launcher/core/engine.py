@@ -61,8 +61,10 @@ class EngineDecisions(SupervisorState):
         self._engine = replace(engine, state=EngineState.READY, healthy=True, failing=())
         self._ready_since, self._ready_sent, self._reloading = now, True, False
         self._reset_health(now)
+        swap = self._swap_engine_ready(now)  # a swap's new engine: the swap is done
         return [Log("INFO", f"engine ready (pid {engine.pid}, attempt {engine.attempt})"),
-                Notify({"READY": "1", "STATUS": self._status_line()}), *self._spawn_standby(now)]
+                *swap, Notify({"READY": "1", "STATUS": self._status_line()}),
+                *self._spawn_standby(now)]
 
     def _on_engine_exited(self, e: ChildExited) -> list[Action]:
         """The engine is gone: finish a stop, respawn after SIGHUP, stop, or restart it."""
@@ -83,6 +85,9 @@ class EngineDecisions(SupervisorState):
                     f"{describe_exit(e.status, hint=False)}")
         if self._stop is not None:
             return [Log("INFO", what), *self._stop_ranks(), *self._finish_if_done()]
+        swap = self._swap_engine_exited(e, what)  # a swap that cuts over decides
+        if swap is not None:
+            return swap
         if self._reload_deadline is not None:
             self._reload_deadline = None
             return [Log("INFO", f"{what}; restarting it (SIGHUP)"), *self._spawn_engine()]
@@ -146,8 +151,9 @@ class EngineDecisions(SupervisorState):
     def _on_sighup(self, e: SignalReceived) -> list[Action]:
         """SIGHUP: restart the engine now, outside the restart budget."""
         engine = self._engine
-        if engine is None or self._stop is not None:
-            why = "no engine to restart (caches only)" if engine is None else "stopping"
+        if engine is None or self._stop is not None or self._swap.state.value != "none":
+            why = "no engine to restart (caches only)" if engine is None else "stopping" \
+                if self._stop is not None else "a swap is in progress"
             return [Log("INFO", f"SIGHUP ignored: {why}")]
         if engine.state is EngineState.BACKOFF:  # RELOADING=1 went out with the crash
             return [Log("INFO", "SIGHUP: restarting the engine now, skipping its backoff"),

@@ -83,6 +83,51 @@ class StandbyState(enum.Enum):
     STOPPING = "stopping"
 
 
+class SwapState(enum.Enum):
+    """A swap of the weights (`vlaunch swap`, or a published version), step by step.
+
+    none          No swap: the ranks serve `SwapStatus.version`.
+    preparing     The ranks check the new checkpoint: config and plan, headers, sampled
+                  identity, memory. Nothing was touched; a refusal ends here.
+                  -> staging        every rank prepared (the mode is chosen now)
+    staging       The ranks read the new shard while the old one serves: into new slabs on
+                  the device (double), or into pinned host memory (in-place). A published
+                  version starts here: the trainer staged it.
+                  -> committing     double: every rank staged
+                  -> parking        in-place, with a standby: it parks before its weights
+                  -> stopping       in-place, without one
+    committing    The ranks cut over: double: they serve the new slabs (the old engine keeps
+                  its mappings of the old ones); in-place: the engine is gone, they copy the
+                  new bytes into their slabs.
+                  -> parking        double, with a standby: one parks on the new weights
+                  -> stopping       double, without one
+                  -> starting       in-place
+    parking       A standby for the new weights starts and parks; the old engine serves.
+                  -> stopping       it parked (or standbys were given up)
+    stopping      The serving engine gets SIGTERM (SIGKILL after stop_timeout).
+                  -> starting       double: it exited
+                  -> committing     in-place: it exited
+    starting      The new engine starts (or the standby is promoted) on the new weights.
+                  -> none           it is ready: the ranks drop the old weights (finish)
+                  -> rolling_back   it exited `attempts` times, or ready_timeout passed
+    rolling_back  The new engine is stopped, then the ranks restore the old weights; the
+                  engine starts on them (status 85 to the requester).
+                  -> none           every rank rolled back
+
+    A cache rank that exits while preparing or staging abandons the swap (87); past that, it
+    stops the launcher (69). A stop of the launcher ends any swap (86).
+    """
+
+    NONE = "none"
+    PREPARING = "preparing"
+    STAGING = "staging"
+    COMMITTING = "committing"
+    PARKING = "parking"
+    STOPPING = "stopping"
+    STARTING = "starting"
+    ROLLING_BACK = "rolling_back"
+
+
 ENGINE_ALIVE = (EngineState.STARTING, EngineState.READY, EngineState.STOPPING)
 """Engine states in which its process may still exist."""
 RANK_RUNNING = (RankState.LOADING, RankState.READY, RankState.RESPAWNING)
@@ -127,6 +172,25 @@ class StandbyStatus:
     failures: int = 0  # standbys in a row that died before parking
     given_up: bool = False
     hangs: int = 0  # parked standbys whose watchdog pings stopped, killed and replaced
+
+
+@dataclass(frozen=True)
+class SwapStatus:
+    """The weights the ranks serve (`version`, `model`, a published `label`), and the swap in
+    progress (`state`, `target_*`, `mode`), as the status surface shows them."""
+
+    state: SwapState = SwapState.NONE
+    version: int = 0  # 0: what the ranks loaded at start; + 1 with each completed swap
+    model: str = ""
+    label: str = ""  # the trainer's label of a published version ("" for a checkpoint)
+    target_version: int = 0
+    target_model: str = ""
+    target_label: str = ""
+    mode: str = ""  # double or in-place (the pending swap's, then the last one's)
+    swaps: int = 0
+    rollbacks: int = 0
+    failures: int = 0  # exits of the pending swap's new engine before it was ready
+    last: str = ""  # how the last swap ended, in words
 
 
 @dataclass(frozen=True)

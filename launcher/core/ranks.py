@@ -1,5 +1,6 @@
-"""Cache ranks: readiness, load progress, a rank's exit (start failure, failure, respawn),
-and the startup that follows the last rank's first ready (preload, then the engine)."""
+"""Cache ranks: readiness, load progress, a rank's exit (start failure, failure, respawn;
+during a swap's cutover always a failure), and the startup that follows the last rank's
+first ready (preload, then the engine)."""
 
 from __future__ import annotations
 
@@ -63,11 +64,13 @@ class RankDecisions(SupervisorState):
                                          last_exit=e.status)
         if self._stop is not None:
             return self._rank_gone_while_stopping(rank, e)
+        swap, past_cutover = self._swap_rank_exited(rank.rank, e)
         if rank.state is RankState.LOADING:
             return self._rank_start_failed(e)
-        if rank.state is RankState.READY and self.config.on_rank_exit == "respawn":
-            return self._respawn_rank(rank, e)
-        return self._rank_failed(rank, e)
+        if rank.state is RankState.READY and self.config.on_rank_exit == "respawn" and \
+                not past_cutover:
+            return [*swap, *self._respawn_rank(rank, e)]
+        return [*swap, *self._rank_failed(rank, e)]
 
     def _rank_gone_while_stopping(self, rank: RankStatus, e: ChildExited) -> list[Action]:
         """Note a rank's exit during a stop (the first cause stands) and maybe finish."""

@@ -43,12 +43,14 @@ class StandbyDecisions(SupervisorState):
         """Start a standby, when standbys are on, the engine is ready and there is none."""
         sb, engine = self._standby, self._engine
         if sb is None or sb.given_up or sb.state is not StandbyState.NONE or \
-                self._stop is not None or engine is None or engine.state is not EngineState.READY:
+                self._stop is not None or engine is None or \
+                engine.state is not EngineState.READY or self._standby_paused:
             return []
         self._standby = replace(sb, state=StandbyState.STARTING, pid=None, number=sb.number + 1)
         self._park_due = now + self.config.standby_park_timeout
-        return [Log("INFO", f"starting standby engine {sb.number + 1}"),
-                SpawnStandby(sb.number + 1)]
+        before = " (to park before its weights)" if self._standby_next_weights else ""
+        return [Log("INFO", f"starting standby engine {sb.number + 1}{before}"),
+                SpawnStandby(sb.number + 1, next_weights=self._standby_next_weights)]
 
     def _standby_spawned(self, e: Spawned) -> list[Action]:
         """Record the standby's pid."""
@@ -69,7 +71,7 @@ class StandbyDecisions(SupervisorState):
         actions: list[Action] = [Log("INFO", f"standby engine {sb.number} (pid {sb.pid}) parked")]
         if self._respawn_due is not None and self._stop is None:  # the engine is in backoff
             actions += self._spawn_engine()
-        return actions
+        return [*actions, *self._swap_standby_parked(e.now)]
 
     def _promote(self) -> list[Action]:
         """Make the parked standby the engine's next attempt; a new standby follows once it is
@@ -99,14 +101,17 @@ class StandbyDecisions(SupervisorState):
             return []
         parked = sb.state is StandbyState.PARKED
         hung = self._hung_standby_gone()
+        retired = self._standby_retired == sb.number  # stopped for a swap: no failure
         self._standby = sb = replace(sb, state=StandbyState.NONE, pid=None,
-                                     failures=sb.failures + (not parked))
+                                     failures=sb.failures + (not parked and not retired))
         self._park_due, self._standby_ping = None, None
         how = "hung while parked, killed" if hung else "exited"
         what = f"standby engine {sb.number} (pid {e.pid}) {how}: " \
                f"{describe_exit(e.status, hint=not hung)}"
         if self._stop is not None:
             return [Log("INFO", what), *self._finish_if_done()]
+        if retired:
+            return [Log("INFO", what), *self._spawn_standby(e.now)]
         if sb.given_up:
             return [Log("INFO", what)]
         if sb.failures >= STANDBY_MAX_FAILS or self._standby_hang_streak >= STANDBY_MAX_FAILS:

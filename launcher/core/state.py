@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from ..events import Exit, SupervisorConfig
+from ..events import Exit, SupervisorConfig, SwapPolicy
 from .budget import RestartBudget
 from .model import (
     ENGINE_ALIVE,
@@ -23,6 +23,7 @@ from .model import (
     StandbyStatus,
     Stop,
     SupervisorProtocolError,
+    SwapStatus,
 )
 
 
@@ -61,6 +62,20 @@ class SupervisorState:
         self._standby_ping: float | None = None  # the parked standby's last WATCHDOG=1 (or park)
         self._standby_hung = False  # the standby being killed hung while parked
         self._standby_hang_streak = 0  # parked standbys in a row that hung
+        self._swap = SwapStatus(model=config.model)
+        self._swap_policy = SwapPolicy()
+        self._swap_request = 0  # the control connection that asked (0: a publish)
+        self._swap_waiting: set[int] = set()  # ranks whose answer to the last step is due
+        self._swap_answered: set[int] = set()  # committed ranks (a refusal rolls them back)
+        self._swap_fits = True  # every prepared rank has room for both shards
+        self._swap_refusal: tuple[int, str] | None = None  # the commit's (status, why)
+        self._swap_deadline: float | None = None
+        self._swap_engine_gone = False  # the old engine exited during the commit
+        self._swap_rollback_sent = False
+        self._swap_new_engine = False  # the engine started on the new weights
+        self._standby_paused = False  # no standby starts while a swap cuts over without one
+        self._standby_next_weights = False  # standbys started now park before their weights
+        self._standby_retired = 0  # the standby number retired for a swap (not a failure)
 
     @property
     def phase(self) -> Phase:
@@ -95,6 +110,10 @@ class SupervisorState:
     def _standby_alive(self) -> bool:
         """Whether a standby process may still exist (not yet promoted)."""
         return self._standby is not None and self._standby.state is not StandbyState.NONE
+
+    def _swap_ranks(self) -> tuple[int, ...]:
+        """The ranks a swap changes: the target group."""
+        return self.config.swap_ranks or self.config.ranks
 
     def _live_children(self) -> list[str]:
         """Names of the children not yet reaped, for log lines."""

@@ -46,7 +46,8 @@ class StopDecisions(SupervisorState):
         """Start the one stop path: STOPPING=1, SIGTERM the engine, then the ranks."""
         self._stop = Stop(cause, reason, now + self.config.stop_timeout, signals)
         self._respawn_due = self._reload_deadline = None
-        actions: list[Action] = [Notify({"STOPPING": "1", "STATUS": f"stopping: {reason}"})]
+        actions: list[Action] = [*self._swap_stopped(reason),
+                                 Notify({"STOPPING": "1", "STATUS": f"stopping: {reason}"})]
         engine = self._engine
         if engine is not None and engine.state is EngineState.BACKOFF:
             self._engine = replace(engine, state=EngineState.EXITED)

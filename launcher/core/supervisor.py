@@ -39,6 +39,11 @@ Contract with the executor:
 - `Notify` fields are sd_notify assignments in order; the executor adds `MONOTONIC_USEC` to
   a message that carries `RELOADING=1`.
 - `Log.level` is a `logging` level name ("INFO", "WARNING", "ERROR").
+- A swap (core/swap.py): `SwapRanks` goes to every rank of `SupervisorConfig.swap_ranks`
+  (or `ranks`: the target group), each of which answers with one `SwapStep` (finish and
+  abort are not answered); a rank's ready channel carries both. `SwapReply` answers the
+  control connection the `SwapRequested` came from. Between a `SwapRanks` commit and the
+  rank's answer the executor switches what it gives new engines (model, escrow).
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ from ..events import (
     StandbyParked,
     Started,
     SupervisorConfig,
+    SwapRequested,
+    SwapStep,
     Tick,
 )
 from .engine import EngineDecisions
@@ -75,12 +82,13 @@ from .model import SupervisorProtocolError
 from .ranks import RankDecisions
 from .standby import StandbyDecisions
 from .stop import StopDecisions
+from .swap import SwapDecisions
 from .timers import EXTEND_BY, EXTEND_EVERY, Timers, usec
 from .view import StatusView
 
 
-class Supervisor(RankDecisions, EngineDecisions, HangDecisions, StandbyDecisions, StopDecisions,
-                 Timers, StatusView):
+class Supervisor(RankDecisions, EngineDecisions, HangDecisions, StandbyDecisions, SwapDecisions,
+                 StopDecisions, Timers, StatusView):
     """The launcher's decisions: `handle(event)` returns the actions to execute, in order."""
 
     def __init__(self, config: SupervisorConfig) -> None:
@@ -93,6 +101,7 @@ class Supervisor(RankDecisions, EngineDecisions, HangDecisions, StandbyDecisions
             Tick: self._on_tick, Spawned: self._on_spawned, PreloadDone: self._on_preload_done,
             CacheProgress: self._on_cache_progress, StandbyParked: self._on_standby_parked,
             EngineWatchdog: self._on_engine_watchdog,
+            SwapRequested: self._on_swap_requested, SwapStep: self._on_swap_step,
         }
 
     def handle(self, event: Event) -> list[Action]:
@@ -153,7 +162,7 @@ class Supervisor(RankDecisions, EngineDecisions, HangDecisions, StandbyDecisions
                 *self._respawn_if_due(e.now),
                 *self._reload_timeout(e.now), *self._stop_timeout(e.now),
                 *self._start_timeout(e.now), *self._park_timeout(e.now),
-                *self._hang_checks(e.now)]
+                *self._hang_checks(e.now), *self._swap_tick(e.now)]
 
     def _on_child_exited(self, e: ChildExited) -> list[Action]:
         """Dispatch a reaped child to the engine, the standby or the rank handler."""

@@ -11,7 +11,17 @@ from vlaunch.cache.contract.exitcodes import ExitStatus
 
 from .exits import describe_exit
 from .hang import PROBE_WORDS
-from .model import EngineState, EngineStatus, Failure, Phase, RankState, RankStatus, StandbyStatus
+from .model import (
+    EngineState,
+    EngineStatus,
+    Failure,
+    Phase,
+    RankState,
+    RankStatus,
+    StandbyStatus,
+    SwapState,
+    SwapStatus,
+)
 from .state import SupervisorState
 
 
@@ -76,6 +86,7 @@ class StatusView(SupervisorState):
                 **jsonable(self._first_failure),
                 "description": describe_exit(self._first_failure.status)},
             **({} if self._standby is None else {"standby": jsonable(self._standby)}),
+            "swap": jsonable(self._swap),
             "stop": None if stop is None else {"cause": int(stop.cause), "reason": stop.reason},
             "exit_status": self.exit_status,
         }
@@ -83,7 +94,11 @@ class StatusView(SupervisorState):
     def _status_line(self) -> str:
         """The STATUS= text for the current phase, naming respawning ranks."""
         respawning = [r.rank for r in self._ranks.values() if r.state is RankState.RESPAWNING]
-        return self._phase_line() + "".join(f"; cache rank {r} respawning" for r in respawning)
+        sw = self._swap
+        swap = "" if sw.state is SwapState.NONE else \
+            f"; swapping to version {sw.target_version} ({sw.state.value.replace('_', ' ')})"
+        return self._phase_line() + "".join(f"; cache rank {r} respawning"
+                                            for r in respawning) + swap
 
     def _phase_line(self) -> str:
         """The phase part of STATUS= (a stop sets its own STATUS once, and no other)."""
@@ -101,7 +116,8 @@ class StatusView(SupervisorState):
         return f"{verb} engine (attempt {engine.attempt})"
 
 
-def jsonable(record: RankStatus | EngineStatus | StandbyStatus | Failure) -> dict[str, Any]:
+def jsonable(record: RankStatus | EngineStatus | StandbyStatus | SwapStatus | Failure
+             ) -> dict[str, Any]:
     """A status record as a flat JSON-able dict (enums by value)."""
     return {k: v.value if isinstance(v, enum.Enum) else list(v) if isinstance(v, tuple) else v
             for k, v in vars(record).items()}

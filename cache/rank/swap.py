@@ -1,0 +1,892 @@
+"""A cache rank's side of a swap (docs/swap.md): the checks, the staging, the cutover, the
+rollback, and the versions a trainer publishes.
+
+The launcher drives a swap over the rank's ready channel, the socketpair that only it holds:
+`swap_prepare`, `swap_stage`, `swap_commit`, `swap_finish`, `swap_rollback` and `swap_abort`
+frames, one at a time; the rank answers each but finish and abort with a `swap_answer`. A
+refusal before the commit leaves the served weights as they were; the old weights are kept
+(double: their slabs; in place: a host copy) until finish or rollback.
+
+A trainer publishes on the rank's socket (cache/client/publish.py; the same peer checks as any
+client): `publish_begin` hands it writable staging slabs shaped as the served shard,
+`publish_commit` names what it wrote; the rank then tells the launcher ("published"), which
+cuts over as for a swap, and the commit's reply says how that ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vlaunch.cache.contract import protocol, settings, wire
+from vlaunch.cache.contract.errors import (
+    CheckpointChangedError,
+    PlanError,
+    ProtocolError,
+    VlaunchError,
+    exit_status,
+)
+from vlaunch.cache.contract.exitcodes import ExitStatus
+from vlaunch.cache.rank import staging
+from vlaunch.cache.rank.openers import Openers
+from vlaunch.cache.store.manifest import Manifest
+from vlaunch.cache.store.slabs import on_device
+
+log = logging.getLogger("vlaunch.cache")
+
+POLL = 0.05
+"""Seconds between two looks at the leases while an in-place commit waits for them to end."""
+MAX_LABEL = 256
+
+
+class SwapError(VlaunchError):
+    """A swap step the rank refuses; `status` says why (the launcher passes it on)."""
+
+    def __init__(self, message: str, status: ExitStatus = ExitStatus.SWAP_UNAVAILABLE) -> None:
+        super().__init__(message)
+        self.code = status
+
+
+class StagingMemoryError(VlaunchError):
+    """No room to stage the new weights (device or host)."""
+
+    status = exit_status("OUT_OF_MEMORY")
+
+
+@dataclass
+class Weights:
+    """One shard as the rank serves it: everything a cutover switches over."""
+
+    version: int
+    model: str
+    label: str  # a published version's label; "" for a checkpoint's files
+    fingerprint: dict[str, str]
+    manifest: Manifest
+    fds: list[int]
+    release: Callable[[], None] | None
+    buffers: list[Any] | None  # the rank's writable views of its raw slabs, where it has them
+    layouts: Any
+    raw_released: bool
+    copier: Any
+    record: Any  # identity.Record of the files; None for a published version
+    digests: dict[str, str] | None = None  # a published version's, taken at its commit
+    openers: Any = None  # rank.openers.Openers of these slabs (None: new, nobody opened them)
+
+
+@dataclass
+class Staged:
+    """New weights beside the served ones, from prepare (or a publish) to finish."""
+
+    version: int
+    model: str
+    label: str = ""
+    mode: str = ""
+    keep: bool = True  # in place: keep the served bytes on the host for a rollback
+    margin: int = 0
+    specs: list[Any] = field(default_factory=list)
+    manifest: Manifest | None = None
+    record: Any = None
+    fingerprint: dict[str, str] = field(default_factory=dict)
+    slabs: list[Any] = field(default_factory=list)  # allocated slabs (double, a publish's)
+    buffers: list[Any] = field(default_factory=list)  # the staged bytes
+    free: Callable[[], None] | None = None  # frees host buffers (in place)
+    backup: list[Any] | None = None  # in place: the served bytes, for a rollback
+    backup_free: Callable[[], None] | None = None
+    previous: Weights | None = None  # what served before the commit
+    committed: bool = False
+    owner: int = 0  # a publish: id() of the trainer's lease
+    reply: asyncio.Future[tuple[dict[str, Any], list[int]]] | None = None
+    digests: dict[str, str] | None = None
+
+    def release(self) -> None:
+        """Free what was staged (never the served slabs)."""
+        self.buffers = []
+        if self.free is not None:
+            self.free()
+            self.free = None
+        for slab in self.slabs:
+            slab.release()
+        self.slabs = []
+        self.drop_backup()
+
+    def drop_backup(self) -> None:
+        """Free the host copy of the old weights."""
+        self.backup = None
+        if self.backup_free is not None:
+            self.backup_free()
+            self.backup_free = None
+
+
+class RankSwap:
+    """Swaps and publishes on one rank: the channel's frames and the trainers' requests."""
+
+    def __init__(self, server: Any, *, plan: str, layout: Any, backend: Any, threads: int,
+                 model: str, version: int = 0, label: str = "",
+                 checksum: bool | None = None) -> None:
+        self.server, self.plan, self.layout, self.backend = server, plan, layout, backend
+        self.threads, self.checksum = threads, checksum
+        self.version, self.model, self.label = version, str(Path(model).absolute()), label
+        integrity = server.integrity
+        # the same list as the load's (its release clears it): a view kept here would keep
+        # the slabs' memory mapped after the rank released them
+        self.buffers: list[Any] | None = integrity.slabs if integrity is not None and \
+            integrity.slabs else None
+        self.digests: dict[str, str] | None = None
+        self.staged: Staged | None = None
+        self.busy = False
+        self.aborted = False  # the launcher aborted the swap whose step runs now
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------- the channel
+
+    def listen(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the launcher's swap frames from the ready channel on a thread of their own."""
+        threading.Thread(target=self._read, args=(sock, loop), name="vlaunch-swap",
+                         daemon=True).start()
+
+    def _read(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        while True:
+            try:
+                msg, fds = wire.recv_frame(sock)
+            except (OSError, EOFError, VlaunchError):
+                return  # the launcher (or the rank) is going away
+            wire.close_fds(fds)  # the launcher's frames carry none
+            loop.call_soon_threadsafe(self.on_frame, msg)
+
+    def on_frame(self, msg: dict[str, Any]) -> None:
+        """One launcher frame: check it, then run its step (one at a time)."""
+        try:
+            protocol.validate_event(msg, *protocol.SWAP_STEPS)
+        except ProtocolError as exc:
+            log.error("rank %d: bad swap frame from the launcher (%s): ignored",
+                      self.server.rank, exc)
+            return
+        step = msg["event"].removeprefix("swap_")
+        task = asyncio.ensure_future(self._step(step, msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _step(self, step: str, msg: dict[str, Any]) -> None:
+        version = msg["version"]
+        if step in ("finish", "abort"):
+            getattr(self, step)(msg)
+            return
+        if self.busy:
+            self.answer("refused", version, status=int(ExitStatus.SWAP_UNAVAILABLE),
+                        message=f"rank {self.server.rank} is still busy with the last swap step")
+            return
+        self.busy, self.aborted = True, False
+        try:
+            await getattr(self, step)(msg)
+        except VlaunchError as exc:
+            status = exc.code if isinstance(exc, SwapError) else exc.status
+            log.error("rank %d: swap to version %d: %s", self.server.rank, version, exc)
+            self.answer("refused", version, status=int(status), message=str(exc))
+        except Exception as exc:  # a bug or the machine: refuse, keep serving
+            status = _status_of(exc)
+            if status is ExitStatus.INTERNAL:
+                log.exception("rank %d: swap step %s failed", self.server.rank, step)
+            self.answer("refused", version, status=int(status),
+                        message=f"{step} failed: {_words(exc)}")
+        finally:
+            self.busy = False
+
+    def answer(self, answer: str, version: int, fds: list[int] = (),  # type: ignore[assignment]
+               **fields: Any) -> None:
+        """Send a swap_answer to the launcher (fds: duplicates, closed here)."""
+        try:
+            self.server._send_escrow(protocol.event("swap_answer", answer=answer,
+                                                    version=version, **fields), list(fds))
+        finally:
+            wire.close_fds(list(fds))
+
+    def _answer_served(self, answer: str, version: int) -> None:
+        """Answer with what the rank serves now (its fds to escrow), then its layouts."""
+        server = self.server
+        fds = [_dup(fd) for fd in server.fds]
+        self.answer(answer, version, fds, manifest=server.manifest.to_wire(),
+                    fingerprint=server.fingerprint, model=self.model, label=self.label)
+        for layout in server.layouts.layouts.values():
+            server._send_escrow(layout.escrow(), layout.fds)
+
+    # ------------------------------------------------------------------------ steps
+
+    async def prepare(self, msg: dict[str, Any]) -> None:
+        """Check the new checkpoint against the served one; answer whether both fit."""
+        if self.staged is not None:
+            raise SwapError(f"a swap to version {self.staged.version} is already staged on "
+                            f"rank {self.server.rank}")
+        if self.server.handing_over:
+            raise SwapError("the cache is handing its slabs over to a copy-release engine")
+        staged = Staged(msg["version"], str(Path(msg["model"]).absolute()),
+                        keep=msg["keep"], margin=msg["margin"])
+        fits = await asyncio.get_running_loop().run_in_executor(None, self._check, staged)
+        if self.aborted:  # abandoned while it was being checked
+            return
+        self.staged = staged
+        self.answer("prepared", staged.version, fits=fits, model=staged.model,
+                    fingerprint=staged.fingerprint)
+
+    def _check(self, staged: Staged) -> bool:
+        """Every check of the new checkpoint (in a thread); whether the device has room."""
+        from vlaunch.cache.store import identity, quant
+        from vlaunch.cache.store.checkpoint import open_checkpoint
+        from vlaunch.cache.store.manifest import pack
+        from vlaunch.cache.store.plan import HookPlan, load_plan, plan_rank
+        from vlaunch.cache.store.shard import MAX_SLAB
+
+        rank, model = self.server.rank, staged.model
+        plan = load_plan(self.plan)
+        if isinstance(plan, HookPlan):
+            raise PlanError(f"plan {self.plan} builds its tensors in a hook: its weights cannot "
+                            "be swapped; restart the caches to load another checkpoint")
+        ckpt = open_checkpoint(model)
+        staged.specs = plan_rank(ckpt, plan, self.layout)
+        staged.manifest = pack([(s.name, s.dtype, s.shape) for s in staged.specs],
+                               backend=self.backend.name, alignment=self.backend.alignment,
+                               max_slab=MAX_SLAB)
+        served = self.server.fingerprint
+        quantization = quant.fingerprint_fields(model, settings.get("VLAUNCH_QUANTIZATION")
+                                                or None)
+        why = staging.manifest_difference(self.server.manifest, staged.manifest) or \
+            staging.config_difference(self.model, model) or next(
+                (f"{k} is {served.get(k)!r} served, {v!r} in the new one"
+                 for k, v in quantization.items() if served.get(k) != v), "")
+        if why:
+            raise PlanError(f"{model} cannot replace the weights rank {rank} serves: {why}; a "
+                            "swap keeps the architecture, the plan and the layout (restart the "
+                            "caches to serve another model)")
+        rec, _ = identity.record(model)
+        if rec.header != ckpt.identity:
+            raise CheckpointChangedError(f"the checkpoint at {model} changed while rank {rank} "
+                                         "checked it; wait until whatever writes it has "
+                                         "finished, then swap again")
+        if rec.data == served.get("checkpoint_data"):
+            raise SwapError(f"the checkpoint at {model} is the one rank {rank} serves (the same "
+                            "sampled identity): nothing to swap")
+        staged.record = rec
+        staged.fingerprint = {**served, "checkpoint": rec.header, "checkpoint_data": rec.data}
+        return staging.free_device_bytes(self.backend) >= staged.manifest.nbytes + \
+            staged.margin
+
+    async def stage(self, msg: dict[str, Any]) -> None:
+        """Read the new shard beside the served one: new slabs (double) or host memory."""
+        staged = self._staged(msg["version"])
+        staged.mode = msg["mode"]
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self._read_staged, staged)
+        except BaseException:
+            staged.release()
+            self.staged = None
+            raise
+        if self.aborted:  # abandoned while it was being read
+            staged.release()
+            self.staged = None
+            return
+        self.answer("staged", staged.version)
+
+    def _read_staged(self, staged: Staged) -> None:
+        """Allocate the staging memory, read the shard into it, check nothing changed."""
+        from vlaunch.cache.store.reader import fill
+
+        assert staged.manifest is not None
+        rank, sizes = self.server.rank, staged.manifest.slab_sizes
+        start = time.perf_counter()
+        if staged.mode == "double":
+            staged.slabs = self._allocate(sizes, "on the device beside the served one")
+            staged.buffers = [s.buffer() for s in staged.slabs]
+        else:
+            self._room_on_host(staged)
+            staged.buffers, staged.free = staging.host_buffers(
+                sizes, pinned=self.backend.name == "cuda")
+        fill(staged.specs, staged.manifest, staged.buffers, threads=self.threads,
+             label=f"rank {rank} staging")
+        changed = staged.record.restat()
+        if changed:
+            raise CheckpointChangedError(
+                f"the checkpoint at {staged.model} changed while rank {rank} staged it "
+                f"({', '.join(changed[:4])}); wait until whatever writes it has finished, "
+                "then swap again")
+        staged.manifest = self._with_checksums(staged.manifest, staged.buffers)
+        if staged.mode == "in-place" and staged.keep:
+            self._keep_served(staged)
+        log.info("rank %d: staged version %d (%s, %.2f GB, %s) in %.2fs", rank, staged.version,
+                 staged.model, staged.manifest.nbytes / 1e9, staged.mode,
+                 time.perf_counter() - start)
+
+    def _allocate(self, sizes: tuple[int, ...], where: str) -> list[Any]:
+        """New slabs of the rank's backend; StagingMemoryError when the device has no room."""
+        from vlaunch.cache.contract.errors import DeviceError
+
+        slabs: list[Any] = []
+        try:
+            for n in sizes:
+                slabs.append(self.backend.allocate(n))
+        except (DeviceError, MemoryError, OSError) as exc:
+            for slab in slabs:
+                slab.release()
+            raise StagingMemoryError(
+                f"no room for the new shard {where} ({sum(sizes) / 1e9:.2f} GB: {_words(exc)}); "
+                "swap in place (vlaunch swap --mode in-place) or free device memory") from None
+        return slabs
+
+    def _room_on_host(self, staged: Staged) -> None:
+        """StagingMemoryError unless the host has room for an in-place swap's buffers."""
+        assert staged.manifest is not None
+        need = staged.manifest.nbytes * (2 if staged.keep else 1) + staged.margin
+        free = staging.available_host_bytes()
+        if need > free:
+            kept = " and the served one, kept for a rollback" if staged.keep else ""
+            raise StagingMemoryError(
+                f"not enough host memory to swap in place on rank {self.server.rank}: "
+                f"{need / 1e9:.2f} GB needed (the new shard{kept}), {free / 1e9:.2f} GB "
+                "available; free host memory, or swap with --on-failure stop (no copy kept)")
+
+    def _keep_served(self, staged: Staged) -> None:
+        """A host copy of the served bytes, for a rollback after an in-place commit."""
+        served = self.server.manifest
+        staged.backup, staged.backup_free = staging.host_buffers(
+            served.slab_sizes, pinned=self.backend.name == "cuda")
+        source = self._served_bytes()
+        if source is not None:
+            staging.copy_bytes(staged.backup, source)
+            return
+        if self.label or self.server.integrity is None or \
+                self.server.integrity.record is None:
+            raise SwapError("cannot keep the served weights for a rollback: the rank no longer "
+                            "holds them as the checkpoint shaped them (an engine layout "
+                            "replaced them) and no files hold them (a published version); "
+                            "swap with --on-failure stop", ExitStatus.SWAP_UNAVAILABLE)
+        self._reread_served(staged.backup)
+
+    def _served_bytes(self) -> list[Any] | None:
+        """The served raw slabs' bytes, readable (None once an engine layout replaced them)."""
+        if self.server.raw_released or not self.server.fds:
+            return None
+        if self.buffers is not None:
+            return self.buffers
+        return [self.backend.map_fd(fd, n, readonly=True)
+                for fd, n in zip(self.server.fds, self.server.manifest.slab_sizes, strict=True)]
+
+    def _reread_served(self, into: list[Any]) -> None:
+        """Read the served shard from its files again (their identity must be unchanged)."""
+        from vlaunch.cache.store import identity
+        from vlaunch.cache.store.checkpoint import open_checkpoint
+        from vlaunch.cache.store.plan import load_plan, plan_rank
+        from vlaunch.cache.store.reader import fill
+
+        rec, _ = identity.record(self.model)
+        if rec.data != self.server.integrity.record.data:
+            raise SwapError(f"cannot keep the served weights for a rollback: the files at "
+                            f"{self.model} changed since the rank read them; swap with "
+                            "--on-failure stop", ExitStatus.CHECKPOINT_CHANGED)
+        specs = plan_rank(open_checkpoint(self.model), load_plan(self.plan), self.layout)
+        fill(specs, self.server.manifest, into, threads=self.threads,
+             label=f"rank {self.server.rank} keeping the served weights")
+
+    def _with_checksums(self, manifest: Manifest, buffers: list[Any]) -> Manifest:
+        """The manifest with crc32 per tensor where the rank's first load had them."""
+        on = self.checksum if self.checksum is not None else self.backend.name == "cpu"
+        if not on:
+            return manifest
+        from vlaunch.cache.store.manifest import with_checksums
+        from vlaunch.cache.store.reader import checksums
+
+        return with_checksums(manifest, checksums(manifest, buffers, self.threads))
+
+    async def commit(self, msg: dict[str, Any]) -> None:
+        """Cut over: serve the new slabs (double), or copy the new bytes into the served
+        slabs once nothing maps them (in place)."""
+        staged = self._staged(msg["version"], publish=True)
+        staged.version = msg["version"]
+        if staged.record is not None:
+            changed = staged.record.restat()
+            if changed:
+                raise CheckpointChangedError(
+                    f"the checkpoint at {staged.model} changed after rank {self.server.rank} "
+                    f"staged it ({', '.join(changed[:4])}); swap again once it is written")
+        if self.server.handing_over:
+            raise SwapError("the cache is handing its slabs over to a copy-release engine")
+        start = time.perf_counter()
+        if staged.mode == "double":
+            self._commit_double(staged)
+        else:
+            await self._wait_unheld(msg["lease_wait_ms"] / 1000, "overwrite them")
+            await self._commit_in_place(staged)
+        staged.committed = True
+        log.info("rank %d: serving version %d (%s, %s) after a %.3fs cutover", self.server.rank,
+                 staged.version, staged.label or staged.model, staged.mode,
+                 time.perf_counter() - start)
+        self._answer_served("committed", staged.version)
+
+    def _commit_double(self, staged: Staged) -> None:
+        """Serve the staged slabs; the old ones stay (the old engine maps them) until finish."""
+        assert staged.manifest is not None
+        staged.previous = self._capture()
+        slabs = staged.slabs
+        fds = staging.slab_fds(slabs)
+        for slab in slabs:
+            slab.seal()
+        staged.slabs = []  # served now: released by the release hook below
+
+        buffers = staged.buffers
+
+        def release() -> None:
+            buffers.clear()  # the rank's views go with the slabs
+            for slab in slabs:
+                slab.release()
+
+        self._install(Weights(staged.version, staged.model, staged.label, staged.fingerprint,
+                              staged.manifest, fds, release, buffers,
+                              self._layouts(staged.manifest.nbytes), False,
+                              self._copier(fds, staged.manifest), staged.record,
+                              staged.digests))
+        staged.buffers = []
+
+    async def _commit_in_place(self, staged: Staged) -> None:
+        """Nothing maps the served slabs: copy the new bytes into them (in a thread), or, where
+        the rank holds none it can write (an engine layout replaced them), free the old
+        device memory first and copy into new slabs: never two copies."""
+        assert staged.manifest is not None
+        server = self.server
+        previous = self._capture()
+        target = self._writable()
+        server.state = "swapping"  # no handoff, no layout request, until the copy is in
+        try:
+            old_layouts, server.layouts = server.layouts, self._layouts(staged.manifest.nbytes)
+            old_layouts.close()  # derived from the old weights; nothing maps them any more
+            if target is None:
+                server._close_raw()
+                old, server._release = server._release, None
+                if old is not None:
+                    old()
+            slabs = await asyncio.get_running_loop().run_in_executor(
+                None, self._copy_in, staged, target)
+        finally:
+            server.state = "serving"
+        fds, release, copier = server.fds, server._release, server.copier
+        if slabs:
+            target = [s.buffer() for s in slabs]
+            fds = staging.slab_fds(slabs)
+            views = target
+
+            def release() -> None:
+                views.clear()  # the rank's views go with the slabs
+                for slab in slabs:
+                    slab.release()
+
+            copier = self._copier(fds, staged.manifest)
+        previous.fds, previous.release, previous.buffers = [], None, None  # the same slabs
+        staged.previous = previous
+        self._install(Weights(staged.version, staged.model, staged.label, staged.fingerprint,
+                              staged.manifest, fds, release, target, server.layouts, False,
+                              copier, staged.record, staged.digests))
+        staged.buffers = []
+        if staged.free is not None:
+            staged.free()
+            staged.free = None
+        for slab in staged.slabs:  # a published version staged in host slabs
+            slab.release()
+        staged.slabs = []
+
+    def _copy_in(self, staged: Staged, target: list[Any] | None) -> list[Any]:
+        """The staged bytes into `target`, or into new slabs (returned) where it is None."""
+        assert staged.manifest is not None
+        slabs: list[Any] = []
+        if target is None:
+            slabs = self._allocate(staged.manifest.slab_sizes, "on the device")
+            target = [s.buffer() for s in slabs]
+        staging.copy_bytes(target, staged.buffers)
+        for slab in slabs:
+            slab.seal()
+        return slabs
+
+    def finish(self, msg: dict[str, Any]) -> None:
+        """The new weights serve: drop the old ones (and the host copy)."""
+        staged = self.staged
+        if staged is None or not staged.committed or staged.version != msg["version"]:
+            return
+        self.staged = None
+        previous = staged.previous
+        if previous is not None and staged.mode == "double":
+            _discard(previous)
+        staged.release()
+        self._answer_trainer(staged, {"ok": True, "version": staged.version,
+                                      "mode": staged.mode})
+        log.info("rank %d: version %d serves; the old weights are dropped", self.server.rank,
+                 staged.version)
+
+    async def rollback(self, msg: dict[str, Any]) -> None:
+        """Restore the old weights (a rank that did not commit drops what it staged)."""
+        staged = self.staged
+        if staged is not None and staged.committed:
+            await self._restore(staged)
+        self.staged = None
+        if staged is not None:
+            staged.release()
+            self._answer_trainer(staged, protocol.error("swap", msg["message"] or
+                                                        "rolled back", status=msg["status"]))
+        self._answer_served("rolled_back", msg["version"])
+
+    async def _restore(self, staged: Staged) -> None:
+        """Serve what served before the commit again."""
+        previous = staged.previous
+        assert previous is not None
+        if staged.mode == "double":
+            _discard(self._capture())
+            self._install(previous)
+            return
+        if staged.backup is None:
+            raise SwapError("no copy of the old weights was kept (--on-failure stop): rank "
+                            f"{self.server.rank} cannot roll back", ExitStatus.SWAP_FAILED)
+        await self._wait_unheld(30.0, "restore the old weights")
+        self.server.state = "swapping"  # nothing is handed out while the copy runs
+        try:
+            target = self._writable()
+            assert target is not None  # the commit left writable raw slabs
+            await asyncio.get_running_loop().run_in_executor(
+                None, staging.copy_bytes, target, staged.backup)
+        finally:
+            self.server.state = "serving"
+        server = self.server
+        server.layouts.close()
+        self._install(Weights(previous.version, previous.model, previous.label,
+                              previous.fingerprint, previous.manifest, server.fds,
+                              server._release, target, self._layouts(previous.manifest.nbytes),
+                              False, server.copier, previous.record, previous.digests))
+
+    def abort(self, msg: dict[str, Any]) -> None:
+        """Drop what was staged and not committed (the served weights never changed): this
+        swap's, or a published version the launcher was told of (a trainer's staging that it
+        was not told of yet is the trainer's)."""
+        if self.busy and (self.staged is None or not self.staged.committed):
+            self.aborted = True  # the prepare or stage running now drops what it makes
+        staged = self.staged
+        if staged is None or staged.committed or not (
+                staged.version == msg["version"] or staged.reply is not None):
+            return
+        self.staged = None
+        staged.release()
+        self._answer_trainer(staged, protocol.error("swap", msg["message"] or "aborted",
+                                                    status=msg["status"]))
+        log.info("rank %d: swap to version %d abandoned; still serving version %d",
+                 self.server.rank, staged.version, self.version)
+
+    # ------------------------------------------------------------------- publishing
+
+    def request(self, op: str, lease: Any, f: dict[str, Any]) -> Any:
+        """A trainer's publish_* request (a coroutine for publish_commit)."""
+        if op == "published_digests":
+            return self._digest_page(f)
+        try:
+            return getattr(self, f"_{op}")(lease, f)
+        except SwapError as exc:
+            return protocol.error("refused", str(exc), status=int(exc.code)), []
+        except VlaunchError as exc:
+            return protocol.error("refused", str(exc), status=int(exc.status)), []
+
+    def _publish_begin(self, lease: Any, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """Staging slabs shaped as the served shard, writable, for the trainer to fill."""
+        label, mode = f["label"], f.get("mode", "auto")
+        if not 0 < len(label) <= MAX_LABEL or not label.isprintable():
+            raise SwapError(f"a published version's label must be 1..{MAX_LABEL} printable "
+                            "characters")
+        if mode not in ("auto", "double", "in-place"):
+            raise SwapError(f"publish mode must be auto, double or in-place, not {mode[:32]!r}")
+        if self.server.escrow is None:
+            raise SwapError("publishing needs the launcher (vlaunch run), which cuts every rank "
+                            "over together; this rank runs without one")
+        if self.staged is not None or self.busy:
+            raise SwapError(f"rank {self.server.rank} is busy with another swap or publish")
+        manifest = self.server.manifest
+        margin = f.get("margin", 1 << 30)
+        double = mode == "double" or (mode == "auto" and staging.free_device_bytes(
+            self.backend) >= manifest.nbytes + margin)
+        staged = Staged(0, self.model, label=label, mode="double" if double else "in-place",
+                        owner=id(lease), margin=margin)
+        if double:
+            staged.slabs = self._allocate(manifest.slab_sizes,
+                                          "on the device beside the served one")
+        else:
+            self._room_on_host(Staged(0, "", keep=True, margin=margin, manifest=manifest))
+            from vlaunch.cache.store.slabs import CpuSlab
+
+            staged.slabs = [CpuSlab(n) for n in manifest.slab_sizes]
+        staged.buffers = [s.buffer() for s in staged.slabs]
+        staged.manifest = manifest._replace(tensors=tuple(
+            t._replace(checksum=None) for t in manifest.tensors))
+        self.staged = staged
+        weakref.finalize(lease, self._publisher_gone, id(lease))
+        log.info("rank %d: pid %d publishes %r (%s, %.2f GB of staging)", self.server.rank,
+                 lease.pid, label, staged.mode, manifest.nbytes / 1e9)
+        return ({"ok": True, "mode": staged.mode, "manifest": staged.manifest.to_wire()},
+                staging.slab_fds(staged.slabs))
+
+    async def _publish_commit(self, lease: Any, f: dict[str, Any]
+                              ) -> tuple[dict[str, Any], list[int]]:
+        """The trainer wrote every tensor: check the names, shapes and dtypes, take the
+        version's identity, tell the launcher; answered once the cutover ended."""
+        staged = self.staged
+        if staged is None or staged.owner != id(lease) or staged.reply is not None:
+            raise SwapError("publish_commit without a publish_begin on this connection")
+        assert staged.manifest is not None
+        if f["label"] != staged.label:
+            raise SwapError(f"publish_commit names {f['label'][:64]!r}, publish_begin "
+                            f"{staged.label!r}")
+        why = tensors_difference(staged.manifest, f["tensors"])
+        if why:
+            self.staged = None
+            staged.release()
+            raise SwapError(f"published tensors refused: {why}; publish exactly the shard's "
+                            "tensors, with their names, dtypes and shapes")
+        loop = asyncio.get_running_loop()
+        staged.reply = loop.create_future()
+        self.busy = True
+        try:
+            await loop.run_in_executor(None, self._take_published, staged)
+        except BaseException:
+            self.busy = False
+            self.staged = None
+            staged.release()
+            raise
+        self.busy = False
+        self.answer("published", 0, label=staged.label, mode=staged.mode,
+                    fingerprint=staged.fingerprint, model=staged.model)
+        return await staged.reply
+
+    def _take_published(self, staged: Staged) -> None:
+        """A published version's digests and identity (in a thread), and the host copy of
+        the served weights an in-place rollback needs."""
+        from vlaunch.cache.rank.integrity import slab_digests
+
+        assert staged.manifest is not None
+        for slab in staged.slabs:
+            slab.seal()  # no new writable mapping: the trainer's own is dropped already
+        staged.digests = slab_digests(staged.manifest, staged.buffers, self.threads)
+        h = hashlib.blake2b(digest_size=16, person=b"vlaunch-publish")
+        for name in sorted(staged.digests):
+            h.update(name.encode() + b"\0" + staged.digests[name].encode())
+        # no label in it: engines get it in a comma list (VLAUNCH_CHECKPOINT_DATA)
+        staged.fingerprint = {**self.server.fingerprint,
+                              "checkpoint_data": f"published-{h.hexdigest()}"}
+        staged.manifest = self._with_checksums(staged.manifest, staged.buffers)
+        if staged.mode == "in-place":
+            self._keep_served(staged)
+
+    def _publish_abort(self, lease: Any, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """Drop this connection's staging (before its commit)."""
+        self._publisher_gone(id(lease))
+        return {"ok": True}, []
+
+    def _publisher_gone(self, owner: int) -> None:
+        """A trainer left (or aborted) before its commit: drop its staging."""
+        staged = self.staged
+        if staged is not None and staged.owner == owner and staged.reply is None:
+            self.staged = None
+            staged.release()
+            log.info("rank %d: the publish of %r was abandoned before its commit",
+                     self.server.rank, staged.label)
+
+    def _answer_trainer(self, staged: Staged, reply: dict[str, Any]) -> None:
+        if staged.reply is not None and not staged.reply.done():
+            staged.reply.set_result((reply, []))
+
+    def _digest_page(self, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        """A page of a published version's digests, as taken at its commit."""
+        from vlaunch.cache.rank.integrity import DIGEST_PAGE
+
+        if self.digests is None:
+            return protocol.error("refused", "the weights this rank serves were not published "
+                                  "(vlaunch verify compares them with their files)"), []
+        names = list(self.digests)
+        page = names[f["start"]:f["start"] + min(f["count"], DIGEST_PAGE)]
+        return {"ok": True, "total": len(names),
+                "digests": [[n, self.digests[n]] for n in page]}, []
+
+    # -------------------------------------------------------------------- the server
+
+    def status(self) -> dict[str, Any]:
+        """The weights the rank serves and what it has staged, for its status."""
+        staged = self.staged
+        return {"version": self.version, "model": self.model, "label": self.label,
+                "staged": None if staged is None else {
+                    "version": staged.version, "model": staged.model, "label": staged.label,
+                    "mode": staged.mode, "committed": staged.committed,
+                    "bytes": sum(self.held().values())}}
+
+    def held(self) -> dict[str, int]:
+        """Bytes a swap holds beyond the served weights, by where: the staging (the device's
+        slabs, or "host"), the host copy of the old weights, the old slabs until finish."""
+        staged = self.staged
+        if staged is None:
+            return {}
+        device = self.server.device
+        host = device if self.backend.name == "cpu" else "host"
+        out: dict[str, int] = {}
+        for b in staged.buffers:
+            where = device if on_device(b) else host
+            out[where] = out.get(where, 0) + len(b)
+        for b in staged.backup or []:
+            out[host] = out.get(host, 0) + len(b)
+        previous = staged.previous
+        if previous is not None and staged.mode == "double":  # the old slabs, until finish
+            out[device] = out.get(device, 0) + previous.layouts.nbytes + (
+                previous.manifest.nbytes if previous.fds else 0)
+        return out
+
+    def holders(self) -> list[str]:
+        """What still maps, or reads, the served slabs (an in-place copy must wait)."""
+        server = self.server
+        out = [f"pid {x.pid} ({x.client or 'a client'}, {x.mode})" for x in
+               server.leases.values() if x.mode]
+        if server.raw_readers:
+            out.append(f"{server.raw_readers} read(s) of the slabs (vlaunch verify, a seed "
+                       "stream)")
+        if server.openers.alive() and not any(x.mode for x in server.leases.values()):
+            out.append(server.openers.unknown or "a process that opened them before and still "
+                       "runs (its lease ended; its tensors may not have)")
+        copier = server.copier
+        if copier is not None and copier.status()["in_flight"]:
+            out.append("a copy for a copy-mode engine")
+        return out
+
+    async def _wait_unheld(self, seconds: float, what: str) -> None:
+        """Wait up to `seconds` until nothing maps the served slabs; SwapError otherwise."""
+        deadline = time.monotonic() + seconds
+        while True:
+            held = self.holders()
+            if not held:
+                return
+            if time.monotonic() >= deadline:
+                raise SwapError(f"rank {self.server.rank} cannot {what}: still mapped by "
+                                f"{'; '.join(held[:4])} after {seconds:g} s; stop those "
+                                "processes, or swap double-buffered (--mode double)")
+            await asyncio.sleep(POLL)
+
+    def _staged(self, version: int, publish: bool = False) -> Staged:
+        staged = self.staged
+        if staged is None or not (staged.version == version or
+                                  (publish and staged.version == 0 and staged.label)):
+            raise SwapError(f"rank {self.server.rank} has nothing staged for version {version}")
+        return staged
+
+    def _capture(self) -> Weights:
+        """What the server serves now."""
+        s = self.server
+        integrity = s.integrity
+        return Weights(self.version, self.model, self.label, s.fingerprint, s.manifest,
+                       s.fds, s._release, self.buffers, s.layouts, s.raw_released, s.copier,
+                       integrity.record if integrity is not None else None, self.digests,
+                       s.openers)
+
+    def _install(self, w: Weights) -> None:
+        """Serve `w`: every field a request reads switches at once (the loop's thread, or a
+        thread while the server refuses handoffs: state "swapping")."""
+        s = self.server
+        s.fingerprint, s.manifest, s.fds, s._release = w.fingerprint, w.manifest, w.fds, w.release
+        s.layouts, s.raw_released, s.copier = w.layouts, w.raw_released, w.copier
+        s.__dict__.pop("manifest_frame", None)  # a cached_property of the old manifest
+        # who opened these slabs: new ones (or new bytes), nobody yet; the old weights' stay
+        # with them (a rollback brings them back)
+        s.openers = w.openers if w.openers is not None else Openers(s.rank)
+        if s.state == "released":
+            s.state = "serving"
+        self.version, self.model, self.label = w.version, w.model, w.label
+        self.buffers, self.digests = w.buffers, w.digests
+        if s.integrity is not None:
+            s.integrity.rebase(w.model, w.record, w.buffers, w.label)
+
+    def raw_closed(self) -> None:
+        """The server let go of its raw slabs (an engine layout or a copy-release replaced
+        them): drop every view of them too, or their memory stays mapped."""
+        if self.buffers is not None:
+            self.buffers.clear()
+        self.buffers = None
+
+    def _writable(self) -> list[Any] | None:
+        """Writable views of the served raw slabs (None where the rank has none: an engine
+        layout replaced them, or a CPU rank adopted sealed slabs from the escrow)."""
+        s = self.server
+        if s.raw_released or not s.fds:
+            return None
+        if self.buffers is None and self.backend.name == "cuda":
+            self.buffers = [self.backend.map_fd(fd, n, readonly=False)
+                            for fd, n in zip(s.fds, s.manifest.slab_sizes, strict=True)]
+        return self.buffers
+
+    def _layouts(self, nbytes: int) -> Any:
+        from vlaunch.cache.rank.layouts import LayoutStore
+
+        return LayoutStore(self.backend, nbytes)
+
+    def _copier(self, fds: list[int], manifest: Manifest) -> Any:
+        if self.backend.name != "cuda" or not fds:
+            return None
+        from vlaunch.cache.rank.copies import RankCopier
+
+        return RankCopier(self.backend, fds, manifest.slab_sizes)
+
+
+def _discard(w: Weights) -> None:
+    """Let go of weights no longer served (mapped clients keep the memory until they exit)."""
+    if w.openers is not None:
+        w.openers.close()
+    wire.close_fds(w.fds)
+    w.fds = []
+    if w.release is not None:
+        w.release()
+    w.layouts.close()
+    if w.copier is not None:
+        w.copier.close()
+
+
+def tensors_difference(manifest: Manifest, rows: list[Any]) -> str:
+    """The first way a publish_commit's [name, dtype, shape] rows differ from the shard."""
+    want = {t.name: (t.dtype, list(t.shape)) for t in manifest.tensors}
+    seen: set[str] = set()
+    if len(rows) > len(want):
+        return f"{len(rows)} tensors named, the shard has {len(want)}"
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str)):
+            return "each tensor must be [name, dtype, shape]"
+        name, dtype, shape = row
+        if name not in want:
+            return f"{name[:200]!r} is not a tensor of this rank's shard"
+        if name in seen:
+            return f"{name[:200]!r} is named twice"
+        seen.add(name)
+        if [dtype, shape] != list(want[name]):
+            return f"{name!r} is {dtype}{shape}, the shard's is {want[name][0]}{want[name][1]}"
+    missing = sorted(set(want) - seen)
+    return f"{len(missing)} tensor(s) not published, first {missing[0]!r}" if missing else ""
+
+
+def _dup(fd: int) -> int:
+    import os
+
+    return os.dup(fd)
+
+
+def _status_of(exc: BaseException) -> ExitStatus:
+    """The exit status a failed step reports (as a rank's own failure would)."""
+    from vlaunch.cache.rank.failures import out_of_memory
+
+    if out_of_memory(exc):
+        return ExitStatus.OUT_OF_MEMORY
+    if isinstance(exc, OSError):
+        return ExitStatus.IO_ERROR
+    return ExitStatus.INTERNAL
+
+
+def _words(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+

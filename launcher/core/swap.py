@@ -1,0 +1,474 @@
+"""Swapping the weights (`vlaunch swap`, or a version a trainer published): every rank
+prepares, stages and commits the new weights; the old engine stops and the new one starts on
+them (or a standby is promoted); then the ranks drop the old weights, or roll back to them.
+The states and their order are `SwapState`'s table (model.py); docs/swap.md is the operator's
+side.
+
+The old weights are never touched before every rank has staged the new ones, and no engine
+runs while the ranks hold a mix: an in-place copy happens with the engine gone, and a rank
+that exits once a cutover began stops the launcher.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import replace
+
+from vlaunch.cache.contract.exitcodes import ExitStatus
+
+from ..events import (
+    Action,
+    ChildExited,
+    Log,
+    Notify,
+    SignalChild,
+    SwapPolicy,
+    SwapRanks,
+    SwapReply,
+    SwapRequested,
+    SwapStep,
+)
+from .model import ENGINE_ALIVE, EngineState, Phase, RankState, StandbyState, SwapState
+from .state import SupervisorState
+
+S = SwapState
+PUBLISH_WAIT = 120.0
+"""Seconds every swapped rank has to commit a published version once the first one did."""
+_ANSWERS = {S.PREPARING: "prepared", S.STAGING: "staged", S.COMMITTING: "committed",
+            S.ROLLING_BACK: "rolled_back"}
+"""The answer each waiting state expects from every rank."""
+
+
+class SwapDecisions(SupervisorState):
+    """What a swap request and each rank's answer mean, and a swap's part in the engine's,
+    the standby's and the ranks' events."""
+
+    # --------------------------------------------------------------------- requests
+
+    def _on_swap_requested(self, e: SwapRequested) -> list[Action]:
+        """Begin a swap to `e.model`, or refuse it (87) while another runs or not serving."""
+        busy = self._swap_unavailable()
+        if busy:
+            why = f"swap to {e.model} refused: {busy}"
+            return [Log("WARNING", why), SwapReply(e.request, True,
+                                                   int(ExitStatus.SWAP_UNAVAILABLE), why,
+                                                   self._swap.version)]
+        version = self._swap.version + 1
+        self._begin_swap(e.request, e.policy, version, e.model, "", S.PREPARING)
+        return [Log("INFO", f"swap to version {version} ({e.model}): preparing"),
+                SwapReply(e.request, False, 0, "preparing", version),
+                SwapRanks("prepare", version, model=e.model, mode=e.policy.mode,
+                          policy=e.policy), self._swap_notify()]
+
+    def _swap_unavailable(self) -> str:
+        """Why no swap can begin now ("" when one can)."""
+        sw = self._swap
+        if sw.state is not S.NONE:
+            return (f"another swap (to version {sw.target_version}) is in progress; wait until "
+                    "it ends (vlaunch status) and try again")
+        if self._stop is not None or self.phase is not Phase.SERVING:
+            return (f"the launcher is not serving (phase {self.phase.value}); a swap starts "
+                    "only while it serves: try again once it does")
+        if not self.caches_ready:
+            waiting = ", ".join(str(r.rank) for r in self._ranks.values()
+                                if r.state is not RankState.READY)
+            return (f"cache rank(s) {waiting} are not ready (respawning); try again once "
+                    "every rank serves")
+        return ""
+
+    def _begin_swap(self, request: int, policy: SwapPolicy, version: int, model: str,
+                    label: str, state: SwapState) -> None:
+        """Record a new swap's target and forget the last one's bookkeeping."""
+        self._swap_request, self._swap_policy = request, policy
+        self._swap_waiting = set(self._swap_ranks())
+        self._swap_answered, self._swap_fits, self._swap_refusal = set(), True, None
+        self._swap_deadline, self._swap_engine_gone = None, False
+        self._swap_rollback_sent = self._swap_new_engine = False
+        self._swap = replace(self._swap, state=state, target_version=version,
+                             target_model=model, target_label=label,
+                             mode="" if policy.mode == "auto" else policy.mode, failures=0)
+
+    def _on_swap_step(self, e: SwapStep) -> list[Action]:
+        """A rank's answer to the pending step; the last one moves the swap on."""
+        if e.answer == "published":
+            return self._swap_published(e)
+        sw = self._swap
+        if sw.state is S.NONE or e.version != sw.target_version or \
+                e.rank not in self._swap_waiting:
+            return []  # a late answer to an abandoned swap, or a repeat
+        if e.answer == "refused":
+            return self._swap_refused(e)
+        if _ANSWERS.get(sw.state) != e.answer or (sw.state is S.ROLLING_BACK
+                                                  and not self._swap_rollback_sent):
+            return []
+        self._swap_waiting.discard(e.rank)
+        self._swap_fits = self._swap_fits and (e.fits or e.answer != "prepared")
+        if e.answer == "committed":
+            self._swap_answered.add(e.rank)
+        if self._swap_waiting:
+            return []
+        step = {"prepared": self._swap_prepared_all, "staged": self._swap_staged_all,
+                "committed": self._swap_committed_all,
+                "rolled_back": self._swap_rolled_back_all}[e.answer]
+        return step(e.now)
+
+    def _swap_published(self, e: SwapStep) -> list[Action]:
+        """A trainer committed a version on one rank: the swap begins (staged already) once
+        every rank has it, within PUBLISH_WAIT."""
+        sw = self._swap
+        if sw.state is S.STAGING and self._swap_request == 0 and sw.target_label == e.label \
+                and e.rank in self._swap_waiting:
+            if e.mode != sw.mode:
+                return self._swap_abort(ExitStatus.SWAP_UNAVAILABLE, (
+                    f"rank {e.rank} staged the published version {e.label!r} for an {e.mode} "
+                    f"swap, an earlier rank for {sw.mode}; publish with the same mode on "
+                    "every rank"))
+            self._swap_waiting.discard(e.rank)
+            return self._swap_if_staged(e.now)
+        busy = self._swap_unavailable()
+        if busy:
+            why = f"published version {e.label!r} of rank {e.rank} refused: {busy}"
+            return [Log("WARNING", why), SwapRanks("abort", 0, ranks=(e.rank,),
+                                                   status=int(ExitStatus.SWAP_UNAVAILABLE),
+                                                   message=why)]
+        version = sw.version + 1
+        self._begin_swap(0, SwapPolicy(mode=e.mode), version, sw.model, e.label, S.STAGING)
+        self._swap_waiting.discard(e.rank)
+        self._swap_deadline = e.now + PUBLISH_WAIT
+        return [Log("INFO", f"rank {e.rank}: version {version} published ({e.label!r}, "
+                            f"{e.mode}); waiting for every rank's"),
+                *self._swap_if_staged(e.now)]
+
+    # ------------------------------------------------------------------------ steps
+
+    def _swap_prepared_all(self, now: float) -> list[Action]:
+        """Every rank checked the new weights: pick the mode and stage them."""
+        sw, policy = self._swap, self._swap_policy
+        fits = self._swap_fits
+        mode = policy.mode if policy.mode != "auto" else "double" if fits else "in-place"
+        why = "" if policy.mode != "auto" else \
+            " (every device has room for both)" if fits else " (a device has no room for both)"
+        self._swap = replace(sw, state=S.STAGING, mode=mode)
+        self._swap_waiting = set(self._swap_ranks())
+        return [Log("INFO", f"swap to version {sw.target_version}: staging the new weights, "
+                            f"{mode}{why}"),
+                SwapRanks("stage", sw.target_version, mode=mode), self._swap_notify()]
+
+    def _swap_if_staged(self, now: float) -> list[Action]:
+        """A published version: go on once every rank has staged it."""
+        return [] if self._swap_waiting else self._swap_staged_all(now)
+
+    def _swap_staged_all(self, now: float) -> list[Action]:
+        """Every rank holds the new weights beside the old: cut over (double), or get the
+        engine out of the way first (in-place)."""
+        self._swap_deadline = None
+        if self._swap.mode == "double" or self._engine is None:
+            return self._swap_commit(now)
+        actions, parking = self._swap_clear_standby(now, next_weights=True, park=True)
+        return actions if parking else [*actions, *self._swap_stop_engine(now)]
+
+    def _swap_commit(self, now: float) -> list[Action]:
+        """Ask every rank to cut over."""
+        sw = self._swap
+        self._swap = replace(sw, state=S.COMMITTING)
+        self._swap_waiting, self._swap_answered = set(self._swap_ranks()), set()
+        self._swap_deadline = now + self._swap_policy.ready_timeout
+        engine = self._engine
+        if engine is not None and engine.state is EngineState.BACKOFF:  # no start mid-commit
+            self._respawn_due = None
+            self._engine = replace(engine, state=EngineState.EXITED)
+        return [Log("INFO", f"swap to version {sw.target_version}: cutting over ({sw.mode})"),
+                SwapRanks("commit", sw.target_version, mode=sw.mode, policy=self._swap_policy),
+                self._swap_notify()]
+
+    def _swap_committed_all(self, now: float) -> list[Action]:
+        """Every rank serves the new weights (double: the old engine still maps the old
+        ones): start the new engine, once the old one is gone and, with a standby, once one
+        parked on the new weights."""
+        self._swap_deadline = None
+        engine = self._engine
+        if engine is None:
+            return self._swap_finish(now)
+        if self._swap.mode == "in-place":
+            return self._swap_start_engine(now)
+        ready = engine.state is EngineState.READY
+        actions, parking = self._swap_clear_standby(now, next_weights=False, park=ready)
+        if parking:
+            return actions
+        if engine.state in ENGINE_ALIVE:
+            return [*actions, *self._swap_stop_engine(now)]
+        return [*actions, *self._swap_start_engine(now)]
+
+    def _swap_clear_standby(self, now: float, *, next_weights: bool, park: bool
+                            ) -> tuple[list[Action], bool]:
+        """Retire a standby started for the old weights; with `park` (and the swap's standby
+        on), wait for a new one to park (for in-place, one that parks before its weights):
+        (actions, whether the swap now waits for it)."""
+        sb = self._standby
+        if sb is None or sb.given_up:
+            return [], False
+        wait = park and self._swap_policy.standby
+        self._standby_next_weights, self._standby_paused = next_weights, not wait
+        actions: list[Action] = []
+        if sb.state in (StandbyState.STARTING, StandbyState.PARKED):
+            self._standby_retired = sb.number
+            self._standby = replace(sb, state=StandbyState.STOPPING)
+            self._park_due = None
+            actions = [Log("INFO", f"stopping standby engine {sb.number} (pid {sb.pid}): it "
+                                   "was started for the old weights"),
+                       SignalChild("standby", None, signal.SIGTERM)]
+        if not wait:
+            return actions, False
+        self._swap = replace(self._swap, state=S.PARKING)
+        before = " before it maps them" if next_weights else ""
+        return [Log("INFO", f"swap to version {self._swap.target_version}: a standby engine "
+                            f"parks on the new weights{before}"), *actions,
+                *(self._spawn_standby(now) if sb.state is StandbyState.NONE else []),
+                self._swap_notify()], True
+
+    def _swap_standby_parked(self, now: float) -> list[Action]:
+        """A standby for the new weights parked (one started for the old ones was retired,
+        and a retired one's PARKED=1 is never heard): the old engine may go."""
+        if self._swap.state is S.PARKING:
+            return self._swap_stop_engine(now)
+        return []
+
+    def _swap_stop_engine(self, now: float) -> list[Action]:
+        """SIGTERM the serving engine (SIGKILL after stop_timeout); go on once it is gone."""
+        sw, engine = self._swap, self._require_engine()
+        self._swap = replace(sw, state=S.STOPPING)
+        if engine.state in (EngineState.STARTING, EngineState.READY):
+            self._engine = replace(engine, state=EngineState.STOPPING)
+            self._reload_deadline = now + self.config.stop_timeout
+            self._settle_due = None
+            return [Log("INFO", f"swap to version {sw.target_version}: stopping the engine "
+                                f"(pid {engine.pid})"),
+                    Notify({**self._reloading_field(), "STATUS": self._status_line()}),
+                    SignalChild("engine", None, signal.SIGTERM)]
+        if engine.state is EngineState.STOPPING:
+            return []  # its exit moves the swap on
+        self._respawn_due = None
+        if engine.state is EngineState.BACKOFF:
+            self._engine = replace(engine, state=EngineState.EXITED)
+        return self._swap_engine_stopped(now)
+
+    def _swap_engine_stopped(self, now: float) -> list[Action]:
+        """The old engine is gone: start the new one (double), or copy (in-place)."""
+        if self._swap.mode == "double":
+            return self._swap_start_engine(now)
+        return self._swap_commit(now)
+
+    def _swap_start_engine(self, now: float) -> list[Action]:
+        """Start the engine on the new weights (promote a standby that parked for them)."""
+        sw = self._swap
+        self._swap = replace(sw, state=S.STARTING)
+        self._swap_deadline = now + self._swap_policy.ready_timeout
+        self._swap_new_engine, self._standby_next_weights = True, False
+        self._respawn_due = None
+        if self._engine is None:
+            return self._swap_finish(now)
+        return [Log("INFO", f"swap to version {sw.target_version}: starting the engine on the "
+                            "new weights"), *self._spawn_engine()]
+
+    def _swap_engine_ready(self, now: float) -> list[Action]:
+        """The engine is ready: in the starting step, the swap is done."""
+        return self._swap_finish(now) if self._swap.state is S.STARTING else []
+
+    def _swap_finish(self, now: float) -> list[Action]:
+        """The new weights serve: the ranks drop the old ones."""
+        sw = self._swap
+        what = f"version {sw.target_version} ({sw.target_label or sw.target_model})"
+        message = f"swap done: {what} serves ({sw.mode})"
+        return [Log("INFO", message), SwapRanks("finish", sw.target_version),
+                *self._swap_end(0, message)]
+
+    def _swap_end(self, status: int, message: str, *, rolled_back: bool = False
+                  ) -> list[Action]:
+        """The swap is over (status 0: the new weights serve): answer, forget its state."""
+        sw = self._swap
+        ok = status == 0
+        self._swap = replace(
+            sw, state=S.NONE, version=sw.target_version if ok else sw.version,
+            model=sw.target_model if ok else sw.model, label=sw.target_label if ok
+            else sw.label, swaps=sw.swaps + ok, rollbacks=sw.rollbacks + rolled_back,
+            last=message)
+        self._swap_deadline, self._swap_waiting = None, set()
+        self._standby_next_weights = self._standby_paused = False
+        standby = self._spawn_standby(self._now) if ok or rolled_back else []
+        return [SwapReply(self._swap_request, True, status, message, self._swap.version,
+                          sw.mode), *standby, self._swap_notify()]
+
+    # --------------------------------------------------------------------- failures
+
+    def _swap_refused(self, e: SwapStep) -> list[Action]:
+        """A rank refused a step: abandon (nothing touched yet), or roll back."""
+        sw = self._swap
+        why = f"cache rank {e.rank} refused: {e.message}"
+        if sw.state in (S.PREPARING, S.STAGING):
+            known = e.status in {int(s) for s in ExitStatus}
+            return self._swap_abort(ExitStatus(e.status) if known else ExitStatus.INTERNAL, why)
+        if sw.state is S.COMMITTING:
+            self._swap_waiting.discard(e.rank)
+            self._swap_refusal = self._swap_refusal or (int(ExitStatus.SWAP_ROLLED_BACK), why)
+            if self._swap_waiting:
+                return [Log("ERROR", f"swap to version {sw.target_version}: {why}")]
+            return self._swap_roll_back(e.now, self._swap_refusal[1])
+        what = (f"swap to version {sw.target_version}: {why} during the rollback; stopping: "
+                "the ranks may hold different versions")
+        return [Log("ERROR", what), *self._swap_end(int(ExitStatus.SWAP_FAILED), what),
+                *self._begin_stop(ExitStatus.SWAP_FAILED, what, e.now)]
+
+    def _swap_abort(self, status: ExitStatus, why: str) -> list[Action]:
+        """Abandon a swap before any cutover: the ranks drop what they staged."""
+        sw = self._swap
+        message = f"swap to version {sw.target_version} refused: {why}; version {sw.version} " \
+                  "keeps serving"
+        return [Log("ERROR", message), SwapRanks("abort", sw.target_version, status=int(status),
+                                                 message=message),
+                *self._swap_end(int(status), message)]
+
+    def _swap_give_up(self, now: float, why: str) -> list[Action]:
+        """The new engine will not be ready: roll back, or stop (--on-failure stop)."""
+        sw = self._swap
+        if self._swap_policy.on_failure == "stop":
+            what = f"swap to version {sw.target_version} failed: {why}; stopping (on-failure stop)"
+            return [Log("ERROR", what), *self._swap_end(int(ExitStatus.SWAP_FAILED), what),
+                    *self._begin_stop(ExitStatus.SWAP_FAILED, what, now)]
+        return self._swap_roll_back(now, why)
+
+    def _swap_roll_back(self, now: float, why: str) -> list[Action]:
+        """Stop the new engine (if it runs), then have every rank restore the old weights."""
+        sw = self._swap
+        self._swap_refusal = self._swap_refusal or (int(ExitStatus.SWAP_ROLLED_BACK), why)
+        self._swap = replace(sw, state=S.ROLLING_BACK)
+        self._swap_deadline = now + self._swap_policy.ready_timeout
+        self._swap_rollback_sent = False
+        actions: list[Action] = [Log("WARNING", f"swap to version {sw.target_version}: rolling "
+                                                f"back to version {sw.version}: {why}")]
+        sb = self._standby
+        if sb is not None and sb.state in (StandbyState.STARTING, StandbyState.PARKED):
+            self._standby_retired = sb.number
+            self._standby = replace(sb, state=StandbyState.STOPPING)
+            self._park_due = None
+            actions.append(SignalChild("standby", None, signal.SIGTERM))
+        self._standby_paused, self._standby_next_weights = True, False
+        engine = self._engine
+        if engine is not None and self._swap_new_engine and engine.state in (
+                EngineState.STARTING, EngineState.READY):
+            self._engine = replace(engine, state=EngineState.STOPPING)
+            self._reload_deadline = now + self.config.stop_timeout
+            self._settle_due = None
+            return [*actions, SignalChild("engine", None, signal.SIGTERM)]
+        if engine is not None and engine.state is EngineState.STOPPING:
+            return actions  # its exit sends the rollback
+        if engine is not None and engine.state is EngineState.BACKOFF:
+            self._respawn_due = None
+            self._engine = replace(engine, state=EngineState.EXITED)
+        return [*actions, *self._swap_send_rollback()]
+
+    def _swap_send_rollback(self) -> list[Action]:
+        """Ask every rank to restore the old weights (a rank that did not commit drops what it
+        staged)."""
+        sw = self._swap
+        self._swap_rollback_sent = True
+        self._swap_waiting = set(self._swap_ranks())
+        status, why = self._swap_refusal or (int(ExitStatus.SWAP_ROLLED_BACK), "")
+        return [SwapRanks("rollback", sw.target_version, mode=sw.mode, status=status,
+                          message=why), self._swap_notify()]
+
+    def _swap_rolled_back_all(self, now: float) -> list[Action]:
+        """The old weights are back on every rank: the engine serves them again."""
+        sw = self._swap
+        status, why = self._swap_refusal or (int(ExitStatus.SWAP_ROLLED_BACK), "")
+        alive = self._engine_alive()
+        again = "keeps serving" if alive else "serves again"
+        message = f"swap to version {sw.target_version} rolled back: {why}; version " \
+                  f"{sw.version} {again}"
+        actions: list[Action] = [Log("WARNING", message),
+                                 *self._swap_end(status, message, rolled_back=True)]
+        if self._engine is not None and not alive:
+            actions += self._spawn_engine()
+        return actions
+
+    # ------------------------------------------------------- the swap's part elsewhere
+
+    def _swap_engine_exited(self, e: ChildExited, what: str) -> list[Action] | None:
+        """An engine exit while a swap cuts over, decided here (None: decided as usual)."""
+        sw = self._swap
+        if sw.state in (S.NONE, S.PREPARING, S.STAGING):
+            return None
+        self._reload_deadline = None
+        if sw.state in (S.STOPPING, S.PARKING):
+            word = "stopped for the swap" if sw.state is S.STOPPING else \
+                "before the standby parked"
+            return [Log("INFO" if sw.state is S.STOPPING else "WARNING", f"{what} ({word})"),
+                    *self._swap_engine_stopped(e.now)]
+        if sw.state is S.STARTING:
+            return self._swap_new_engine_exited(e, what)
+        if sw.state is S.ROLLING_BACK and not self._swap_rollback_sent:
+            return [Log("INFO", what), *self._swap_send_rollback()]
+        self._swap_engine_gone = True  # committing, or rolling back: start once that is done
+        return [Log("WARNING", f"{what}; it starts again once every rank has answered")]
+
+    def _swap_new_engine_exited(self, e: ChildExited, what: str) -> list[Action]:
+        """The new engine exited before it was ready: restart it, or give up after
+        `attempts` exits (at once for a configuration error)."""
+        sw = self._swap = replace(self._swap, failures=self._swap.failures + 1)
+        attempts = self._swap_policy.attempts
+        if e.status in self.config.engine_config_error_statuses:
+            return [Log("ERROR", what), *self._swap_give_up(
+                e.now, f"the new engine exited with {e.status}, a configuration error")]
+        if sw.failures >= attempts:
+            return [Log("ERROR", what), *self._swap_give_up(
+                e.now, f"the new engine exited {sw.failures} time(s) before it was ready "
+                       "(--attempts)")]
+        return self._schedule_restart(f"{what} (on the new weights)", e.now)
+
+    def _swap_rank_exited(self, rank: int, e: ChildExited) -> tuple[list[Action], bool]:
+        """A swapped rank exited: abandon a swap still staging; past that, (.., True): the
+        launcher stops whatever on_rank_exit says (its slabs may be half cut over)."""
+        sw = self._swap
+        if sw.state is S.NONE or rank not in self._swap_ranks():
+            return [], False
+        what = f"cache rank {rank} (pid {e.pid}) exited during the swap to version " \
+               f"{sw.target_version}"
+        if sw.state in (S.PREPARING, S.STAGING):
+            return self._swap_abort(ExitStatus.SWAP_UNAVAILABLE, f"{what}, before any cutover"), \
+                False
+        why = f"{what}, after its cutover began: stopping (the ranks may hold different versions)"
+        return [Log("ERROR", why), *self._swap_end(int(ExitStatus.SWAP_FAILED), why)], True
+
+    def _swap_stopped(self, reason: str) -> list[Action]:
+        """A stop began: any swap ends (86)."""
+        if self._swap.state is S.NONE:
+            return []
+        return self._swap_end(int(ExitStatus.SWAP_FAILED), f"the swap to version "
+                              f"{self._swap.target_version} ended: the launcher is stopping "
+                              f"({reason})")
+
+    def _swap_tick(self, now: float) -> list[Action]:
+        """A standby that will not park (given up), and the swap's deadlines."""
+        sw = self._swap
+        if sw.state is S.PARKING and (self._standby is None or self._standby.given_up):
+            return [Log("WARNING", "standbys were given up: the swap goes on without one"),
+                    *self._swap_stop_engine(now)]
+        if self._swap_deadline is None or now < self._swap_deadline:
+            return []
+        self._swap_deadline = None
+        limit = self._swap_policy.ready_timeout
+        if sw.state is S.STAGING:
+            late = ", ".join(map(str, sorted(self._swap_waiting)))
+            return self._swap_abort(ExitStatus.SWAP_UNAVAILABLE, (
+                f"rank(s) {late} did not commit the published version {sw.target_label!r} "
+                f"within {PUBLISH_WAIT:g} s of the first"))
+        if sw.state is S.STARTING:
+            return self._swap_give_up(now, f"the new engine was not ready within {limit:g} s "
+                                           "(--ready-timeout)")
+        what = (f"swap to version {sw.target_version}: the ranks did not finish the "
+                f"{sw.state.value.replace('_', ' ')} step within {limit:g} s; stopping")
+        return [Log("ERROR", what), *self._swap_end(int(ExitStatus.SWAP_FAILED), what),
+                *self._begin_stop(ExitStatus.SWAP_FAILED, what, now)]
+
+    def _swap_notify(self) -> Notify:
+        """STATUS= with the swap's step."""
+        return Notify({"STATUS": self._status_line()})

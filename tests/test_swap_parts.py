@@ -1,0 +1,102 @@
+"""The swap's pieces without processes: the control request, the staging checks and copies,
+the published tensors' check, the engine's environment for a published version."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vlaunch.cache.contract import control
+from vlaunch.cache.contract.engine_env import EngineEnv
+from vlaunch.cache.contract.errors import ProtocolError
+from vlaunch.cache.rank import staging
+from vlaunch.cache.rank.swap import tensors_difference
+from vlaunch.cache.store.manifest import pack
+from vlaunch.launcher.events import SwapPolicy
+
+
+def test_a_swap_request_is_checked_field_by_field() -> None:
+    req = control.swap_request("/models/b", mode="in-place", lease_wait=2.5)
+    assert req["lease_wait_ms"] == 2500 and control.validate(dict(req)) == req
+    for bad, why in (({**req, "extra": 1}, "exactly the fields"),
+                     ({**req, "mode": "sideways"}, "swap.mode must be one of"),
+                     ({**req, "attempts": 0}, "at least 1"),
+                     ({**req, "margin": -1}, "out of range"),
+                     ({**req, "standby": 1}, "expected bool"),
+                     ({**req, "model": ""}, "characters"),
+                     ({**req, "op": "reboot"}, "unknown control request")):
+        with pytest.raises(ProtocolError, match=why):
+            control.validate(bad)
+    answer = control.answer(final=True, status=85, message="x" * 10_000, version=3)
+    assert answer["ok"] is False and len(answer["message"]) == 4096
+    assert len(json.dumps(answer)) < control.MAX_BODY
+
+
+def test_a_swap_policy_names_every_bad_field() -> None:
+    with pytest.raises(ValueError, match=r"mode must be one of.*on_failure.*attempts"):
+        SwapPolicy(mode="x", on_failure="retry", attempts=0)
+
+
+def manifest(shapes: dict[str, tuple[int, ...]], dtype: str = "BF16"):
+    return pack([(n, dtype, s) for n, s in shapes.items()], backend="cpu", alignment=256,
+                max_slab=1 << 30)
+
+
+def test_the_new_shard_must_sit_where_the_served_one_does() -> None:
+    served = manifest({"a": (4, 8), "b": (8,)})
+    assert staging.manifest_difference(served, manifest({"a": (4, 8), "b": (8,)})) == ""
+    assert "tensor 'a' is BF16[4, 8]" in staging.manifest_difference(
+        served, manifest({"a": (4, 8), "b": (8,)}, "F16"))
+    assert "tensors in slabs" in staging.manifest_difference(served, manifest({"a": (4, 8)}))
+
+
+def test_config_keys_of_the_architecture_must_match(tmp_path: Path) -> None:
+    a, b, plain = tmp_path / "a", tmp_path / "b", tmp_path / "plain"
+    for d in (a, b, plain):
+        d.mkdir()
+    (a / "config.json").write_text(json.dumps({"hidden_size": 64, "rope_theta": 1e4}))
+    (b / "config.json").write_text(json.dumps({"hidden_size": 64, "rope_theta": 5e5}))
+    assert staging.config_difference(str(a), str(b)) == ""  # not an architecture key
+    (b / "config.json").write_text(json.dumps({"hidden_size": 128}))
+    assert "hidden_size is 64 served, 128" in staging.config_difference(str(a), str(b))
+    assert staging.config_difference(str(a), str(plain)) == ""  # nothing to compare
+
+
+def test_host_buffers_and_copies_move_every_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(staging, "COPY_CHUNK", 4096)  # several chunks, and a partial one
+    sizes = (3 * 4096 + 5, 3)
+    src, free_src = staging.host_buffers(sizes, pinned=False)
+    dst, free_dst = staging.host_buffers(sizes, pinned=False)
+    rng = np.random.default_rng(0)
+    for b in src:
+        b[:] = rng.integers(0, 256, len(b), dtype=np.uint8)
+    staging.copy_bytes(dst, src)
+    assert all(np.array_equal(d, s) for d, s in zip(dst, src, strict=True))
+    with pytest.raises(ValueError, match="bytes into a slab of"):
+        staging.copy_bytes(dst[:1], src[1:])
+    src.clear()
+    dst.clear()
+    free_src()
+    free_dst()
+
+
+def test_published_tensors_must_be_exactly_the_shard() -> None:
+    m = manifest({"a": (4, 8), "b": (8,)})
+    good = [["a", "BF16", [4, 8]], ["b", "BF16", [8]]]
+    assert tensors_difference(m, good) == ""
+    assert "'c' is not a tensor" in tensors_difference(m, [["c", "BF16", [1]]])
+    assert "'a' is BF16[8, 4]" in tensors_difference(m, [["a", "BF16", [8, 4]], good[1]])
+    assert "1 tensor(s) not published, first 'b'" in tensors_difference(m, good[:1])
+    assert "named twice" in tensors_difference(m, [good[0], good[0]])
+    assert "3 tensors named" in tensors_difference(m, [*good, good[0]])
+
+
+def test_an_engine_takes_its_ranks_published_identity() -> None:
+    env = EngineEnv.from_env({"VLAUNCH_RANKS": "2,3",
+                              "VLAUNCH_CHECKPOINT_DATA": "published-x,published-y"})
+    assert env.published_identity(3) == "published-y" and env.published_identity(0) == ""
+    assert EngineEnv.from_env({"VLAUNCH_RANKS": "0"}).published_identity(0) == ""
+    assert env.to_env()["VLAUNCH_CHECKPOINT_DATA"] == "published-x,published-y"

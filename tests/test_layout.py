@@ -305,7 +305,7 @@ def environment_reads(tree: ast.Module, constants: dict[str, str]) -> Iterator[t
             yield node.lineno, name
 
 
-PENDING_READS = {"cache/rank/process.py"}
+PENDING_READS: set[str] = set()
 """Modules whose VLAUNCH_* reads have not moved to the registry yet: none may be added."""
 
 

@@ -17,7 +17,6 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from vlaunch.cache.client import collector
 from vlaunch.cache.client.connection import CacheClient
 from vlaunch.cache.contract import engine_layout as el
 from vlaunch.cache.contract import fingerprint as fp
@@ -30,6 +29,7 @@ from vlaunch.cache.contract.errors import (
     ModelNotFoundError,
     VlaunchError,
 )
+from vlaunch.cache.store import collector
 from vlaunch.cache.store.identity import CheckpointIdentity
 from vlaunch.cache.store.manifest import Manifest, TensorRecord, pack, views
 from vlaunch.cache.store.slabs import backend_for

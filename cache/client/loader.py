@@ -8,7 +8,6 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from vlaunch.cache.client import collector
 from vlaunch.cache.client.connection import TRACE, CacheClient
 from vlaunch.cache.client.rewrites import check_rewrites
 from vlaunch.cache.client.weights import Weights
@@ -18,6 +17,7 @@ from vlaunch.cache.contract.errors import (
     FingerprintMismatchError,
 )
 from vlaunch.cache.contract.protocol import MODES
+from vlaunch.cache.store import collector
 from vlaunch.cache.store.target import Target, as_target
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.contract import protocol, settings, wire
 from vlaunch.cache.contract.errors import (
@@ -40,6 +40,11 @@ from vlaunch.cache.rank import staging
 from vlaunch.cache.rank.openers import Openers
 from vlaunch.cache.store.manifest import Manifest
 from vlaunch.cache.store.slabs import on_device
+
+if TYPE_CHECKING:
+    from vlaunch.cache.rank.daemon import CacheServer, Lease
+    from vlaunch.cache.store.ranks import Position
+    from vlaunch.cache.store.slabs import Backend
 
 log = logging.getLogger("vlaunch.cache")
 
@@ -129,7 +134,8 @@ class Staged:
 class RankSwap:
     """Swaps and publishes on one rank: the channel's frames and the trainers' requests."""
 
-    def __init__(self, server: Any, *, plan: str, layout: Any, backend: Any, threads: int,
+    def __init__(self, server: CacheServer, *, plan: str, layout: Position, backend: Backend,
+                 threads: int,
                  model: str, version: int = 0, label: str = "",
                  checksum: bool | None = None) -> None:
         self.server, self.plan, self.layout, self.backend = server, plan, layout, backend
@@ -204,7 +210,7 @@ class RankSwap:
                **fields: Any) -> None:
         """Send a swap_answer to the launcher (fds: duplicates, closed here)."""
         try:
-            self.server._send_escrow(protocol.event("swap_answer", answer=answer,
+            self.server.send_escrow(protocol.event("swap_answer", answer=answer,
                                                     version=version, **fields), list(fds))
         finally:
             wire.close_fds(list(fds))
@@ -216,7 +222,7 @@ class RankSwap:
         self.answer(answer, version, fds, manifest=server.manifest.to_wire(),
                     fingerprint=server.fingerprint, model=self.model, label=self.label)
         for layout in server.layouts.layouts.values():
-            server._send_escrow(layout.escrow(), layout.fds)
+            server.send_escrow(layout.escrow(), layout.fds)
 
     # ------------------------------------------------------------------------ steps
 
@@ -583,7 +589,7 @@ class RankSwap:
 
     # ------------------------------------------------------------------- publishing
 
-    def request(self, op: str, lease: Any, f: dict[str, Any]) -> Any:
+    def request(self, op: str, lease: Lease, f: dict[str, Any]) -> Any:
         """A trainer's publish_* request (a coroutine for publish_commit)."""
         if op == "published_digests":
             return self._digest_page(f)
@@ -594,7 +600,8 @@ class RankSwap:
         except VlaunchError as exc:
             return protocol.error("refused", str(exc), status=int(exc.status)), []
 
-    def _publish_begin(self, lease: Any, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    def _publish_begin(self, lease: Lease, f: dict[str, Any]
+                       ) -> tuple[dict[str, Any], list[int]]:
         """Staging slabs shaped as the served shard, writable, for the trainer to fill."""
         label, mode = f["label"], f.get("mode", "auto")
         if not 0 < len(label) <= MAX_LABEL or not label.isprintable():
@@ -631,7 +638,7 @@ class RankSwap:
         return ({"ok": True, "mode": staged.mode, "manifest": staged.manifest.to_wire()},
                 staging.slab_fds(staged.slabs))
 
-    async def _publish_commit(self, lease: Any, f: dict[str, Any]
+    async def _publish_commit(self, lease: Lease, f: dict[str, Any]
                               ) -> tuple[dict[str, Any], list[int]]:
         """The trainer wrote every tensor: check the names, shapes and dtypes, take the
         version's identity, tell the launcher; answered once the cutover ended."""
@@ -682,7 +689,8 @@ class RankSwap:
         if staged.mode == "in-place":
             self._keep_served(staged)
 
-    def _publish_abort(self, lease: Any, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    def _publish_abort(self, lease: Lease, f: dict[str, Any]
+                       ) -> tuple[dict[str, Any], list[int]]:
         """Drop this connection's staging (before its commit)."""
         self._publisher_gone(id(lease))
         return {"ok": True}, []

@@ -5,7 +5,8 @@ depth (function-level imports count): the launcher must start fast and never loa
 The contract imports nothing else of vlaunch; nothing in `cache/` imports the launcher.
 The supervisor's core (`launcher/core/`, and the events it speaks) stays pure: data types from
 the standard library, the events, the exit statuses; no I/O, no clock, no os.
-No import cycle, `TYPE_CHECKING` imports included. The engine's client (`cache/client/`) takes
+No import cycle, `TYPE_CHECKING` imports included; the rank side (`cache/rank/`) never
+imports the engine's client (`cache/client/`). The engine's client (`cache/client/`) takes
 what a call is about as one value (`Target`): its public functions take a handful of
 parameters. Every VLAUNCH_* variable is read in one module, contract/settings.py.
 """
@@ -131,6 +132,16 @@ TYPING_CYCLES: set[frozenset[str]] = {
                "vlaunch.cache.reference.workers"}),
 }
 """Cycles that only `TYPE_CHECKING` imports close, not undone yet: none may be added."""
+
+
+def test_the_rank_side_never_imports_the_engines_client() -> None:
+    """A cache rank serves engines; when it is a client itself (seeding from another rank) it
+    speaks the protocol through contract/connection.py, not the engine's client."""
+    found = {name: sorted(m for m in imports(path, name, True)
+                          if m.startswith("vlaunch.cache.client"))
+             for name, path in sources() if name.startswith("vlaunch.cache.rank")}
+    assert len(found) > 5, found
+    assert not {k: v for k, v in found.items() if v}, found
 
 
 def test_the_import_graph_has_no_cycle() -> None:

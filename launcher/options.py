@@ -14,7 +14,7 @@ from vlaunch.cache.contract.launch import check_seed_listening
 from vlaunch.cache.contract.roles import DRAFT, seat
 from vlaunch.cache.contract.sockdir import default_socket_dir, socket_path
 
-from .events import SupervisorConfig
+from .core.events import SupervisorConfig
 from .executor import RunSpec
 from .notify import watchdog_interval
 from .preflight import check_command

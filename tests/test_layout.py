@@ -3,8 +3,9 @@
 `launcher/` (vlaunch.launcher) imports only `cache/contract/` (vlaunch.cache.contract), at any
 depth (function-level imports count): the launcher must start fast and never load torch.
 The contract imports nothing else of vlaunch; nothing in `cache/` imports the launcher.
-The supervisor's core (`launcher/core/`, and the events it speaks) stays pure: data types from
-the standard library, the events, the exit statuses; no I/O, no clock, no os.
+The supervisor's core (`launcher/core/`, the events it speaks included: core/events.py) stays
+pure: data types from the standard library, the events, the exit statuses; no I/O, no clock,
+no os.
 No import cycle, `TYPE_CHECKING` imports included; the rank side (`cache/rank/`) never
 imports the engine's client (`cache/client/`). The engine's client (`cache/client/`) takes
 what a call is about as one value (`Target`): its public functions take a handful of
@@ -24,13 +25,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"launcher": "vlaunch.launcher", "cache": "vlaunch.cache"}
 CONTRACT = "vlaunch.cache.contract"
 
-PURE = (ROOT / "launcher" / "core", ROOT / "launcher" / "events.py")
-"""The supervisor's pure state machine and its vocabulary."""
+PURE = (ROOT / "launcher" / "core",)
+"""The supervisor's pure state machine and its vocabulary (core/events.py)."""
 PURE_STDLIB = {"__future__", "collections.abc", "dataclasses", "enum", "math", "signal", "types",
                "typing"}
 """Standard-library modules the core may import (`signal` for its numbers and names only)."""
-PURE_VLAUNCH = ("vlaunch.launcher.core", "vlaunch.launcher.events",
-                "vlaunch.cache.contract.exitcodes")
+PURE_VLAUNCH = ("vlaunch.launcher.core", "vlaunch.cache.contract.exitcodes")
 IMPURE_BUILTINS = {"open", "print", "input", "exec", "eval", "compile", "__import__",
                    "breakpoint"}
 

@@ -126,14 +126,6 @@ def test_the_contract_stands_alone_and_the_cache_never_imports_the_launcher() ->
             assert not any(m.startswith("vlaunch.launcher") for m in found), (name, found)
 
 
-TYPING_CYCLES: set[frozenset[str]] = {
-    frozenset({"vlaunch.cache.reference.engine", "vlaunch.cache.reference.http"}),
-    frozenset({"vlaunch.cache.reference.memory", "vlaunch.cache.reference.warmup",
-               "vlaunch.cache.reference.workers"}),
-}
-"""Cycles that only `TYPE_CHECKING` imports close, not undone yet: none may be added."""
-
-
 def test_the_rank_side_never_imports_the_engines_client() -> None:
     """A cache rank serves engines; when it is a client itself (seeding from another rank) it
     speaks the protocol through contract/connection.py, not the engine's client."""
@@ -146,15 +138,6 @@ def test_the_rank_side_never_imports_the_engines_client() -> None:
 
 def test_the_import_graph_has_no_cycle() -> None:
     edges = graph()
-    for cycle in TYPING_CYCLES:  # the pending ones: cut where a TYPE_CHECKING import closes it
-        cut = 0
-        for name in cycle:
-            path = next(p for n, p in sources() if n == name)
-            typing_only = {m for m in cycle if m in imports(path, name, True)
-                           and m not in imports(path, name)}
-            edges[name] -= typing_only
-            cut += len(typing_only)
-        assert cut, f"no longer pending, drop it from TYPING_CYCLES: {sorted(cycle)}"
     state: dict[str, int] = {}
     stack: list[str] = []
 

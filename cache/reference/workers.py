@@ -18,17 +18,16 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.contract.lifetime import die_with_parent
 from vlaunch.cache.contract.standby import parks_before_weights
 from vlaunch.cache.reference import faults
 from vlaunch.cache.reference.options import ConfigError, EngineOptions
+from vlaunch.cache.reference.state import RankState
 
 if TYPE_CHECKING:
     from vlaunch.cache.reference.config import ModelConfig
-    from vlaunch.cache.reference.refmodel import TPLlama
 
 log = logging.getLogger("vlaunch.engine")
 
@@ -60,25 +59,6 @@ def open_store(opts: EngineOptions, listener: socket.socket | None) -> Any:
                              wait_for_workers=False, master_listen_fd=listener.detach())
     return dist.TCPStore("127.0.0.1", opts.store_port, opts.tp_size, False,
                          timeout=STORE_TIMEOUT)
-
-
-@dataclass
-class RankState:
-    """One rank's model and its process group."""
-
-    rank: int
-    tp_size: int
-    device: str
-    comm_device: str
-    model: TPLlama
-    weights_ms: float
-    source: str
-    nbytes: int
-    layout: str = "own"
-    draft: TPLlama | None = None  # speculative decoding's draft model (replicated: no comm)
-    speculative_tokens: int = 4
-    weights_split: tuple[int, int] | None = None  # bytes (shared, own): memory.py
-    memory_logged: Any = None  # the RankMemory this rank last logged (memory.py)
 
 
 def device_for(kind: str, rank: int, tp_size: int) -> str:

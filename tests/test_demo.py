@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from vlaunch.cache.contract.exitcodes import ExitStatus
 
 
+@pytest.mark.slow  # .ci/run also runs the README's demo command itself, in a fresh venv
 def test_vlaunch_demo_restarts_the_engine_from_the_cache(demo_ckpt: Path) -> None:
     # the checkpoint the demo would write first (made by the same function, shared with the
     # quick start's test); tests/test_operator.py covers the demo failing to write it

@@ -479,6 +479,7 @@ def _http(url: str, body: bytes | None = None) -> Any:
         return json.loads(r.read())
 
 
+@pytest.mark.slow  # ~18 s of real launcher and engine: with the other operator runs
 def test_quickstart_runs_for_real(tmp_path: Path, demo_ckpt: Path) -> None:
     """Step 2-4 of the quick start: `vlaunch run` as written, generate, kill the engine, stop.
 

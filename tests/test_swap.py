@@ -161,6 +161,7 @@ def test_swap_both_modes_at_tp2_and_refusals_leave_a_serving(
     assert "Traceback" not in la.text()
 
 
+@pytest.mark.slow  # ~30 s: the default suite keeps TP 2 both modes, the rollback and publish
 def test_swap_with_a_standby_at_tp1_both_modes(
         launch, ckpts: dict[str, Path], want: dict[str, list[int]], tmp_path: Path) -> None:  # noqa: F811
     la = launch(ckpts["a"], "--stop-timeout", "30", "--standby", "--engine-ready", "notify",
@@ -238,6 +239,7 @@ def test_a_new_engine_that_crashes_rolls_back_or_stops(
     assert la.wait_exit() == ExitStatus.SWAP_FAILED
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_swap(launch, ckpts: dict[str, Path],  # noqa: F811
                                 want: dict[str, list[int]], tmp_path: Path) -> None:
     # a short stop timeout: the engine is frozen (SIGSTOP) and killed after it

@@ -13,7 +13,7 @@ from vlaunch.cache.contract import control
 from vlaunch.cache.contract.engine_env import EngineEnv
 from vlaunch.cache.contract.errors import ProtocolError
 from vlaunch.cache.rank import staging
-from vlaunch.cache.rank.swap import tensors_difference
+from vlaunch.cache.rank.publishing import tensors_difference
 from vlaunch.cache.store.manifest import pack
 from vlaunch.launcher.core.events import SwapPolicy
 

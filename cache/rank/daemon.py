@@ -191,7 +191,7 @@ class CacheServer:
         if op.startswith("publish"):
             if self.swap is None:
                 return protocol.error("refused", "this rank takes no published weights"), []
-            return self.swap.request(op, self.leases[cid], f)
+            return self.swap.publisher.request(op, self.leases[cid], f)
         if self.state == "released" and op in ("hello", "manifest", "open"):
             return protocol.error("released", "the cache released its copy after a copy-release "
                                   "handoff; restart the cache to serve again"), []

@@ -133,9 +133,9 @@ def _run(opts: RankArgs, rank: int) -> int:
 
         server.integrity = Integrity(server, opts.model, opts.plan, lock.socket,
                                      published=served.label).start()
-        server.swap = RankSwap(server, plan=opts.plan, layout=target.position, backend=backend,
-                               threads=opts.threads, model=opts.model, version=served.version,
-                               label=served.label, checksum=opts.checksum)
+        server.swap = RankSwap(server, target, backend=backend, threads=opts.threads,
+                               version=served.version, label=served.label,
+                               checksum=opts.checksum)
         asyncio_run(_serve(server, lock, opts))
         log.info("stopped; socket and lock removed")
         return int(ExitStatus.OK)

@@ -130,7 +130,9 @@ elif kind == "profile":
             importlib.import_module("vlaunch.cache." + m)
             for m in ("store.checkpoint", "store.plan", "store.slabs", "store.slabs_cuda",
                       "store.cudadrv", "store.dtypes", "contract.fingerprint",
-                      "client.connection", "store.manifest", "contract.protocol")}
+                      "client.connection", "store.manifest", "contract.protocol",
+                      "store.target")}
+    mods["wire_client"] = importlib.import_module("vlaunch.cache.contract.connection")
     out["lazy_imports_s"] = perf() - t0  # inside load() in a real run; pre-imported here
     stats = collections.OrderedDict()  # label -> [calls, inclusive, exclusive]
     stack = []
@@ -163,7 +165,7 @@ elif kind == "profile":
         return "request " + current[0] + " (round trip)"
 
     C, SC, M = mods["client"], mods["slabs_cuda"], mods["manifest"]
-    wrap(L, "expected_fingerprint", "fingerprint: expected_fingerprint (own code)")
+    wrap(mods["target"].Target, "fingerprint", "fingerprint: Target.fingerprint (own code)")
     wrap(mods["checkpoint"], "checkpoint_identity",
          "fingerprint: checkpoint identity (raw headers + sha256)")
     wrap(mods["checkpoint"], "open_checkpoint", "fingerprint: open_checkpoint (validates all)")
@@ -173,7 +175,7 @@ elif kind == "profile":
     wrap(mods["cudadrv"], "_load", "libcuda.so.1 load + cuInit (first call)")
     wrap(SC.CudaBackend, "device_info", "fingerprint: device_info")
     wrap(mods["fingerprint"], "build", "fingerprint: build")
-    wrap(C, "_connect", "connect (+ socket dir and peer checks)")
+    wrap(mods["wire_client"], "connect", "connect (+ socket dir and peer checks)")
     wrap(C.CacheClient, "request", op_label)
     wrap(C.CacheClient, "_send", "send a request")
     wrap(C.CacheClient, "_recv", "receive a reply (waits for the cache)")
@@ -216,7 +218,7 @@ elif kind == "profile":
         rows = [[k, v[0], v[1], v[2]] for k, v in stats.items()]
         rows.append(["torch.cuda.synchronize after load", 1, t2 - t1, t2 - t1])
         other = (t2 - t0) - sum(r[3] for r in rows)
-        rows.append(["other (load/map glue, Layout, Weights)", 1, other, other])
+        rows.append(["other (load/map glue, Position, Weights)", 1, other, other])
         starts = [t for ph, g, t in gcs if ph == "start"]
         stops = [t for ph, g, t in gcs if ph == "stop"]
         loads.append({"total": t2 - t0, "rows": rows,

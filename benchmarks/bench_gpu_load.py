@@ -91,7 +91,7 @@ elif spec["what"] == "loadparts":  # a TP 1 first load in-process, taken apart (
     from vlaunch.cache.store.checkpoint import open_checkpoint
     from vlaunch.cache.store.manifest import pack
     from vlaunch.cache.store.plan import load_plan, plan_rank
-    from vlaunch.cache.store.ranks import Layout
+    from vlaunch.cache.store.ranks import Position
     from vlaunch.cache.store.shard import MAX_SLAB
     from vlaunch.cache.store.slabs import get_backend
     be, ms = get_backend(dev), {}
@@ -105,7 +105,7 @@ elif spec["what"] == "loadparts":  # a TP 1 first load in-process, taken apart (
     t0 = time.perf_counter()
     ckpt = timed("open_checkpoint", lambda: open_checkpoint(spec["model"]))
     plan = timed("load_plan", lambda: load_plan("llama"))
-    specs = timed("plan_rank", lambda: plan_rank(ckpt, plan, Layout.from_global(0, 1, 1, 1)))
+    specs = timed("plan_rank", lambda: plan_rank(ckpt, plan, Position.from_global(0, 1, 1, 1)))
     man = timed("pack", lambda: pack([(x.name, x.dtype, x.shape) for x in specs],
                                      backend=be.name, alignment=be.alignment, max_slab=MAX_SLAB))
     slabs = timed("allocate", lambda: [be.allocate(n) for n in man.slab_sizes])
@@ -125,13 +125,14 @@ elif spec["what"] == "fp":  # what the engine's fingerprint costs, step by step,
     import cProfile, io, pstats
     marks = [("start", time.perf_counter())]
     def mark(name): marks.append((name, time.perf_counter()))
-    from vlaunch.cache.client import weights as W
+    from vlaunch.cache.store import target as W
+    from vlaunch.cache.store.slabs import backend_for
     from vlaunch.cache.contract.sockdir import socket_path
     from vlaunch.cache.store import cudadrv, identity, quant
-    from vlaunch.cache.store.ranks import Layout
+    from vlaunch.cache.store.ranks import Position
     mark("imports")
     cudadrv._load(); mark("libcuda")
-    prof = cProfile.Profile(); prof.enable(); be = W.backend_for(dev); prof.disable()
+    prof = cProfile.Profile(); prof.enable(); be = backend_for(dev); prof.disable()
     mark("backend")
     text = io.StringIO(); pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(10)
     out["backend_profile"] = [line.strip() for line in text.getvalue().splitlines()
@@ -141,12 +142,13 @@ elif spec["what"] == "fp":  # what the engine's fingerprint costs, step by step,
     identity.identities(spec["model"], identity.memo_path(sock)); mark("identities")
     quant.fingerprint_fields(spec["model"], None); mark("quantization")
     W.plan_identity("llama"); mark("plan")
-    W.expected_fingerprint(spec["model"], Layout.from_global(0, 1, 1, 1), dev, "llama", "",
-                           "vlaunch", sock); mark("whole_again")
+    W.Target(spec["model"], Position.from_global(0, 1, 1, 1), dev, "llama", "", "vlaunch",
+             socket=sock).fingerprint(); mark("whole_again")
     out["ms"] = {b[0]: (b[1] - a[1]) * 1e3 for a, b in zip(marks, marks[1:])}
 elif spec["what"] == "race":  # copy mode's destination allocation against the slab import
     import threading
-    from vlaunch.cache.client.connection import CacheClient, backend_for
+    from vlaunch.cache.client.connection import CacheClient
+    from vlaunch.cache.store.slabs import backend_for
     from vlaunch.cache.contract.sockdir import socket_path
     client = CacheClient(socket_path(spec["sock"], 0))
     reply, fds = client.request({"op": "open", "mode": "copy"})
@@ -572,7 +574,7 @@ spec = json.loads(sys.argv[1])
 import torch
 from vlaunch.cache.store.checkpoint import open_checkpoint
 from vlaunch.cache.store.manifest import pack
-from vlaunch.cache.store.plan import LLAMA_PLAN, Layout, plan_rank
+from vlaunch.cache.store.plan import LLAMA_PLAN, Position, plan_rank
 from vlaunch.cache.store import reader, registered
 from vlaunch.cache.store.reader import fill
 from vlaunch.cache.store.slabs import get_backend
@@ -649,12 +651,12 @@ def rank_fill(layout, threads, chunk):
 MiB = 1 << 20
 configs = ((8, 16), (16, 16)) if spec.get("quick") else (
     (8, 16), (16, 16), (24, 16), (4, 32), (8, 32), (16, 32))
-out["tp1"] = {f"{th}T {ch}M": rank_fill(Layout(1, 0), th, ch * MiB) for th, ch in configs}
+out["tp1"] = {f"{th}T {ch}M": rank_fill(Position(1, 0), th, ch * MiB) for th, ch in configs}
 if spec.get("quick"):
     print("RESULT " + json.dumps(out))
     sys.exit(0)
 reader.SPARE_BUFFERS = 16
-out["tp1_run1_pool"] = rank_fill(Layout(1, 0), 16, 16 * MiB)  # 32 buffers, as in run 1
+out["tp1_run1_pool"] = rank_fill(Position(1, 0), 16, 16 * MiB)  # 32 buffers, as in run 1
 reader.SPARE_BUFFERS = 2
 best = max(out["tp1"], key=out["tp1"].get)
 th, ch = int(best.split("T")[0]), int(best.split()[1][:-1])
@@ -663,16 +665,16 @@ out["split"] = {}
 for mode in ("span", "gather"):
     os.environ["VLAUNCH_SPLIT_READ"] = mode
     for tp in (2, 4):
-        out["split"][f"tp{tp} {mode}"] = rank_fill(Layout(tp, 0), th, ch * MiB)
+        out["split"][f"tp{tp} {mode}"] = rank_fill(Position(tp, 0), th, ch * MiB)
 os.environ["VLAUNCH_SPLIT_READ"] = "gather"
 os.environ["VLAUNCH_READER"] = "register"  # DMA from the registered page cache
 out["register"] = {}
 for tp in (1, 2, 4):
-    rate = rank_fill(Layout(tp, 0), th, None)
+    rate = rank_fill(Position(tp, 0), th, None)
     out["register"][f"tp{tp}" + (" REFUSED, staging" if registered.LAST.get("refused")
                                   else "")] = rate
 os.environ["VLAUNCH_READER"] = "staging"
-out["tp1_again"] = rank_fill(Layout(1, 0), th, ch * MiB)
+out["tp1_again"] = rank_fill(Position(1, 0), th, ch * MiB)
 for slabs in held.values():
     for x in slabs:
         x.release()

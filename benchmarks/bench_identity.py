@@ -34,7 +34,7 @@ from pathlib import Path
 
 from vlaunch.cache.store import identity
 from vlaunch.cache.store.checkpoint import checkpoint_identity, open_checkpoint
-from vlaunch.cache.store.plan import Layout
+from vlaunch.cache.store.plan import Position
 
 CHUNK = 64 << 20
 
@@ -157,7 +157,7 @@ def main() -> int:
         assert identity.identities(model, memo) == (rec.header, rec.data)
 
     def digest() -> None:
-        identity.expected_digests(model, "replicate", Layout(1, 0), threads=args.threads)
+        identity.expected_digests(model, "replicate", Position(1, 0), threads=args.threads)
 
     regions = identity.sample_regions(ckpt)
     print(f"checkpoint {model}: {len(files)} file(s), {total / 1e9:.2f} GB, "

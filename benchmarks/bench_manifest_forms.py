@@ -27,7 +27,7 @@ import torch
 from bench_tensor_count import write
 
 from vlaunch.cache import CacheClient
-from vlaunch.cache.client.connection import import_slabs
+from vlaunch.cache.client.mapping import Opened, import_slabs
 from vlaunch.cache.contract.progress import recv_ready
 from vlaunch.cache.contract.sockdir import socket_path
 from vlaunch.cache.store import columns
@@ -56,7 +56,7 @@ def main() -> None:
             os.close(fd)
         client = CacheClient(socket_path(sockdir, 0))
         reply, fds = client.request({"op": "open", "mode": "share"})
-        slabs = import_slabs(fds, tuple(reply["sizes"]), "cpu")
+        slabs = import_slabs(fds, Opened(tuple(reply["sizes"])), "cpu")
 
         def rows() -> None:
             got = client.request({"op": "manifest"})[0]

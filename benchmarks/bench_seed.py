@@ -52,7 +52,7 @@ from vlaunch.cache import CacheClient
 from vlaunch.cache.contract.progress import recv_ready
 from vlaunch.cache.contract.sockdir import socket_path
 from vlaunch.cache.rank.seed import seed_tcp, seed_unix
-from vlaunch.cache.store.plan import Layout
+from vlaunch.cache.store.plan import Position
 from vlaunch.cache.store.shard import Shard, empty_shard, load_shard
 from vlaunch.cache.store.slabs import get_backend
 
@@ -206,7 +206,7 @@ def measure(model: str, device: str, repeats: int, tcp_repeats: int, logs: Path,
         client.close()
         backend = get_backend(device)
         device = backend.device
-        layout = Layout.from_global(0, 1, 1, 1)
+        layout = Position.from_global(0, 1, 1, 1)
         out["bytes"] = nbytes
 
         def seeded(how: str) -> tuple[float, float, dict[str, float]]:

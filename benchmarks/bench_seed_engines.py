@@ -319,11 +319,11 @@ class Source:
     def seed(self, streams: int) -> float:
         """Seconds of one `seed_tcp` into fresh CPU slabs (their move, not the connect)."""
         from vlaunch.cache.rank.seed import seed_tcp
-        from vlaunch.cache.store.plan import Layout
+        from vlaunch.cache.store.plan import Position
         from vlaunch.cache.store.shard import empty_shard
         from vlaunch.cache.store.slabs import get_backend
 
-        shard = empty_shard(self.model, "replicate", Layout.from_global(0, 1, 1, 1),
+        shard = empty_shard(self.model, "replicate", Position.from_global(0, 1, 1, 1),
                             get_backend("cpu"))
         try:
             got = seed_tcp("127.0.0.1", self.port, TOKEN, self.fingerprint, shard.manifest,

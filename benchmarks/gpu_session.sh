@@ -14,7 +14,7 @@
 #   loadparts (not by default) a TP 1 first load taken apart in fresh processes
 #   handoff  import vlaunch.cache + share load() in fresh processes; copy against D2D
 #            (HANDOFF_PARTS=0: without copy mode taken apart, the race and the fingerprint)
-#   tests    pytest -m gpu: every GPU test file (108 s on an H200 on 2026-12-01)
+#   tests    pytest -m gpu: every GPU test (see benchmarks/results/ for its time)
 #   imports  what the reference engine imports after torch (the restart floor's make-up)
 #   restart  engine SIGKILL -> weights ready again, against bare torch + CUDA (if time is left)
 # With two GPUs or more, ranks spread over them (TP 4: two ranks a GPU); with one, every rank
@@ -93,22 +93,22 @@ fi
 if [ "${SMOKE:-0}" = 1 ]; then  # passed in runs 1 and 2; tests/test_slabs_cuda.py covers it
     stage smoke 60 "$PY" benchmarks/cuda_smoke.py --big-gib 4 --repeats 3
 fi
-if [ ! -f "$CKPT/model.safetensors.index.json" ]; then
+STAGES=" ${STAGES:-layouts sweep handoff tests imports restart} "  # a subset: STAGES="layouts tests"
+want() { [[ $STAGES == *" $1 "* ]]; }
+needs_ckpt() { local s; for s in layouts cold sweep loadparts handoff restart; do want $s && return; done; return 1; }
+if needs_ckpt && [ ! -f "$CKPT/model.safetensors.index.json" ]; then
     stage ckpt 180 "$PY" -m vlaunch.cache.reference.refmodel "$CKPT" --llama-8b --target-gib 16 \
         --shards 4 --device cuda
 fi
 LOAD=("$PY" benchmarks/bench_gpu_load.py --model "$CKPT" --device cuda:0)
-STAGES=" ${STAGES:-layouts sweep handoff tests imports restart} "  # a subset: STAGES="layouts tests"
 LAYOUTS=${LAYOUTS:-tp1,tp2,tp4,pp2,tp2:span,tp1:register,tp2:register,tp4:register,pp2:register}
-want() { [[ $STAGES == *" $1 "* ]]; }
 want layouts && stage layouts 200 "${LOAD[@]}" --steps layouts --layouts "$LAYOUTS" --json "$OUT/layouts.json"
 want cold && stage cold 200 "${LOAD[@]}" --steps layouts --cold --layouts "${COLD_LAYOUTS:-tp1,tp2,pp2}" --json "$OUT/cold.json"
 want sweep && stage sweep 120 "${LOAD[@]}" --steps sweep --json "$OUT/sweep.json"
 want loadparts && stage loadparts 120 "${LOAD[@]}" --steps loadparts --json "$OUT/loadparts.json"
 want handoff && stage handoff 240 "${LOAD[@]}" --steps handoff --json "$OUT/handoff.json"
-want tests && stage tests 240 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 150 \
-    tests/test_slabs_cuda.py tests/test_gpu_cache.py tests/test_reader.py tests/test_seed.py \
-    tests/test_engine_layout.py tests/test_formats.py tests/test_gpu_standby.py
+want tests && stage tests "${TESTS_LIMIT:-240}" "$PY" -m pytest -m gpu -q -p no:cacheprovider \
+    --timeout 150 -rfE tests
 want imports && stage imports 60 bash -c imports
 want restart && stage restart 120 "$PY" benchmarks/bench_gpu_restart.py --model "$CKPT" --device cuda --reps 2
 

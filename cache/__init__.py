@@ -1,7 +1,14 @@
 """vlaunch.cache: per-rank weight caches and the engine-side loader.
 
 Importing this package is light (no torch): the launcher imports its protocol, fingerprint
-and exit-status modules. `load` and `CacheClient` are imported on first use.
+and exit-status modules. `load`, `Target` and `CacheClient` are imported on first use.
+
+Value types that an engine's start or a process's import defines (the manifest's records,
+`Target`, `Position`, `EngineEnv`, dtypes, file stats, exit-table rows) are NamedTuples, not
+frozen dataclasses: defining a frozen dataclass costs several times more, for the same
+fields, repr, equality and immutability (tests/test_import_cost.py checks that the share path
+defines none). Where even a NamedTuple's definition shows (settings.Setting, mapping.Opened),
+a plain class with __slots__. Elsewhere, dataclasses.
 """
 
 from __future__ import annotations
@@ -10,8 +17,8 @@ from typing import Any
 
 from vlaunch.cache.contract.version import __version__
 
-__all__ = ["CacheClient", "Published", "Weights", "__version__", "hand_back", "load",
-           "publish"]
+__all__ = ["CacheClient", "Published", "Target", "Weights", "__version__", "hand_back",
+           "load", "publish"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,6 +26,10 @@ def __getattr__(name: str) -> Any:
         from vlaunch.cache.client import loader
 
         return getattr(loader, name)
+    if name == "Target":
+        from vlaunch.cache.store.target import Target
+
+        return Target
     if name == "hand_back":
         from vlaunch.cache.client.layout import hand_back
 

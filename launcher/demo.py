@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from vlaunch.cache.contract import settings
 from vlaunch.cache.contract.errors import VlaunchError
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.waiting import until
@@ -31,7 +32,7 @@ class DemoError(VlaunchError):
 
 def demo_dir() -> Path:
     """Where the demo checkpoint lives: $VLAUNCH_CACHE_DIR, else ~/.cache/vlaunch/demo."""
-    base = os.environ.get("VLAUNCH_CACHE_DIR") or os.path.join(
+    base = settings.get("VLAUNCH_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vlaunch")
     return Path(base) / "demo-llama"
 

@@ -29,8 +29,9 @@ from vlaunch.cache.contract.errors import VlaunchError
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.sockdir import RankLock, ensure_socket_dir
 
-from . import core, events, statusview
+from . import core, statusview
 from .children import child_env
+from .core import events
 from .escrow import Escrow
 from .health import HealthServer
 from .hooks import Child, OsHooks, ProcessHooks

@@ -22,7 +22,6 @@ from typing import Any, Protocol
 
 from vlaunch.cache.contract.lifetime import become_subreaper
 
-from . import events
 from .children import (
     contain_children,
     die_with_parent,
@@ -31,6 +30,7 @@ from .children import (
     signal_group,
     sweep,
 )
+from .core import events
 from .probes import HttpProbe
 from .statusview import query_rank
 

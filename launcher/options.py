@@ -10,10 +10,11 @@ from typing import Any
 import tomllib
 
 from vlaunch.cache.contract.errors import UsageError
+from vlaunch.cache.contract.launch import check_seed_listening
 from vlaunch.cache.contract.roles import DRAFT, seat
 from vlaunch.cache.contract.sockdir import default_socket_dir, socket_path
 
-from .events import SupervisorConfig
+from .core.events import SupervisorConfig
 from .executor import RunSpec
 from .notify import watchdog_interval
 from .preflight import check_command
@@ -72,9 +73,7 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
         readiness = "http" if o["engine_health_url"] else "none"
     if readiness == "http" and not o["engine_health_url"]:
         raise UsageError("--engine-ready http needs --engine-health-url")
-    if o["seed_listen_port"] and not o["seed_token"]:
-        raise UsageError("--seed-listen-port needs a seed token: set VLAUNCH_SEED_TOKEN (or "
-                         "--seed-token) to a long secret, or drop --seed-listen-port")
+    check_seed_listening(o["seed_listen_port"], o["seed_token"])
     check_command(engine, "engine command", "the command after --")
     liveness = (HttpProbe.parse(o["engine_liveness_request"], o["engine_liveness_deadline"])
                 if o.get("engine_liveness_request") else None)

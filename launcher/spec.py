@@ -11,7 +11,7 @@ from vlaunch.cache.contract.launch import DEFAULT_PLAN, READER_THREADS, EngineEn
 from vlaunch.cache.contract.roles import DRAFT, TARGET, seat, unseat
 from vlaunch.cache.contract.sockdir import socket_path
 
-from . import events
+from .core import events
 from .probes import HttpProbe
 
 

@@ -26,7 +26,7 @@ from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.sockdir import check_peer
 from vlaunch.cache.contract.standby import PARK_ENV
 
-from . import events
+from .core import events
 
 log = logging.getLogger("vlaunch.launcher")
 FRAME_TIMEOUT = 10.0

@@ -19,7 +19,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vlaunch.cache import CacheClient, load
-from vlaunch.cache.client.loader import expected_fingerprint
 from vlaunch.cache.contract import fingerprint as fp
 from vlaunch.cache.contract import wire
 from vlaunch.cache.contract.errors import (
@@ -29,7 +28,8 @@ from vlaunch.cache.contract.errors import (
 )
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.sockdir import socket_path
-from vlaunch.cache.store.plan import LLAMA_PLAN, Layout
+from vlaunch.cache.store.plan import LLAMA_PLAN, Position
+from vlaunch.cache.store.target import Target
 
 from .conftest import CacheProc, eventually, spawn_cache
 
@@ -117,7 +117,7 @@ def test_manifest_checksums_match_the_file_bytes(llama_ckpt: Path, one_cache) ->
 
 
 def test_every_fingerprint_field_mismatch_is_reported(llama_ckpt: Path, one_cache) -> None:
-    engine = expected_fingerprint(str(llama_ckpt), Layout(1, 0), "cpu")
+    engine = Target(str(llama_ckpt), Position(1, 0), "cpu").fingerprint()
     client = CacheClient(socket_path(one_cache.socket_dir, 0))
     assert client.hello(engine) == engine
     for field in fp.FIELDS:
@@ -287,7 +287,7 @@ def test_a_copy_release_engine_that_fails_its_hello_leaves_the_cache_serving(
     with pytest.raises(CacheUnavailableError, match="nothing to verify"):  # vlaunch verify
         other.request({"op": "digest", "start": 0, "count": 10})
     other.close()
-    bad = expected_fingerprint(str(llama_ckpt), Layout.from_global(0, 1, 1, 1), "cpu")
+    bad = Target(str(llama_ckpt), Position.from_global(0, 1, 1, 1), "cpu").fingerprint()
     with pytest.raises(FingerprintMismatchError):
         taker.hello({**bad, "checkpoint": "another checkpoint"})
     taker.close()
@@ -333,7 +333,7 @@ def test_share_tensors_survive_sigkill_of_the_cache(llama_ckpt: Path, sockdir: P
 
 def test_32_concurrent_clients(llama_ckpt: Path, one_cache) -> None:
     ref = load_file(str(sorted(llama_ckpt.glob("*.safetensors"))[0]))
-    engine = expected_fingerprint(str(llama_ckpt), Layout(1, 0), "cpu")
+    engine = Target(str(llama_ckpt), Position(1, 0), "cpu").fingerprint()
     errors: list[BaseException] = []
     barrier = threading.Barrier(32)
     clients: list[CacheClient] = []

@@ -96,10 +96,10 @@ def tables(path: Path) -> list[list[list[str]]]:
     return out
 
 
-def table(path: Path, first_header: str) -> list[list[str]]:
-    """The one table of a page whose first header cell is `first_header`."""
-    found = [t for t in tables(path) if t[0][0] == first_header]
-    assert len(found) == 1, f"{path.name}: expected one table headed {first_header!r}"
+def table(path: Path, *header: str) -> list[list[str]]:
+    """The one table of a page whose header cells begin with `header`."""
+    found = [t for t in tables(path) if t[0][:len(header)] == list(header)]
+    assert len(found) == 1, f"{path.name}: expected one table headed {header!r}"
     return found[0]
 
 
@@ -188,7 +188,7 @@ def test_exit_status_table_matches_the_code() -> None:
 
 def _default(param: click.Option) -> str:
     value = param.default
-    if param.is_flag:
+    if param.is_flag and value is not None:
         return "true" if value else "false"
     if value is None or not isinstance(value, (str, int, float, list, tuple)):
         return "none"
@@ -200,7 +200,7 @@ def _default(param: click.Option) -> str:
 
 
 def test_configuration_reference_matches_the_command() -> None:
-    header, *rows = table(DOCS / "configuration.md", "Option")
+    header, *rows = table(DOCS / "configuration.md", "Option", "Environment variable", "TOML key")
     assert header[:4] == ["Option", "Environment variable", "TOML key", "Default"]
     by_option = {c[0].strip("`"): c for c in rows}
     options = [p for p in run_command.params if isinstance(p, click.Option)]
@@ -212,6 +212,31 @@ def test_configuration_reference_matches_the_command() -> None:
         assert cell[2] == toml_key, p.opts
         shown = code_spans(cell[3])[0] if code_spans(cell[3]) else cell[3]
         assert shown == _default(p), (p.opts, shown, _default(p))
+
+
+def test_configuration_reference_lists_the_cache_ranks_options() -> None:
+    from vlaunch.cache.contract.launch import rank_command
+
+    header, *rows = table(DOCS / "configuration.md", "Option", "Environment variable", "Default")
+    assert header == ["Option", "Environment variable", "Default", "Meaning"]
+    by_option = {c[0].strip("`"): c for c in rows}
+    options = [p for p in rank_command("cache", lambda a: a).params
+               if isinstance(p, click.Option)]
+    assert sorted(by_option) == sorted(p.opts[0] for p in options)
+    for p in options:
+        cell = by_option[p.opts[0]]
+        assert cell[1] == (f"`{p.envvar}`" if p.envvar else "—"), p.opts
+        assert code_spans(cell[2])[0] == _default(p), (p.opts, cell[2], _default(p))
+
+
+def test_configuration_reference_lists_every_setting_as_the_registry_has_it() -> None:
+    """docs/configuration.md's settings table is the registry's (contract/settings.py): every
+    variable, its kind, its default and its meaning, in order."""
+    from vlaunch.cache.contract.settings import REGISTRY
+
+    header, *rows = table(DOCS / "configuration.md", "Variable", "Kind")
+    assert header == ["Variable", "Kind", "Default", "Meaning"]
+    assert rows == [[f"`{s.name}`", s.kind, s.shown, s.doc] for s in REGISTRY.values()]
 
 
 # ----------------------------------------------------------------- compose and kubernetes

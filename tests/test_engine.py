@@ -34,7 +34,8 @@ from vlaunch.cache.reference.refmodel import (
     tensor_shapes,
 )
 from vlaunch.cache.store.checkpoint import open_checkpoint
-from vlaunch.cache.store.plan import Layout
+from vlaunch.cache.store.plan import Position
+from vlaunch.cache.store.target import Target
 
 from .conftest import eventually
 
@@ -159,7 +160,7 @@ def run_ranks(tiny: Path, tp: int, fn: Callable[[TPLlama], Any]) -> list[Any]:
     """Run `fn` on every rank of a tp-way model, one thread per rank."""
     cfg = ModelConfig.from_dir(tiny)
     group = ThreadGroup(tp)
-    models = [TPLlama(load_from_disk(str(tiny), Layout.from_global(r, tp), "cpu"), cfg,
+    models = [TPLlama(load_from_disk(Target(str(tiny), Position.from_global(r, tp), "cpu")), cfg,
                       group.rank(r)) for r in range(tp)]
     results: list[Any] = [None] * tp
 
@@ -187,7 +188,7 @@ def test_tp1_and_tp2_give_close_logits_and_equal_greedy_tokens(tiny: Path) -> No
 
 def test_model_refuses_weights_that_do_not_fit_the_config(tiny: Path) -> None:
     cfg = ModelConfig.from_dir(tiny)
-    weights = dict(load_from_disk(str(tiny), Layout.from_global(0, 2), "cpu"))
+    weights = dict(load_from_disk(Target(str(tiny), Position.from_global(0, 2), "cpu")))
     with pytest.raises(ModelConfigError, match=r"has shape \[128, 64\] on rank 0 of 1"):
         TPLlama(weights, cfg)
     del weights["model.norm.weight"]

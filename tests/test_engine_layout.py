@@ -34,7 +34,8 @@ from vlaunch.cache.contract.sockdir import socket_path
 from vlaunch.cache.reference.config import ModelConfig
 from vlaunch.cache.reference.layout import engine_layout, layout_fields, padded_part
 from vlaunch.cache.reference.refmodel import make_checkpoint
-from vlaunch.cache.store.plan import Layout
+from vlaunch.cache.store.plan import Position
+from vlaunch.cache.store.target import Target
 
 STARTUP_S = 150.0
 SHAPES = {"hidden": 64, "layers": 2, "heads": 8, "kv_heads": 4, "intermediate": 128,
@@ -126,7 +127,7 @@ def test_engine_layout_round_trip_at_tp_and_pp(model: Path, sockdir: Path, ranks
              "device": "cpu"}
     expected = {}
     for rank in range(tp * pp):
-        disk = dict(load_from_disk(str(model), Layout.from_global(rank, tp, pp), "cpu"))
+        disk = dict(load_from_disk(Target(str(model), Position.from_global(rank, tp, pp), "cpu")))
         raw = load(str(model), rank=rank, fallback=False, layout=fields, **where)
         assert raw.source == "cache" and not raw.layout and "no engine layout" in raw.layout_miss
         _equal(dict(raw), disk)  # the raw layout: bit-exact against a disk load
@@ -182,11 +183,11 @@ def test_every_field_of_an_engine_layout_must_match(model: Path, sockdir: Path,
     back = hand_back(eng, model=str(model), fields=fields, socket_dir=str(sockdir),
                      device="cpu", release_raw=False, copy=["model.norm.weight"])
     del raw, back
-    sized = {"model": str(model), "layout": Layout.from_global(0, 1), "device": "cpu"}
+    target = Target.resolve(str(model), socket_dir=str(sockdir), device="cpu")
     (held,) = CacheClient(socket_path(sockdir, 0)).status()["layouts"]
     shared = held["bytes"] - eng["model.norm.weight"].nbytes  # slabs, less the private copy
-    assert layout_nbytes(socket_path(sockdir, 0), fields=fields, **sized) == shared
-    assert layout_nbytes(socket_path(sockdir, 0), fields={**fields, "engine": "x"}, **sized) == 0
+    assert layout_nbytes(target, fields) == shared
+    assert layout_nbytes(target, {**fields, "engine": "x"}) == 0
     for name in fields:
         other = {**fields, name: fields[name] + "-other"}
         weights = load(str(model), socket_dir=str(sockdir), device="cpu", layout=other)

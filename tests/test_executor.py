@@ -22,7 +22,7 @@ import pytest
 from vlaunch.cache.contract import protocol, wire
 from vlaunch.cache.contract.launch import EngineEnv, RankArgs
 from vlaunch.cache.contract.notify import parse_fields
-from vlaunch.launcher import events
+from vlaunch.launcher.core import events
 from vlaunch.launcher.executor import Executor
 from vlaunch.launcher.probes import HttpProbe
 from vlaunch.launcher.spec import RunSpec

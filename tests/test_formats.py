@@ -153,7 +153,7 @@ def test_sub_byte_dtypes_split_on_byte_boundaries(tmp_path: Path, sockdir: Path,
 
 def test_a_dtype_this_torch_lacks_is_served_as_raw_bytes(every_dtype: Path,
                                                          monkeypatch) -> None:
-    from vlaunch.cache.store.plan import Layout
+    from vlaunch.cache.store.plan import Position
     from vlaunch.cache.store.shard import PlainBackend, load_shard
 
     want = expected(every_dtype)["F8_E8M0.matrix"].view(torch.uint8)  # [4, 8] bytes
@@ -162,7 +162,7 @@ def test_a_dtype_this_torch_lacks_is_served_as_raw_bytes(every_dtype: Path,
         with monkeypatch.context() as patch:
             patch.setitem(DTYPES, "F8_E8M0", older)
             dtypes.is_plain.cache_clear()
-            got = load_shard(str(every_dtype), "replicate", Layout(1, 0),
+            got = load_shard(str(every_dtype), "replicate", Position(1, 0),
                              PlainBackend("cpu")).named()
     finally:
         dtypes.is_plain.cache_clear()  # the real table again
@@ -171,13 +171,13 @@ def test_a_dtype_this_torch_lacks_is_served_as_raw_bytes(every_dtype: Path,
 
 
 def test_a_split_inside_a_byte_is_refused(tmp_path: Path) -> None:
-    from vlaunch.cache.store.plan import Layout, ShardPlan, plan_rank
+    from vlaunch.cache.store.plan import Position, ShardPlan, plan_rank
 
     path = tmp_path / "m.safetensors"
     write_raw(path, {"w": ("F4", [4, 6], random_bytes(12, 0))})
     ckpt = open_checkpoint(path)
     with pytest.raises(PlanError, match=r"inside a byte|multiple of 2"):
-        plan_rank(ckpt, ShardPlan("cols", ((r"^w$", 1),)), Layout(2, 0))
+        plan_rank(ckpt, ShardPlan("cols", ((r"^w$", 1),)), Position(2, 0))
 
 
 def test_unknown_and_unpackable_dtypes_are_refused(tmp_path: Path, sockdir: Path) -> None:
@@ -202,7 +202,7 @@ def test_unknown_and_unpackable_dtypes_are_refused(tmp_path: Path, sockdir: Path
 def test_a_hook_may_build_packed_fp4_tensors(tmp_path: Path, monkeypatch, slabs: str) -> None:
     """In the engine's fallback (plain tensors) and in a rank's slabs (numpy arrays over
     memfds or files, which a hook's torch tensors are copied into)."""
-    from vlaunch.cache.store.plan import Layout
+    from vlaunch.cache.store.plan import Position
     from vlaunch.cache.store.shard import PlainBackend, load_shard
     from vlaunch.cache.store.slabs import get_backend
 
@@ -214,7 +214,7 @@ def test_a_hook_may_build_packed_fp4_tensors(tmp_path: Path, monkeypatch, slabs:
         "    return {'w': raw.view(torch.float4_e2m1fn_x2), 'e': raw.view(torch.float8_e8m0fnu)}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     backend = PlainBackend("cpu") if slabs == "plain" else get_backend("cpu")
-    shard = load_shard(str(tmp_path), "fp4hook:build", Layout(1, 0), backend)
+    shard = load_shard(str(tmp_path), "fp4hook:build", Position(1, 0), backend)
     rec = {t.name: t for t in shard.manifest.tensors}
     assert (rec["w"].dtype, rec["w"].shape) == ("F4", (4, 12))
     got = shard.named()
@@ -237,31 +237,31 @@ def quantized_dir(root: Path, config: dict | None) -> Path:
 
 
 def test_the_fingerprint_carries_the_quantization_config_and_method(tmp_path: Path) -> None:
-    from vlaunch.cache.client.loader import expected_fingerprint
     from vlaunch.cache.contract import fingerprint as fp
-    from vlaunch.cache.store.plan import Layout
+    from vlaunch.cache.store.plan import Position
+    from vlaunch.cache.store.target import Target
 
     gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
     model = quantized_dir(tmp_path / "m", gptq)
-    cache = expected_fingerprint(str(model), Layout(1, 0), "cpu")
+    cache = Target(str(model), Position(1, 0), "cpu").fingerprint()
     assert cache["quantization"] == "gptq" and cache["quantization_config"].startswith("sha256:")
-    assert fp.compare(cache, expected_fingerprint(str(model), Layout(1, 0), "cpu")) == []
-    engine = expected_fingerprint(str(model), Layout(1, 0), "cpu", quantization="gptq_marlin")
+    assert fp.compare(cache, Target(str(model), Position(1, 0), "cpu").fingerprint()) == []
+    engine = Target(str(model), Position(1, 0), "cpu", quantization="gptq_marlin").fingerprint()
     assert fp.compare(cache, engine) == [("quantization", "gptq", "gptq_marlin")]
     (model / "config.json").write_text(json.dumps({"quantization_config": {**gptq,
                                                                            "desc_act": True}}))
-    engine = expected_fingerprint(str(model), Layout(1, 0), "cpu")
+    engine = Target(str(model), Position(1, 0), "cpu").fingerprint()
     assert [m[0] for m in fp.compare(cache, engine)] == ["quantization_config"]
-    plain = expected_fingerprint(str(quantized_dir(tmp_path / "p", None)), Layout(1, 0), "cpu")
+    plain = Target(str(quantized_dir(tmp_path / "p", None)), Position(1, 0), "cpu").fingerprint()
     assert (plain["quantization_config"], plain["quantization"]) == ("none", "none")
 
 
 def test_kernel_backends_auto_detects_libraries_and_selection_variables(tmp_path: Path,
                                                                         monkeypatch) -> None:
-    from vlaunch.cache.client.loader import expected_fingerprint
     from vlaunch.cache.contract import fingerprint as fp
     from vlaunch.cache.contract import kernels
-    from vlaunch.cache.store.plan import Layout
+    from vlaunch.cache.store.plan import Position
+    from vlaunch.cache.store.target import Target
 
     env = {"VLLM_ATTENTION_BACKEND": "FLASHINFER", "VLLM_USE_DEEP_GEMM": "1", "HOME": "/x"}
     found = kernels.detect(env)
@@ -269,10 +269,10 @@ def test_kernel_backends_auto_detects_libraries_and_selection_variables(tmp_path
     assert "HOME" not in found and kernels.resolve("flashinfer=0.2", env) == "flashinfer=0.2"
     model = quantized_dir(tmp_path / "m", None)
     monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "FLASH_ATTN")
-    cache = expected_fingerprint(str(model), Layout(1, 0), "cpu", kernel_backends="auto")
+    cache = Target(str(model), Position(1, 0), "cpu", kernel_backends="auto").fingerprint()
     assert "VLLM_ATTENTION_BACKEND=FLASH_ATTN" in cache["kernel_backends"]
     monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "FLASHINFER")
-    engine = expected_fingerprint(str(model), Layout(1, 0), "cpu", kernel_backends="auto")
+    engine = Target(str(model), Position(1, 0), "cpu", kernel_backends="auto").fingerprint()
     assert [m[0] for m in fp.compare(cache, engine)] == ["kernel_backends"]
 
 
@@ -362,10 +362,10 @@ def reference_shard(full: torch.Tensor, out_dim: object, in_dim: object, kind: s
 
 
 def shards(model: Path, plan: str, tp: int, rank: int, **sizes: int) -> dict[str, torch.Tensor]:
-    from vlaunch.cache.store.plan import Layout
+    from vlaunch.cache.store.plan import Position
     from vlaunch.cache.store.shard import PlainBackend, load_shard
 
-    layout = Layout.from_global(rank, tp, 1, sizes.get("dp", 1))
+    layout = Position.from_global(rank, tp, 1, sizes.get("dp", 1))
     return load_shard(str(model), plan, layout, PlainBackend("cpu")).named()
 
 

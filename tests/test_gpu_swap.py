@@ -31,13 +31,14 @@ CHECK = r"""
 import json, sys, torch
 import vlaunch.cache as vc
 from vlaunch.cache.client.loader import load_from_disk
-from vlaunch.cache.store.plan import Layout
+from vlaunch.cache.store.plan import Position
+from vlaunch.cache.store.target import Target
 served, files, sockdir = sys.argv[1:4]
 out = []
 for rank in (0, 1):
     w = vc.load(served, rank=rank, tensor_parallel_size=2, socket_dir=sockdir,
                 fallback=False, device="cuda:0")
-    disk = load_from_disk(files, Layout.from_global(rank, 2), "cpu")
+    disk = load_from_disk(Target(files, Position.from_global(rank, 2), "cpu"))
     out.append(w.source == "cache" and all(torch.equal(w[k].cpu(), disk[k]) for k in disk))
 print(json.dumps(out))
 """
@@ -45,10 +46,11 @@ PUBLISH = r"""
 import sys, torch
 import vlaunch.cache as vc
 from vlaunch.cache.client.loader import load_from_disk
-from vlaunch.cache.store.plan import Layout
+from vlaunch.cache.store.plan import Position
+from vlaunch.cache.store.target import Target
 files, sockdir, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
 shard = {k: v.to("cuda:0") for k, v in
-         load_from_disk(files, Layout.from_global(rank, 2), "cpu").items()}
+         load_from_disk(Target(files, Position.from_global(rank, 2), "cpu")).items()}
 print(vc.publish(shard, label="step-1", rank=rank, socket_dir=sockdir, mode="double",
                  device="cuda:0", margin_gib=0))
 """

@@ -10,7 +10,7 @@ import pytest
 
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.launcher.core import EngineState, Phase, Supervisor
-from vlaunch.launcher.events import (
+from vlaunch.launcher.core.events import (
     CacheReady,
     ChildExited,
     EngineHealth,

@@ -198,7 +198,7 @@ def test_verify_passes_on_a_good_cache_and_names_a_tampered_tensor(
 
 def test_bytes_changed_during_the_load_are_read_again_then_refused(tmp_path: Path) -> None:
     from vlaunch.cache.rank.integrity import checked_load
-    from vlaunch.cache.store.plan import Layout
+    from vlaunch.cache.store.plan import Position
     from vlaunch.cache.store.shard import load_shard
     from vlaunch.cache.store.slabs import get_backend
 
@@ -208,7 +208,7 @@ def test_bytes_changed_during_the_load_are_read_again_then_refused(tmp_path: Pat
 
     def load_then_rewrite(times: int):  # type: ignore[no-untyped-def]
         def run():  # type: ignore[no-untyped-def]
-            shard = load_shard(str(model), "replicate", Layout(1, 0), backend)
+            shard = load_shard(str(model), "replicate", Position(1, 0), backend)
             loads.append(shard)
             if len(loads) <= times:  # the file is replaced after the read, before the re-stat
                 _write(model, _fine_tune(scale=len(loads)))
@@ -230,12 +230,12 @@ def test_verify_after_the_load_names_a_tensor_whose_bytes_differ(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from vlaunch.cache.contract.errors import VerifyError
     from vlaunch.cache.rank.integrity import verify_loaded
-    from vlaunch.cache.store.plan import Layout
+    from vlaunch.cache.store.plan import Position
     from vlaunch.cache.store.shard import load_shard
     from vlaunch.cache.store.slabs import get_backend
 
     model = _write(tmp_path / "m", llama_tensors())
-    layout = Layout(2, 1)
+    layout = Position(2, 1)
     shard = load_shard(str(model), "llama", layout, get_backend("cpu"))
     verify_loaded(str(model), "llama", layout, shard.manifest, shard.tensors, 1, threads=2)
     shard.named()["model.layers.0.self_attn.o_proj.weight"][3, 5] += 1  # a bit flip, say

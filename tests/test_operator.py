@@ -360,7 +360,7 @@ def test_load_without_fallback_says_that_it_waits(tmp_path: Path, llama_ckpt: Pa
 
 def test_engine_without_readiness_check_is_ready_only_after_it_settled() -> None:
     from vlaunch.launcher.core import Supervisor
-    from vlaunch.launcher.events import (
+    from vlaunch.launcher.core.events import (
         CacheReady,
         ChildExited,
         Log,
@@ -492,8 +492,8 @@ def test_report_channel_progress_frames() -> None:
 
 def test_engine_that_cannot_start_later_is_named_so() -> None:
     from vlaunch.launcher.core import Supervisor
-    from vlaunch.launcher.events import CacheReady, ChildExited, Log, Spawned, Started
-    from vlaunch.launcher.events import SupervisorConfig as Config
+    from vlaunch.launcher.core.events import CacheReady, ChildExited, Log, Spawned, Started
+    from vlaunch.launcher.core.events import SupervisorConfig as Config
 
     sup = Supervisor(Config(ranks=(0,), has_engine=True, engine_readiness="notify",
                             engine_config_error_statuses=frozenset({127})))

@@ -24,7 +24,7 @@ from vlaunch.cache.store.plan import (
     BUILTIN_PLANS,
     LLAMA_PLAN,
     HookPlan,
-    Layout,
+    Position,
     ShardPlan,
     SliceSpec,
     load_hook,
@@ -109,17 +109,17 @@ def layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-# --- Layout --------------------------------------------------------------------------------
+# --- Position --------------------------------------------------------------------------------
 
 def test_global_rank_round_trip() -> None:
     seen = []
     for rank in range(8):
-        layout = Layout.from_global(rank, tp_size=2, pp_size=2, dp_size=2)
+        layout = Position.from_global(rank, tp_size=2, pp_size=2, dp_size=2)
         assert layout.global_rank == rank and layout.world_size == 8
-        assert Layout(**layout.as_dict()) == layout
+        assert Position(**layout.as_dict()) == layout
         seen.append((layout.dp_rank, layout.pp_rank, layout.tp_rank))
     assert seen == sorted(seen)  # data, then pipeline, then tensor; tensor fastest
-    assert Layout.from_global(5, 2, 2, 2).as_dict() == {
+    assert Position.from_global(5, 2, 2, 2).as_dict() == {
         "tp_size": 2, "tp_rank": 1, "pp_size": 2, "pp_rank": 0, "dp_size": 2, "dp_rank": 1}
 
 
@@ -130,12 +130,12 @@ def test_global_rank_round_trip() -> None:
                                     dict(tp_size=True, tp_rank=0)])
 def test_bad_layouts(kwargs: dict) -> None:
     with pytest.raises(UsageError):
-        Layout(**kwargs)
+        Position(**kwargs)
 
 
 def test_global_rank_out_of_range() -> None:
     with pytest.raises(UsageError, match=r"0\.\.7"):
-        Layout.from_global(8, 2, 2, 2)
+        Position.from_global(8, 2, 2, 2)
 
 
 # --- rules ---------------------------------------------------------------------------------
@@ -183,7 +183,7 @@ def test_builtin_identities_are_distinct_and_stable() -> None:
 
 
 def _layout(tp: int = 1, dp: int = 1, pp: int = 1) -> dict[str, int]:
-    return Layout(tp, 0, pp, 0, dp, 0).as_dict()
+    return Position(tp, 0, pp, 0, dp, 0).as_dict()
 
 
 @pytest.mark.parametrize(("plans", "layout", "alike"), [
@@ -220,7 +220,7 @@ def test_a_plan_file_that_splits_nothing_matches_a_builtin_and_a_hook_keeps_its_
 def test_shapes(tmp_path: Path, tp: int) -> None:
     ckpt = llama(tmp_path)
     for rank in range(tp):
-        specs = {s.name: s for s in plan_rank(ckpt, LLAMA_PLAN, Layout(tp, rank))}
+        specs = {s.name: s for s in plan_rank(ckpt, LLAMA_PLAN, Position(tp, rank))}
         assert list(specs) == list(ckpt.tensors)
         p = "model.layers.1."
         assert specs[p + "self_attn.q_proj.weight"].shape == (HIDDEN // tp, HIDDEN)
@@ -243,7 +243,7 @@ def test_ranks_reassemble_every_tensor(tmp_path: Path, dtype: torch.dtype) -> No
     for f in ckpt.files:
         full.update(load_file(f))
     for tp in (1, 2, 4):
-        per_rank = [{s.name: s for s in plan_rank(ckpt, LLAMA_PLAN, Layout(tp, r))}
+        per_rank = [{s.name: s for s in plan_rank(ckpt, LLAMA_PLAN, Position(tp, r))}
                     for r in range(tp)]
         for name, tensor in full.items():
             specs = [ranks[name] for ranks in per_rank]
@@ -259,13 +259,13 @@ def test_ranks_reassemble_every_tensor(tmp_path: Path, dtype: torch.dtype) -> No
 def test_runs_of_a_column_split(tmp_path: Path) -> None:
     ckpt = llama(tmp_path)
     o = ckpt.tensors["model.layers.0.self_attn.o_proj.weight"]
-    spec = {s.name: s for s in plan_rank(ckpt, LLAMA_PLAN, Layout(2, 1))}[o.name]
+    spec = {s.name: s for s in plan_rank(ckpt, LLAMA_PLAN, Position(2, 1))}[o.name]
     row = HIDDEN * 4
     assert spec.runs() == [(o.begin + i * row + row // 2, row // 2) for i in range(HIDDEN)]
     assert spec.blocks(1 << 20) == [(o.begin + row // 2, (HIDDEN - 1) * row + row // 2,
                                      [(i * row, row // 2, i * row // 2) for i in range(HIDDEN)])]
     assert len(spec.blocks(1 << 20, max_gap=0)) == HIDDEN
-    q = {s.name: s for s in plan_rank(ckpt, LLAMA_PLAN, Layout(2, 1))}[
+    q = {s.name: s for s in plan_rank(ckpt, LLAMA_PLAN, Position(2, 1))}[
         "model.layers.0.self_attn.q_proj.weight"]
     assert q.runs() == [(q.source.begin + q.nbytes, q.nbytes)]
 
@@ -345,12 +345,12 @@ def test_bad_slice_specs() -> None:
 def test_split_that_does_not_divide(tmp_path: Path) -> None:
     ckpt = llama(tmp_path)
     with pytest.raises(PlanError, match=r"does not divide evenly by tp size 3"):
-        plan_rank(ckpt, LLAMA_PLAN, Layout(3, 0))
+        plan_rank(ckpt, LLAMA_PLAN, Position(3, 0))
     only_q = ShardPlan("q", ((r"layers\.1\.self_attn\.q_proj\.weight$", 1),))
     with pytest.raises(PlanError, match=r"tensor 'model\.layers\.1\.self_attn\.q_proj\.weight' "
                        r"of shape \[8,8\]: dimension 1 \(size 8\) does not divide evenly by tp "
                        "size 3"):
-        plan_rank(ckpt, only_q, Layout(3, 2))
+        plan_rank(ckpt, only_q, Position(3, 2))
 
 
 def test_split_of_a_missing_dimension(tmp_path: Path) -> None:
@@ -360,15 +360,15 @@ def test_split_of_a_missing_dimension(tmp_path: Path) -> None:
                        (ShardPlan("t", ((re.escape(bias), 1),)), bias)]:
         with pytest.raises(PlanError, match=f"tensor '{re.escape(name)}' of shape .* has no "
                            "dimension"):
-            plan_rank(ckpt, plan, Layout(1, 0))
+            plan_rank(ckpt, plan, Position(1, 0))
 
 
 # --- pipeline ------------------------------------------------------------------------------
 
 def test_five_layers_on_two_stages(tmp_path: Path) -> None:
     ckpt = llama(tmp_path, layers=5)
-    first = plan_rank(ckpt, LLAMA_PLAN, Layout(1, 0, pp_size=2, pp_rank=0))
-    last = plan_rank(ckpt, LLAMA_PLAN, Layout(1, 0, pp_size=2, pp_rank=1))
+    first = plan_rank(ckpt, LLAMA_PLAN, Position(1, 0, pp_size=2, pp_rank=0))
+    last = plan_rank(ckpt, LLAMA_PLAN, Position(1, 0, pp_size=2, pp_rank=1))
     assert {layer_of(s.name) for s in first} == {0, 1, 2, None}
     assert {layer_of(s.name) for s in last} == {3, 4, None}
     names0, names1 = {s.name for s in first}, {s.name for s in last}
@@ -385,7 +385,7 @@ def test_layers_per_stage(tmp_path: Path, layers: int, pp: int, counts: list[int
     ckpt = llama(tmp_path, layers=layers)
     got = []
     for stage in range(pp):
-        specs = plan_rank(ckpt, LLAMA_PLAN, Layout(1, 0, pp_size=pp, pp_rank=stage))
+        specs = plan_rank(ckpt, LLAMA_PLAN, Position(1, 0, pp_size=pp, pp_rank=stage))
         got.append(len({layer_of(s.name) for s in specs} - {None}))
     assert got == counts
 
@@ -393,20 +393,20 @@ def test_layers_per_stage(tmp_path: Path, layers: int, pp: int, counts: list[int
 def test_more_stages_than_layers(tmp_path: Path) -> None:
     ckpt = llama(tmp_path, layers=2)
     with pytest.raises(PlanError, match="pp size 3 exceeds the 2 layers"):
-        plan_rank(ckpt, LLAMA_PLAN, Layout(1, 0, pp_size=3, pp_rank=0))
+        plan_rank(ckpt, LLAMA_PLAN, Position(1, 0, pp_size=3, pp_rank=0))
 
 
 def test_pipeline_and_tensor_parallel(tmp_path: Path) -> None:
     ckpt = llama(tmp_path, layers=4)
     for rank in range(8):
-        layout = Layout.from_global(rank, tp_size=2, pp_size=2, dp_size=2)
+        layout = Position.from_global(rank, tp_size=2, pp_size=2, dp_size=2)
         specs = {s.name: s for s in plan_rank(ckpt, LLAMA_PLAN, layout)}
         layers = {layer_of(n) for n in specs} - {None}
         assert layers == ({0, 1} if layout.pp_rank == 0 else {2, 3})
         assert ("lm_head.weight" in specs) == (layout.pp_rank == 1)
         q = specs[f"model.layers.{min(layers)}.self_attn.q_proj.weight"]
         assert (q.shape, q.part) == ((HIDDEN // 2, HIDDEN), layout.tp_rank)
-        peer = Layout(**{**layout.as_dict(), "dp_rank": 1 - layout.dp_rank})
+        peer = Position(**{**layout.as_dict(), "dp_rank": 1 - layout.dp_rank})
         assert plan_rank(ckpt, LLAMA_PLAN, peer) == list(specs.values())
 
 
@@ -500,11 +500,11 @@ def test_hook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt = llama(tmp_path)
     plan = load_plan(f"{mod}:build")
     assert isinstance(plan, HookPlan) and plan.identity == f"hook:{mod}:build"
-    out = plan.build(ckpt, Layout(2, 1))
+    out = plan.build(ckpt, Position(2, 1))
     assert out["rank"].tolist() == [1] and int(out["n"]) == len(ckpt.tensors)
-    assert load_hook(f"{mod}:Holder.build")(ckpt, Layout(1, 0)) == {}
+    assert load_hook(f"{mod}:Holder.build")(ckpt, Position(1, 0)) == {}
     with pytest.raises(PlanError, match="returned list, not a mapping"):
-        HookPlan(f"{mod}:bad", load_hook(f"{mod}:bad")).build(ckpt, Layout(1, 0))
+        HookPlan(f"{mod}:bad", load_hook(f"{mod}:bad")).build(ckpt, Position(1, 0))
 
 
 @pytest.mark.parametrize(("attr", "match"), [("missing", "has no attribute missing"),

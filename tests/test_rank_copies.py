@@ -29,6 +29,7 @@ from vlaunch.cache.contract import wire
 from vlaunch.cache.contract.errors import CacheBrokenError
 from vlaunch.cache.rank import copies
 from vlaunch.cache.rank.daemon import CacheServer
+from vlaunch.cache.rank.served import Served
 from vlaunch.cache.store.manifest import pack
 
 from .conftest import eventually
@@ -109,8 +110,8 @@ def rank(tmp_path: Path) -> Iterator[tuple[Path, MemfdCopier, asyncio.AbstractEv
     slab = os.memfd_create("test-rank-slab")
     os.pwrite(slab, bytes(range(256)) * (SIZE // 256), 0)
     copier = MemfdCopier(slab)
-    server = CacheServer(rank=0, fingerprint=FINGERPRINT, manifest=MANIFEST, fds=[slab],
-                         device="cpu", copier=copier)
+    server = CacheServer(0, Served(MANIFEST, [slab], FINGERPRINT), device="cpu",
+                         copier=copier)  # type: ignore[arg-type]
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
     path = sockdir / "rank-0.sock"

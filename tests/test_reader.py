@@ -13,8 +13,9 @@ from safetensors.torch import load_file, save_file
 from vlaunch.cache.store import registered
 from vlaunch.cache.store.checkpoint import open_checkpoint
 from vlaunch.cache.store.manifest import pack, views
-from vlaunch.cache.store.plan import LLAMA_PLAN, Layout, plan_rank
-from vlaunch.cache.store.reader import NARROW, fill, pieces
+from vlaunch.cache.store.pieces import NARROW, pieces
+from vlaunch.cache.store.plan import LLAMA_PLAN, Position, plan_rank
+from vlaunch.cache.store.reader import fill
 from vlaunch.cache.store.registered import window_copies, windows
 from vlaunch.cache.store.shard import PlainBackend
 from vlaunch.cache.store.slabs import CpuBackend
@@ -53,7 +54,7 @@ def _expected(root: Path) -> dict[str, torch.Tensor]:
     return load_file(str(root / "a.safetensors")) | load_file(str(root / "b.safetensors"))
 
 
-def _load(root: Path, layout: Layout, chunk: int, threads: int,
+def _load(root: Path, layout: Position, chunk: int, threads: int,
           backend: object) -> dict[str, torch.Tensor]:
     specs = plan_rank(open_checkpoint(root), LLAMA_PLAN, layout)
     manifest = pack([(s.name, s.dtype, s.shape) for s in specs], backend="cpu", alignment=256,
@@ -70,7 +71,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _check_rank(root: Path, layout: Layout, got: dict[str, torch.Tensor]) -> None:
+def _check_rank(root: Path, layout: Position, got: dict[str, torch.Tensor]) -> None:
     full = _expected(root)
     specs = plan_rank(open_checkpoint(root), LLAMA_PLAN, layout)
     assert sorted(got) == sorted(s.name for s in specs)
@@ -89,17 +90,17 @@ def test_every_rank_matches_a_disk_load(ckpt: Path, tp: int, pp: int, chunk: int
                                         split_read: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLAUNCH_SPLIT_READ", split_read)
     for rank in range(tp * pp):
-        layout = Layout.from_global(rank, tp, pp)
+        layout = Position.from_global(rank, tp, pp)
         _check_rank(ckpt, layout, _load(ckpt, layout, chunk, 3, CpuBackend()))
 
 
 def test_plain_backend_on_cpu_matches_too(ckpt: Path) -> None:
-    layout = Layout.from_global(3, 4, 2)
+    layout = Position.from_global(3, 4, 2)
     _check_rank(ckpt, layout, _load(ckpt, layout, 200, 2, PlainBackend("cpu")))
 
 
 def test_narrow_split_is_read_as_spans_of_whole_rows(ckpt: Path) -> None:
-    specs = {s.name: s for s in plan_rank(open_checkpoint(ckpt), LLAMA_PLAN, Layout(2, 1))}
+    specs = {s.name: s for s in plan_rank(open_checkpoint(ckpt), LLAMA_PLAN, Position(2, 1))}
     down = specs["model.layers.2.mlp.down_proj.weight"]  # (32, 128) bf16: rows of 256 bytes
     got = pieces(down, 1024)
     assert [(p.rows, p.row, p.lo, p.width) for p in got] == [(4, 256, 128, 128)] * 8
@@ -113,7 +114,7 @@ def test_narrow_split_is_read_as_spans_of_whole_rows(ckpt: Path) -> None:
 
 
 def test_gathered_pieces_are_sized_by_the_bytes_kept(ckpt: Path) -> None:
-    down = {s.name: s for s in plan_rank(open_checkpoint(ckpt), LLAMA_PLAN, Layout(4, 3))}[
+    down = {s.name: s for s in plan_rank(open_checkpoint(ckpt), LLAMA_PLAN, Position(4, 3))}[
         "model.layers.2.mlp.down_proj.weight"]  # 256-byte rows, 64 bytes kept of each
     got = pieces(down, 200, packed=True)
     assert [(p.rows, p.row, p.lo, p.width) for p in got[:2]] == [(3, 256, 192, 64)] * 2
@@ -125,7 +126,7 @@ def test_gathered_pieces_are_sized_by_the_bytes_kept(ckpt: Path) -> None:
 def test_no_piece_outgrows_the_staging_buffer(ckpt: Path, packed: bool, chunk: int) -> None:
     for tp, pp in [(1, 1), (2, 1), (4, 2)]:
         for rank in range(tp * pp):
-            for spec in plan_rank(open_checkpoint(ckpt), LLAMA_PLAN, Layout.from_global(
+            for spec in plan_rank(open_checkpoint(ckpt), LLAMA_PLAN, Position.from_global(
                     rank, tp, pp)):
                 got = pieces(spec, chunk, packed=packed)
                 assert sum(p.nbytes for p in got) == spec.nbytes
@@ -133,7 +134,7 @@ def test_no_piece_outgrows_the_staging_buffer(ckpt: Path, packed: bool, chunk: i
 
 
 def test_wide_or_long_rows_are_read_where_they_lie(ckpt: Path) -> None:
-    down = {s.name: s for s in plan_rank(open_checkpoint(ckpt), LLAMA_PLAN, Layout(2, 1))}[
+    down = {s.name: s for s in plan_rank(open_checkpoint(ckpt), LLAMA_PLAN, Position(2, 1))}[
         "model.layers.2.mlp.down_proj.weight"]
     row_longer_than_chunk = pieces(down, 200)  # 256-byte rows: each rank's 128 bytes alone
     assert all(p.contiguous and p.span == 128 for p in row_longer_than_chunk)
@@ -164,7 +165,7 @@ def test_window_copies_move_each_kept_byte_once_inside_its_window(
     """The registered reader's copies, replayed on the host: bit-exact, never across windows."""
     import numpy as np
 
-    from vlaunch.cache.store.reader import Piece
+    from vlaunch.cache.store.pieces import Piece
 
     file = np.arange(1000, dtype=np.int64).astype(np.uint8) ^ 0x5A
     offset = 37
@@ -199,7 +200,7 @@ def test_cuda_ranks_match_a_disk_load(ckpt: Path, tp: int, pp: int, reader: str,
     monkeypatch.setenv("VLAUNCH_SPLIT_READ", split_read)
     monkeypatch.setenv("VLAUNCH_READER", reader)
     for rank, chunk in itertools.product(range(tp * pp), (96, 64 << 20)):
-        layout = Layout.from_global(rank, tp, pp)
+        layout = Position.from_global(rank, tp, pp)
         _check_rank(ckpt, layout, _load(ckpt, layout, chunk, 4, PlainBackend("cuda")))
 
 

@@ -15,14 +15,14 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from vlaunch.cache.client.connection import CacheClient
-from vlaunch.cache.client.weights import expected_fingerprint
 from vlaunch.cache.contract.errors import FingerprintMismatchError
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.sockdir import socket_path
 from vlaunch.cache.reference.config import ModelConfig
 from vlaunch.cache.reference.refmodel import TPLlama, greedy, make_checkpoint
 from vlaunch.cache.reference.speculative import DraftMismatchError, speculative_greedy
-from vlaunch.cache.store.plan import Layout
+from vlaunch.cache.store.plan import Position
+from vlaunch.cache.store.target import Target
 
 from .conftest import eventually, llama_tensors
 from .test_launcher import Launcher
@@ -120,7 +120,7 @@ def _a_draft_rank_that_exits_is_a_rank_exit(la: Launcher, snap: dict) -> None:
 
 
 def _role_mismatch_both_ways(sockdir: Path, target: Path, draft: Path) -> None:
-    layout = Layout.from_global(0, 2, 1, 1)
+    layout = Position.from_global(0, 2, 1, 1)
     asks = [("draft", target, "llama", "target"), ("target", draft, "replicate", "draft")]
     for group, model, plan, role in asks:
         client = CacheClient(socket_path(sockdir, 0, group))
@@ -128,7 +128,7 @@ def _role_mismatch_both_ways(sockdir: Path, target: Path, draft: Path) -> None:
             with pytest.raises(FingerprintMismatchError, match=(
                     f"cache role mismatch: this socket serves the {group} model's cache group, "
                     f"the engine asked for the {role} model's")):
-                client.hello(expected_fingerprint(str(model), layout, "cpu", plan, role=role))
+                client.hello(Target(str(model), layout, "cpu", plan, role=role).fingerprint())
         finally:
             client.close()
 

@@ -6,7 +6,7 @@ import signal
 
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.launcher.core import STANDBY_MAX_FAILS, EngineState, Phase, StandbyState
-from vlaunch.launcher.events import (
+from vlaunch.launcher.core.events import (
     ChildExited,
     EngineReady,
     PromoteStandby,

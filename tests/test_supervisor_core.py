@@ -20,7 +20,7 @@ from vlaunch.launcher.core import (
     SupervisorProtocolError,
     describe_exit,
 )
-from vlaunch.launcher.events import (
+from vlaunch.launcher.core.events import (
     Action,
     CacheReady,
     ChildExited,
@@ -624,7 +624,7 @@ def test_config_normalises_collections() -> None:
 
 def test_preload_runs_between_the_caches_and_the_engine() -> None:
     """Caches ready -> RunPreload; the engine starts only at PreloadDone, even a failed one."""
-    from vlaunch.launcher.events import PreloadDone, RunPreload
+    from vlaunch.launcher.core.events import PreloadDone, RunPreload
 
     boot = [Started(0.0), Spawned("cache", 0, 10, 0.1), Spawned("cache", 1, 11, 0.1),
             CacheReady(0, 1.0), CacheReady(1, 1.1)]

@@ -276,14 +276,15 @@ def test_a_published_version_serves_bit_exact_at_tp2(
 
     import vlaunch.cache as vc
     from vlaunch.cache.client.loader import load_from_disk
-    from vlaunch.cache.store.plan import Layout
+    from vlaunch.cache.store.plan import Position
+    from vlaunch.cache.store.target import Target
 
     # the raw layout stays (no engine layout): vlaunch verify and a raw load read it
     la = launch(ckpts["a"], "--stop-timeout", "30", "--engine-ready", "notify", tp=2,
                 engine=reference(tmp_path / "l0", "--no-engine-layout"))
     served(la)
-    shards = [{k: v.clone() for k, v in load_from_disk(str(ckpts["b"]), Layout.from_global(
-        r, 2), "cpu").items()} for r in (0, 1)]
+    shards = [{k: v.clone() for k, v in load_from_disk(Target(
+        str(ckpts["b"]), Position.from_global(r, 2), "cpu")).items()} for r in (0, 1)]
     wrong = {**shards[0], sorted(shards[0])[0]: torch.zeros(3, dtype=torch.bfloat16)}
     with pytest.raises(vc.PublishError, match=r"not published: .* is BF16"):
         vc.publish(wrong, label="wrong-shape", rank=0, socket_dir=str(la.sockdir))

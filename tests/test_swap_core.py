@@ -11,7 +11,7 @@ import pytest
 
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.launcher.core import Phase, SwapState
-from vlaunch.launcher.events import (
+from vlaunch.launcher.core.events import (
     CacheReady,
     EngineReady,
     Event,

@@ -13,9 +13,9 @@ from vlaunch.cache.contract import control
 from vlaunch.cache.contract.engine_env import EngineEnv
 from vlaunch.cache.contract.errors import ProtocolError
 from vlaunch.cache.rank import staging
-from vlaunch.cache.rank.swap import tensors_difference
+from vlaunch.cache.rank.publishing import tensors_difference
 from vlaunch.cache.store.manifest import pack
-from vlaunch.launcher.events import SwapPolicy
+from vlaunch.launcher.core.events import SwapPolicy
 
 
 def test_a_swap_request_is_checked_field_by_field() -> None:

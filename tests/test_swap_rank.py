@@ -26,10 +26,11 @@ SHAPE = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 1
 SERVES = r"""
 import sys, torch
 from vlaunch.cache.client.loader import load, load_from_disk
-from vlaunch.cache.store.plan import Layout
+from vlaunch.cache.store.plan import Position
+from vlaunch.cache.store.target import Target
 model, sockdir = sys.argv[1:3]
 w = load(model, socket_dir=sockdir, fallback=False, device="cpu")
-disk = load_from_disk(model, Layout.from_global(0, 1), "cpu")
+disk = load_from_disk(Target(model, Position.from_global(0, 1), "cpu"))
 print(w.source == "cache" and all(torch.equal(w[k], disk[k]) for k in disk))
 """
 

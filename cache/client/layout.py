@@ -1,9 +1,10 @@
 """Engine-shaped layouts, engine side: hand post-processed parameters back, map them later.
 
-    weights = vlaunch.cache.load(model, rank=r, ..., layout=fields)
+    target = vlaunch.cache.Target.resolve(model, rank=r, ...)
+    weights = vlaunch.cache.load(target, layout=fields)
     if not weights.layout:                        # first start: raw (checkpoint) tensors
         params = my_post_processing(weights)      # fuse, pad, quantize, repack ...
-        weights = vlaunch.cache.hand_back(params, model=model, rank=r, ..., fields=fields,
+        weights = vlaunch.cache.hand_back(params, target, fields=fields,
                                           copy=names_the_engine_rewrites_later)
     # weights: the engine layout (read-only mappings; the `copy` names as private copies)
 
@@ -13,29 +14,35 @@ See docs/engine-layout.md for the fields, what is copied, and when the raw layou
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from vlaunch.cache.client import collector
-from vlaunch.cache.client.connection import CacheClient, backend_for
+from vlaunch.cache.client.connection import CacheClient
 from vlaunch.cache.contract import engine_layout as el
+from vlaunch.cache.contract import fingerprint as fp
 from vlaunch.cache.contract import wire
-from vlaunch.cache.contract.engine_env import DEFAULT_PLAN, EngineEnv
 from vlaunch.cache.contract.errors import (
     CacheBrokenError,
+    CacheUnavailableError,
     CheckpointError,
+    FingerprintMismatchError,
     ModelNotFoundError,
     VlaunchError,
 )
-from vlaunch.cache.contract.sockdir import default_socket_dir, socket_path
+from vlaunch.cache.store import collector
+from vlaunch.cache.store.identity import CheckpointIdentity
 from vlaunch.cache.store.manifest import Manifest, TensorRecord, pack, views
-from vlaunch.cache.store.plan import Layout
+from vlaunch.cache.store.slabs import backend_for
+from vlaunch.cache.store.target import Target, as_target
 
 if TYPE_CHECKING:
+    from typing import Unpack
+
     import torch
 
     from vlaunch.cache.client.weights import Weights
+    from vlaunch.cache.store.slabs import Backend
+    from vlaunch.cache.store.target import TargetArgs
 
 log = logging.getLogger("vlaunch.cache")
 
@@ -46,22 +53,18 @@ class LayoutMissError(VlaunchError):
     """The rank holds no engine layout with these fields (the first start hands one back)."""
 
 
-def load_layout(path: os.PathLike[str] | str, model: str, layout: Layout, device: str,
-                fields: Mapping[str, Any], *, mode: str = "share", plan: str = DEFAULT_PLAN,
-                kernel_backends: str = "", loader: str = "vlaunch",
-                quantization: str | None = None, timeout: float = 0.0) -> Weights:
+def load_layout(target: Target, fields: Mapping[str, Any], *, mode: str = "share",
+                timeout: float = 0.0) -> Weights:
     """The engine layout with these fields from the rank's cache; the `copy` names private."""
     from vlaunch.cache.client.weights import Weights
 
     if mode not in ("share", "copy"):
         raise ValueError(f"an engine layout is mapped in share or copy mode, not {mode!r}")
     checked = el.check_fields(fields)
-    key = el.layout_key(checked)
-    client = CacheClient(path, timeout=timeout)
+    client = CacheClient(target.socket, timeout=timeout)
     try:
         with collector.paused():  # as for the raw layout (loader._from_cache)
-            copy, tensors = _handoff(client, model, layout, device, checked, mode, plan,
-                                     kernel_backends, loader, quantization)
+            copy, tensors = _handoff(client, target, checked, mode)
     except BaseException:
         client.close()
         raise
@@ -70,31 +73,22 @@ def load_layout(path: os.PathLike[str] | str, model: str, layout: Layout, device
             tensors[name] = tensors[name].clone()
     weights = Weights(tensors)
     weights.source, weights.client, weights.bytes_outside = "cache", client, client.bytes_mapped
-    weights.layout, weights.copied = key, frozenset(copy)
+    weights.layout, weights.copied = el.layout_key(checked), frozenset(copy)
     if mode != "share":  # a share lease lasts while the engine holds the mapped tensors
         client.close()
     return weights
 
 
-def layout_nbytes(path: os.PathLike[str] | str, model: str, layout: Layout, device: str,
-                  fields: Mapping[str, Any], *, plan: str = DEFAULT_PLAN,
-                  kernel_backends: str = "", loader: str = "vlaunch",
-                  quantization: str | None = None) -> int:
+def layout_nbytes(target: Target, fields: Mapping[str, Any]) -> int:
     """Bytes a share-mode load of this engine layout would map (its copied tensors are the
     engine's own); 0 when the rank holds no matching layout. Maps nothing."""
-    from vlaunch.cache.contract.errors import (
-        CacheUnavailableError,
-        FingerprintMismatchError,
-    )
-
     checked = el.check_fields(fields)
     try:
-        client = CacheClient(path)
+        client = CacheClient(target.socket)
     except CacheUnavailableError:
         return 0
     try:
-        manifest, copy = _checked_manifest(client, model, layout, device, checked, plan,
-                                           kernel_backends, loader, quantization)
+        manifest, copy = _checked_manifest(client, target, checked)
     except (LayoutMissError, CacheUnavailableError, FingerprintMismatchError, CacheBrokenError):
         return 0
     finally:
@@ -103,24 +97,18 @@ def layout_nbytes(path: os.PathLike[str] | str, model: str, layout: Layout, devi
     return manifest.nbytes - sum(t.nbytes for t in manifest.tensors if t.name in copied)
 
 
-def _handoff(client: CacheClient, model: str, layout: Layout, device: str,
-             checked: dict[str, str], mode: str, plan: str, kernel_backends: str, loader: str,
-             quantization: str | None) -> tuple[list[str], dict[str, torch.Tensor]]:
+def _handoff(client: CacheClient, target: Target, checked: dict[str, str], mode: str
+             ) -> tuple[list[str], dict[str, torch.Tensor]]:
     """The layout's copied names and its tensors, in one round trip: the listing, the hello,
-    the manifest and the open go out at once (with four round trips one after another, and
-    the collector on, a 320-tensor layout took 7.9 ms against the raw layout's 6.2 on a 2-core
-    VM; now 6.4-6.6: benchmarks/results/cpu.md). Where the checkpoint cannot be read here,
-    the hello needs the identity the listing recorded: one request at a time."""
-    from vlaunch.cache.client.weights import expected_fingerprint
-
+    the manifest and the open go out at once (benchmarks/results/cpu.md has the figures).
+    Where the checkpoint cannot be read here, the hello needs the identity the listing
+    recorded: one request at a time."""
     key = el.layout_key(checked)
     try:
-        base = expected_fingerprint(model, layout, device, plan, kernel_backends, loader,
-                                    socket=client.path, quantization=quantization)
+        base = target.fingerprint()
     except (ModelNotFoundError, CheckpointError, OSError):
-        manifest, copy = _checked_manifest(client, model, layout, device, checked, plan,
-                                           kernel_backends, loader, quantization)
-        return copy, client.map(manifest, mode=mode, device=device, layout=key)
+        manifest, copy = _checked_manifest(client, target, checked)
+        return copy, client.map(manifest, mode=mode, device=target.device, layout=key)
     replies = client.exchange([
         {"op": "layouts"},
         # a layout with other fields answers a mismatch that lists every differing field
@@ -141,20 +129,18 @@ def _handoff(client: CacheClient, model: str, layout: Layout, device: str,
         wire.close_fds(fds)
         raise
     opened, fds = client.checked(opened, fds)  # an error reply's fds are closed
-    return copy, client.map_reply(opened, fds, manifest, mode=mode, device=device)
+    return copy, client.map_reply(opened, fds, manifest, mode=mode, device=target.device)
 
 
-def _checked_manifest(client: CacheClient, model: str, layout: Layout, device: str,
-                      checked: dict[str, str], plan: str, kernel_backends: str, loader: str,
-                      quantization: str | None) -> tuple[Manifest, list[str]]:
+def _checked_manifest(client: CacheClient, target: Target, checked: dict[str, str]
+                      ) -> tuple[Manifest, list[str]]:
     """After a fingerprint check, the layout's manifest and the names of its copied tensors."""
     key = el.layout_key(checked)
     held = _listing(client)
     if not held:
         raise LayoutMissError(f"the cache at {client.path} holds no engine layout yet")
     recorded = next((x.get("fingerprint") for x in held if x.get("key") == key), None)
-    base = _raw_fingerprint(client, model, layout, device, plan, kernel_backends, loader,
-                            quantization, recorded)
+    base = _raw_fingerprint(client, target, recorded)
     # a layout with other fields answers a mismatch that lists every differing field
     client.request({**client.hello_request(el.extend(base, checked)), "layout": key})
     reply, _ = client.request({"op": "manifest", "layout": key})
@@ -162,57 +148,46 @@ def _checked_manifest(client: CacheClient, model: str, layout: Layout, device: s
     return manifest, _copy_names(reply.get("copy"), manifest)
 
 
-def hand_back(tensors: Mapping[str, torch.Tensor], *, model: str, fields: Mapping[str, Any],
-              copy: Iterable[str] = (), rank: int = 0, tensor_parallel_size: int = 1,
-              pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
-              socket_dir: str | None = None, device: str | None = None,
-              release_raw: bool = True, plan: str | None = None, kernel_backends: str = "",
-              loader: str = "vlaunch", quantization: str | None = None,
-              timeout: float = 0.0) -> Weights:
+def hand_back(tensors: Mapping[str, torch.Tensor], target: Target | None = None, *,
+              fields: Mapping[str, Any], copy: Iterable[str] = (), release_raw: bool = True,
+              timeout: float = 0.0, **given: Unpack[TargetArgs]) -> Weights:
     """Give the rank's cache these (post-processed) parameters as its engine layout.
 
-    One device copy per tensor into slabs the cache allocates; then the cache serves them
-    under the raw fingerprint extended by `fields`, and (release_raw) drops its raw layout.
-    Returns the engine layout as `load(..., layout=fields)` would: rebind the parameters to
-    these tensors, drop every reference to the originals, then `release_cached(device)`: one
-    copy on the device. `copy` names tensors the engine writes into later: they come back
-    (now and on every later start) as private copies.
+    `target` (or `given`, as load() takes it): the rank whose cache takes them. One device
+    copy per tensor into slabs the cache allocates; then the cache serves them under the raw
+    fingerprint extended by `fields`, and (release_raw) drops its raw layout. Returns the
+    engine layout as `load(target, layout=fields)` would: rebind the parameters to these
+    tensors, drop every reference to the originals, then `release_cached(device)`: one copy
+    on the device. `copy` names tensors the engine writes into later: they come back (now and
+    on every later start) as private copies.
     """
     import torch
 
-    from vlaunch.cache.client.weights import default_device
-
-    plan = plan or EngineEnv.from_env().plan_or_default  # the plan vlaunch run named
+    target = as_target(target, given)
     checked = el.check_fields(fields)
     copied = list(dict.fromkeys(copy))
     unknown = [n for n in copied if n not in tensors]
     if unknown:
         raise ValueError(f"copy names tensors that are not handed back: {unknown[:5]}")
-    lay = Layout.from_global(rank, tensor_parallel_size, pipeline_parallel_size,
-                             data_parallel_size)
-    device = device or default_device()
-    backend = backend_for(device)
+    backend = backend_for(target.device)
     manifest = _pack(tensors, backend)
-    path = socket_path(socket_dir or default_socket_dir(), rank)
-    client = CacheClient(path, timeout=timeout)
+    client = CacheClient(target.socket, timeout=timeout)
     try:
-        base = _raw_fingerprint(client, model, lay, device, plan, kernel_backends, loader,
-                                quantization, None)
+        base = _raw_fingerprint(client, target, None)
         _, fds = client.request({"op": "layout_alloc", "fingerprint": base, "fields": checked,
                                  "sizes": list(manifest.slab_sizes)})
-        _fill(fds, manifest, tensors, backend, device)
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
+        _fill(fds, manifest, tensors, backend)
+        if target.device.startswith("cuda"):
+            torch.cuda.synchronize(target.device)
         client.request({"op": "layout_commit", "fields": checked,
                         "tensors": manifest.to_wire()["tensors"], "copy": copied,
                         "release_raw": release_raw})
     finally:
         client.close()
     log.info("rank %d: handed %d tensors (%.2f GB) back to the cache as engine layout %s; "
-             "%d shared, %d copied", rank, len(manifest.tensors), manifest.nbytes / 1e9,
+             "%d shared, %d copied", target.rank, len(manifest.tensors), manifest.nbytes / 1e9,
              el.layout_key(checked), len(manifest.tensors) - len(copied), len(copied))
-    return load_layout(path, model, lay, device, checked, plan=plan,
-                       kernel_backends=kernel_backends, loader=loader, quantization=quantization)
+    return load_layout(target, checked)
 
 
 def release_cached(device: str) -> None:
@@ -232,28 +207,21 @@ def release_cached(device: str) -> None:
     torch.cuda.empty_cache()
 
 
-def _raw_fingerprint(client: CacheClient, model: str, layout: Layout, device: str, plan: str,
-                     kernel_backends: str, loader: str, quantization: str | None,
-                     recorded: Any) -> dict[str, str]:
+def _raw_fingerprint(client: CacheClient, target: Target, recorded: Any) -> fp.Fingerprint:
     """This engine rank's raw fingerprint. When the checkpoint cannot be read here (moved away
     once the engine layout exists), its identity as recorded in the layout's fingerprint
     (`recorded`), which was built from what the cache read; else the error stands."""
-    from vlaunch.cache.client.weights import expected_fingerprint
-
     try:
-        return expected_fingerprint(model, layout, device, plan, kernel_backends, loader,
-                                    socket=client.path, quantization=quantization)
+        return target.fingerprint()
     except (ModelNotFoundError, CheckpointError, OSError) as exc:
         if not isinstance(recorded, dict):
             raise LayoutMissError(f"the cache at {client.path} holds no engine layout with "
                                   f"these fields, and the checkpoint cannot be read ({exc})"
                                   ) from None
         log.warning("checkpoint %s cannot be read (%s); matching the engine layout on the "
-                    "checkpoint identity the cache recorded when it read it", model, exc)
-        return expected_fingerprint(model, layout, device, plan, kernel_backends, loader,
-                                    identities=(str(recorded.get("checkpoint", "")),
-                                                str(recorded.get("checkpoint_data", ""))),
-                                    quantization=quantization)
+                    "checkpoint identity the cache recorded when it read it", target.model, exc)
+        return target.fingerprint(CheckpointIdentity(str(recorded.get("checkpoint", "")),
+                                                     str(recorded.get("checkpoint_data", ""))))
 
 
 def _listing(client: CacheClient) -> list[dict[str, Any]]:
@@ -277,7 +245,7 @@ def _copy_names(names: Any, manifest: Manifest) -> list[str]:
     return names
 
 
-def _pack(tensors: Mapping[str, torch.Tensor], backend: Any) -> Manifest:
+def _pack(tensors: Mapping[str, torch.Tensor], backend: Backend) -> Manifest:
     """Lay the tensors out in slabs; a dense tensor keeps its strides (a transposed weight
     stays transposed), anything else is stored contiguous."""
     from vlaunch.cache.store.dtypes import from_torch, header_shape, is_plain
@@ -311,7 +279,7 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def _fill(fds: list[int], manifest: Manifest, tensors: Mapping[str, torch.Tensor],
-          backend: Any, device: str) -> None:
+          backend: Backend) -> None:
     """Map the new slabs writable, copy each tensor in (one device copy each), unmap."""
     try:
         if len(fds) != len(manifest.slab_sizes):

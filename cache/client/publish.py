@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vlaunch.cache.client.connection import CacheClient, import_slabs
+from vlaunch.cache.client.connection import CacheClient
+from vlaunch.cache.client.mapping import Opened, import_slabs
 from vlaunch.cache.contract import wire
 from vlaunch.cache.contract.engine_env import EngineEnv
 from vlaunch.cache.contract.errors import VlaunchError
@@ -118,17 +119,14 @@ def _device(manifest: Manifest, mode: str, rank: int, device: str | None) -> str
         return "cpu"
     if device:
         return device
-    env = EngineEnv.from_env()
-    if rank in env.ranks and len(env.engine_devices) > env.ranks.index(rank):
-        return env.engine_devices[env.ranks.index(rank)]
-    return "cuda"
+    return EngineEnv.from_env().engine_device(rank) or "cuda"
 
 
 def _write(tensors: Mapping[str, torch.Tensor], manifest: Manifest, fds: list[int],
            device: str) -> None:
     """Map the staging slabs writable, copy every tensor into its place (device to device
     where both are on the GPU), and drop the mappings: nothing of ours writes after commit."""
-    slabs = import_slabs(fds, manifest.slab_sizes, device, readonly=False)
+    slabs = import_slabs(fds, Opened(manifest.slab_sizes), device, writable=True)
     try:
         places = views(manifest, slabs)
         for name, t in tensors.items():

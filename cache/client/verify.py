@@ -26,7 +26,7 @@ from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.logs import setup_logging
 from vlaunch.cache.contract.sockdir import default_socket_dir
 from vlaunch.cache.store.identity import compare_digests, expected_digests
-from vlaunch.cache.store.plan import Layout
+from vlaunch.cache.store.plan import Position
 
 log = logging.getLogger("vlaunch.verify")
 PAGE = 1024
@@ -50,7 +50,7 @@ def verify_rank(socket: Path, model: str = "", threads: int = 8,
                     "model": f"published {checkpoint['published']}", "tensors": len(held),
                     "changed": [], "mismatches": compare_digests(held, recorded)}
         fp = status["fingerprint"]
-        layout = Layout(**{k: int(fp[k]) for k in ("tp_size", "tp_rank", "pp_size", "pp_rank",
+        layout = Position(**{k: int(fp[k]) for k in ("tp_size", "tp_rank", "pp_size", "pp_rank",
                                                    "dp_size", "dp_rank")})
         path = model or checkpoint.get("model") or ""
         if not path:

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
+from vlaunch.cache.contract import settings
 from vlaunch.cache.contract.errors import UsageError
 from vlaunch.cache.contract.roles import check_role
 
 DEFAULT_PLAN = "llama"
 """The shard plan used when nobody names one (the launcher, a rank, `load()`)."""
 READER_THREADS = 12
-"""Reader threads of a first load (a rank's `--threads`, an engine's disk fallback). On an
-H200 host (16 cores), TP 1 warm, 12 beat 8 in each of 7 alternated rounds over two machines
-(medians 39.0 against 36.9 GB/s, then 31.2 against 28.3); 16 was no better than 12
+"""Reader threads of a first load (a rank's `--threads`, an engine's disk fallback): on an
+H200 host (16 cores) 12 beat 8 in every alternated round, and 16 was no better than 12
 (benchmarks/results/gpu_2026-12-01.md)."""
 PREFIX = "VLAUNCH_"
 
@@ -31,9 +31,7 @@ def env_name(name: str) -> str:
 
 class EngineEnv(NamedTuple):
     """What `vlaunch run` tells its engine; an unset field is "" / None / () (not given).
-
-    A NamedTuple rather than a frozen dataclass: every engine start defines it, and a frozen
-    dataclass costs several times more to define (the same fields, repr and equality)."""
+    Each field is the registered setting VLAUNCH_<FIELD> (settings.py)."""
 
     model: str = ""
     socket_dir: str = ""
@@ -64,14 +62,9 @@ class EngineEnv(NamedTuple):
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> EngineEnv:
-        """The fields from VLAUNCH_* variables; a malformed one raises UsageError naming it."""
-        env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        for name in cls._fields:
-            raw = env.get(env_name(name), "").strip()
-            if raw:
-                values[name] = _parse(name, raw)
-        return cls(**values)
+        """The fields from VLAUNCH_* variables (settings.py reads and types them); a malformed
+        one raises UsageError naming it."""
+        return cls(*(settings.get(env_name(name), env) for name in cls._fields))
 
     def for_role(self, role: str) -> EngineEnv:
         """The view of one cache group: the draft's model and plan stand in for the target's."""
@@ -85,6 +78,12 @@ class EngineEnv(NamedTuple):
             return self  # the target's own checkpoint (MTP): its group serves the draft
         return self._replace(model=self.draft_model, plan=self.draft_plan or "replicate")
 
+    def engine_device(self, rank: int) -> str:
+        """The device global rank `rank`'s cache holds it on ("" when vlaunch run says none)."""
+        if rank not in self.ranks or self.ranks.index(rank) >= len(self.engine_devices):
+            return ""
+        return self.engine_devices[self.ranks.index(rank)]
+
     def published_identity(self, rank: int) -> str:
         """The identity of the published version rank `rank` serves ("" for a checkpoint's
         files): set by the launcher after a trainer published (docs/swap.md)."""
@@ -97,26 +96,3 @@ class EngineEnv(NamedTuple):
     def plan_or_default(self) -> str:
         """The plan, or DEFAULT_PLAN when the launcher named none."""
         return self.plan or DEFAULT_PLAN
-
-
-_INTS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "attempt")
-
-
-def _parse(name: str, raw: str) -> Any:
-    """One variable's value, typed; UsageError naming the variable when malformed."""
-    try:
-        if name in _INTS:
-            value = int(raw)
-            if value < (0 if name == "attempt" else 1):
-                raise ValueError("out of range")
-            return value
-        if name == "ranks":
-            return tuple(int(x) for x in raw.split(",") if x.strip())
-        if name in ("engine_devices", "checkpoint_data"):
-            return tuple(x.strip() for x in raw.split(",") if x.strip())
-        if name == "preload":
-            return raw not in ("0", "false", "no")
-    except ValueError:
-        raise UsageError(f"{env_name(name)}={raw!r} is malformed; unset it or give a "
-                         "positive integer (ranks: a comma list)") from None
-    return raw

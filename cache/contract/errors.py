@@ -13,8 +13,8 @@ class exit_status:
     `ExitStatus` when read.
 
     Every engine start imports this module, and most never raise: building the exit-status
-    enum and its table took 1.3 ms of the loader's import on a 2-core machine. Looked up on
-    first read instead.
+    enum and its table was a large part of the loader's import (benchmarks/results/
+    figures.md). Looked up on first read instead.
     """
 
     def __init__(self, name: str) -> None:

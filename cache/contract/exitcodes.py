@@ -43,8 +43,8 @@ class ExitStatus(enum.IntEnum):
 
 
 class ExitInfo(NamedTuple):
-    """One row of the exit-status table (a NamedTuple: every process that can fail imports
-    this module, and a frozen dataclass costs several times more to define)."""
+    """One row of the exit-status table (a NamedTuple: see vlaunch.cache; every process that
+    can fail imports this module)."""
 
     status: ExitStatus
     who: str

@@ -71,7 +71,7 @@ def compare(cache: Mapping[str, Any], engine: Mapping[str, Any]) -> list[tuple[s
 
 def installed_torch_version() -> str:
     """torch.__version__, without importing torch where no one has (a CPU cache rank never
-    does: the import costs it 2 s and 250 MB): read from torch's own version.py."""
+    does: the import costs it seconds and hundreds of MB): read from torch's own version.py."""
     torch = sys.modules.get("torch")
     if torch is not None:
         return str(torch.__version__)

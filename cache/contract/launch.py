@@ -27,7 +27,8 @@ from vlaunch.cache.contract.engine_env import (
 from vlaunch.cache.contract.errors import UsageError
 
 # The engine's side lives in engine_env.py (an engine's load() must not import click).
-__all__ = ["DEFAULT_PLAN", "PREFIX", "READER_THREADS", "EngineEnv", "RankArgs", "rank_command"]
+__all__ = ["DEFAULT_PLAN", "PREFIX", "READER_THREADS", "EngineEnv", "RankArgs",
+           "check_seed_listening", "rank_command"]
 
 
 def _opt(flag: str, help: str, *, type: Any = None, env: bool = True,
@@ -124,6 +125,14 @@ class RankArgs:
             return cls(**command.make_context("cache", list(argv)).params)
         except click.ClickException as exc:
             raise UsageError(exc.format_message()) from None
+
+
+def check_seed_listening(port: int, token: str) -> None:
+    """A seed source (a listening port) needs a token: UsageError naming the fix otherwise.
+    `vlaunch run` checks its options with it, and a rank its own."""
+    if port and not token:
+        raise UsageError("--seed-listen-port needs a seed token: set VLAUNCH_SEED_TOKEN (or "
+                         "--seed-token) to a long secret, or drop --seed-listen-port")
 
 
 def rank_command(name: str, run: Callable[[RankArgs], Any], help: str = "") -> click.Command:

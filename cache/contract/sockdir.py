@@ -11,6 +11,7 @@ import stat
 import struct
 from pathlib import Path
 
+from vlaunch.cache.contract import settings
 from vlaunch.cache.contract.errors import CacheBusyError, ProtocolError, SocketDirError
 from vlaunch.cache.contract.roles import TARGET, stem
 
@@ -19,8 +20,8 @@ MAX_SUN_PATH = 107
 
 def default_socket_dir() -> Path:
     """$VLAUNCH_SOCKET_DIR, else $XDG_RUNTIME_DIR/vlaunch, else /tmp/vlaunch-<uid>."""
-    if os.environ.get("VLAUNCH_SOCKET_DIR"):
-        return Path(os.environ["VLAUNCH_SOCKET_DIR"])
+    if settings.get("VLAUNCH_SOCKET_DIR"):
+        return Path(settings.get("VLAUNCH_SOCKET_DIR"))
     if os.environ.get("XDG_RUNTIME_DIR"):
         return Path(os.environ["XDG_RUNTIME_DIR"]) / "vlaunch"
     return Path(f"/tmp/vlaunch-{os.geteuid()}")

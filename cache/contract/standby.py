@@ -19,6 +19,7 @@ import os
 import select
 from collections.abc import Callable, Mapping
 
+from . import settings
 from .errors import VlaunchError, exit_status
 
 STANDBY_ENV = "VLAUNCH_ENGINE_STANDBY"
@@ -47,18 +48,17 @@ def standby_env(promote_fd: int) -> dict[str, str]:
 
 def is_standby(env: Mapping[str, str] | None = None) -> bool:
     """Whether this engine was started as a standby."""
-    return (os.environ if env is None else env).get(STANDBY_ENV, "0") == "1"
+    return settings.get(STANDBY_ENV, env) == "1"
 
 
 def parks_before_weights(env: Mapping[str, str] | None = None) -> bool:
     """Whether this standby parks before it maps its weights (PARK_ENV)."""
-    env = os.environ if env is None else env
-    return is_standby(env) and env.get(PARK_ENV, "") == "before-weights"
+    return is_standby(env) and settings.get(PARK_ENV, env) == "before-weights"
 
 
 def promote_fd(env: Mapping[str, str] | None = None) -> int:
     """The promote fd a standby was given; StandbyError if it is missing or malformed."""
-    raw = (os.environ if env is None else env).get(PROMOTE_FD_ENV, "")
+    raw = settings.get(PROMOTE_FD_ENV, env)
     if not raw.isdigit():
         raise StandbyError(f"{STANDBY_ENV}=1 but {PROMOTE_FD_ENV}={raw!r} is not an fd number; "
                            "start standbys with vlaunch run --standby, or unset "

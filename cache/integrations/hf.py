@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from vlaunch.cache.client.loader import load
 from vlaunch.cache.contract.errors import UsageError
 from vlaunch.cache.integrations.meta import parameters_on_meta
+from vlaunch.cache.store.target import Target
 
 if TYPE_CHECKING:
     import torch
@@ -28,22 +29,24 @@ class HFModelError(UsageError):
     """The cached tensors do not fit the transformers model built from the config."""
 
 
-def load_hf_model(model_dir: str, *, model_class: Any = None, mode: str = "share",
+def load_hf_model(target: Target | str, *, model_class: Any = None, mode: str = "share",
                   config: Any = None, **load_kwargs: Any) -> torch.nn.Module:
-    """A transformers model of `model_dir` (eval mode) with its weights from the vlaunch cache.
+    """A transformers model (eval mode) with its weights from the vlaunch cache.
 
-    `model_class` defaults to `AutoModelForCausalLM`; `config` to `AutoConfig` of the
-    directory; `load_kwargs` go to `vlaunch.cache.load` (rank, socket_dir, fallback, timeout,
-    device, plan, ...). The tensors keep the checkpoint's dtype. Share-mode parameters are
-    read-only: do not train or modify them in place (use mode="copy" for that).
+    `target`: a Target, or the model directory (then `load_kwargs` may name the rest of it:
+    rank, socket_dir, device, plan, ...); `load_kwargs` also take load()'s fallback and
+    timeout. `model_class` defaults to `AutoModelForCausalLM`; `config` to `AutoConfig` of the
+    directory. The tensors keep the checkpoint's dtype. Share-mode parameters are read-only:
+    do not train or modify them in place (use mode="copy" for that).
     """
     import transformers
 
+    model_dir = target.model if isinstance(target, Target) else target
     config = config or transformers.AutoConfig.from_pretrained(model_dir)
     model_class = model_class or transformers.AutoModelForCausalLM
     with parameters_on_meta():
         model = model_class.from_config(config)
-    weights = load(model_dir, mode=mode, **load_kwargs)
+    weights = load(target, mode=mode, **load_kwargs)
     assign(model, weights, read_only=mode == "share" and weights.source == "cache")
     log.info("transformers model %s: weights from %s (%d bytes outside the engine)",
              type(model).__name__, weights.source, weights.bytes_outside)

@@ -40,7 +40,6 @@ plan, kernel_backends, loader; the rest from the environment `vlaunch run` sets.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
@@ -48,12 +47,15 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.contract.errors import UsageError
-from vlaunch.cache.contract.launch import EngineEnv
 from vlaunch.cache.contract.protocol import MODES
+from vlaunch.cache.contract.roles import DRAFT, TARGET
 from vlaunch.cache.contract.standby import is_standby, parks_before_weights
+from vlaunch.cache.store.target import Target
 
 if TYPE_CHECKING:
     import torch
+
+    from vlaunch.cache.client.weights import Weights
 
 log = logging.getLogger("vllm.vlaunch")  # under vLLM's logger: its handlers print it
 
@@ -97,11 +99,6 @@ class LoaderOptions:
                                   f"keys {unknown}; use {sorted(known)}")
         return cls(**extra)
 
-    def plan_for(self, tp_size: int) -> str:
-        """The caches' plan: named, or what vlaunch run says, else the default every component
-        shares (DEFAULT_PLAN, as `vlaunch run` and `vlaunch cache`)."""
-        return self.plan or EngineEnv.from_env().plan_or_default
-
 
 def register() -> None:
     """The `vllm.general_plugins` entry point: add the `vlaunch` load format."""
@@ -130,109 +127,136 @@ def _loader_class() -> type:
 
         def get_external_weight_memory(self, vllm_config: Any) -> int:
             """Bytes the rank will map from its cache (share mode), for vLLM's budget."""
-            if self.options.mode != "share":
-                return 0
-            from vlaunch.cache.client.loader import cached_nbytes
-
-            model = vllm_config.model_config.model
-            where = _where(vllm_config, self.options)
-            held = 0
-            if self.options.engine_layout:  # the engine layout, when the rank holds it
-                held = _layout_nbytes(model, where, layout_fields(vllm_config,
-                                                                  vllm_config.model_config))
-            held = held or cached_nbytes(model, **where)
-            _check_budget(held, vllm_config, where["device"])
-            return held
+            return external_bytes(vllm_config, self.options)
 
         def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
             """Fill an already built model from the cache (vLLM's reload path): copies."""
-            weights = self._cached(model_config, None)
-            _fill(model, weights, {}, model_config)
+            config = get_vllm_config()
+            target = vllm_target(config, model_config, self.options)
+            _fill(model, _cached(target, self.options, config, None), {}, model_config)
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
             """Build on meta, take the cache's tensors, let the model finish its loading."""
-            import torch
-            from vllm.model_executor.model_loader.utils import process_weights_after_loading
-            from vllm.utils.torch_utils import set_default_torch_dtype
-
-            from vlaunch.cache.integrations.meta import parameters_on_meta
-
-            start = time.perf_counter()
-            load_device = vllm_config.load_config.device or vllm_config.device_config.device
-            target = torch.device(load_device)
-            fields = (layout_fields(vllm_config, model_config) if self.options.engine_layout
-                      and self.options.mode in ("share", "copy") else None)
-            early = parks_before_weights()  # an in-place swap's standby (docs/swap.md)
-            if early:  # devices and groups up, no weight mapped: park before the cache's
-                from vlaunch.cache.integrations.vllm_standby import park
-
-                start += park(self.options.mode)
-            weights = self._cached(model_config, vllm_config, fields)
-            with set_default_torch_dtype(model_config.dtype):
-                with target, parameters_on_meta():
-                    model = self.create_model(vllm_config=vllm_config,
-                                              model_config=model_config, prefix=prefix)
-                if weights.layout:  # vLLM's own per-rank parameters: no load_weights
-                    _adopt_layout(model, weights)
-                    assigned = dict(weights)
-                else:
-                    assigned = self._fill_raw(model, weights, model_config, target)
-                    if fields is not None and self.options.mode == "share" and (
-                            weights.source == "cache" or "released" in weights.reason):
-                        weights = _hand_back(model, fields, vllm_config, self.options) \
-                            or weights
-                if is_standby() and not early:  # weights mapped, nothing exclusive: park
-                    from vlaunch.cache.integrations.vllm_standby import park
-
-                    start += park(self.options.mode)  # the log line times the load only
-                process_weights_after_loading(model, model_config, target)
-            if weights.layout:
-                log.info("vlaunch load format: rank %d: engine layout %s: %d parameters "
-                         "shared, %d copied (%s), in %.3f s", _where(vllm_config, self.options)
-                         ["rank"], weights.layout, len(weights) - len(weights.copied),
-                         len(weights.copied), ", ".join(sorted(weights.copied)[:8]) or "none",
-                         time.perf_counter() - start)
-            else:
-                log.info("vlaunch load format: %d of %d tensors mapped from the %s, the rest "
-                         "loaded by vLLM, in %.3f s", len(assigned), len(weights),
-                         weights.source, time.perf_counter() - start)
-            return model.eval()
-
-        def _fill_raw(self, model: Any, weights: Any, model_config: Any, target: Any
-                      ) -> dict[str, Any]:
-            """Fill the model from the raw layout (whole tensors) or, sliced, the checkpoint."""
-            config = get_vllm_config()
-            where = _where(config, self.options)
-            plan = where["plan"]
-            if draft_role(config, model_config) == "draft":  # the draft group's own plan
-                from vlaunch.cache.contract.engine_env import EngineEnv
-                from vlaunch.cache.contract.errors import UsageError
-
-                with contextlib.suppress(UsageError):  # no draft group: load() says so
-                    plan = EngineEnv.from_env().for_role("draft").plan_or_default
-            whole = where["tensor_parallel_size"] == 1 or plan == "replicate"
-            if not whole and weights.source == "cache":  # sliced: vLLM slices from the files
-                weights = _disk_weights(self.load_config, model_config, model)
-                _fill(model, weights, {}, model_config, target)
-                return {}
-            share = self.options.mode == "share" and weights.source == "cache"
-            assigned = _assign(model, weights) if share else {}
-            _fill(model, weights, assigned, model_config, target)
-            return assigned
-
-        def _cached(self, model_config: Any, vllm_config: Any, layout: Any = None) -> Any:
-            from vlaunch.cache.client.loader import load
-
-            config = vllm_config or get_vllm_config()
-            eplb = getattr(config.parallel_config, "enable_eplb", False)
-            where, role = _where(config, self.options), draft_role(config, model_config)
-            if role == "draft":  # the draft group's plan: VLAUNCH_DRAFT_PLAN
-                where["plan"], layout = None, None
-            return load(model_config.model, mode=self.options.mode,
-                        fallback=self.options.fallback, timeout=self.options.timeout,
-                        layout=layout, rewrites="EPLB" if eplb else None, role=role, **where)
+            return load_model(self, vllm_config, model_config, prefix)
 
     return VlaunchModelLoader
+
+
+def vllm_target(vllm_config: Any, model_config: Any, options: LoaderOptions) -> Target:
+    """What this vLLM worker wants of its cache: its rank and sizes from vLLM's parallel
+    config, its device, the load format's options, the rest from vlaunch run's environment;
+    a speculative draft model's load asks the draft group (its plan: VLAUNCH_DRAFT_PLAN)."""
+    import torch
+    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+
+    par = vllm_config.parallel_config
+    tp, pp, dp = par.tensor_parallel_size, par.pipeline_parallel_size, par.data_parallel_size
+    dp_rank = par.data_parallel_rank if dp > 1 else 0
+    rank = (dp_rank * pp + get_pp_group().rank_in_group) * tp + get_tensor_model_parallel_rank()
+    device = str(vllm_config.device_config.device)
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    role = draft_role(vllm_config, model_config)
+    return Target.resolve(model_config.model, rank=rank, tensor_parallel_size=tp,
+                          pipeline_parallel_size=pp, data_parallel_size=dp,
+                          socket_dir=options.socket_dir or None, device=device,
+                          plan=(options.plan or None) if role == TARGET else None,
+                          kernel_backends=options.kernel_backends or None,
+                          loader=options.loader, role=role)
+
+
+def external_bytes(vllm_config: Any, options: LoaderOptions) -> int:
+    """Bytes the rank will map from its cache in share mode (its engine layout's, else the
+    raw layout's); refuses a start whose mapped weights exceed the GPU memory budget."""
+    if options.mode != "share":
+        return 0
+    from vlaunch.cache.client.layout import layout_nbytes
+    from vlaunch.cache.client.loader import cached_nbytes
+
+    target = vllm_target(vllm_config, vllm_config.model_config, options)
+    held = 0
+    if options.engine_layout:  # the engine layout, when the rank holds it
+        held = layout_nbytes(target, layout_fields(vllm_config, vllm_config.model_config))
+    held = held or cached_nbytes(target)
+    _check_budget(held, vllm_config, target.device)
+    return held
+
+
+def load_model(loader: Any, vllm_config: Any, model_config: Any, prefix: str) -> Any:
+    """Build the model on meta, take the cache's tensors (its engine layout, else the raw
+    layout, handed back as the engine layout), then let vLLM finish its post-load processing."""
+    import torch
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from vlaunch.cache.integrations.meta import parameters_on_meta
+
+    start = time.perf_counter()
+    options = loader.options
+    device = torch.device(vllm_config.load_config.device or vllm_config.device_config.device)
+    target = vllm_target(vllm_config, model_config, options)
+    fields = (layout_fields(vllm_config, model_config) if options.engine_layout
+              and options.mode in ("share", "copy") and target.role != DRAFT else None)
+    early = parks_before_weights()  # an in-place swap's standby (docs/swap.md)
+    if early:  # devices and groups up, no weight mapped: park before the cache's
+        from vlaunch.cache.integrations.vllm_standby import park
+
+        start += park(options.mode)
+    weights = _cached(target, options, vllm_config, fields)
+    with set_default_torch_dtype(model_config.dtype):
+        with device, parameters_on_meta():
+            model = loader.create_model(vllm_config=vllm_config, model_config=model_config,
+                                        prefix=prefix)
+        if weights.layout:  # vLLM's own per-rank parameters: no load_weights
+            _adopt_layout(model, weights)
+            assigned = dict(weights)
+        else:
+            assigned = _fill_raw(loader, model, weights, model_config, device, target)
+            if fields is not None and options.mode == "share" and (
+                    weights.source == "cache" or "released" in weights.reason):
+                weights = _hand_back(model, fields, target) or weights
+        if is_standby() and not early:  # weights mapped, nothing exclusive taken: park here
+            from vlaunch.cache.integrations.vllm_standby import park
+
+            start += park(options.mode)  # the log line times the load only
+        process_weights_after_loading(model, model_config, device)
+    _log_loaded(target, weights, assigned, time.perf_counter() - start)
+    return model.eval()
+
+
+def _log_loaded(target: Target, weights: Weights, assigned: dict[str, Any], seconds: float
+                ) -> None:
+    if weights.layout:
+        log.info("vlaunch load format: rank %d: engine layout %s: %d parameters shared, %d "
+                 "copied (%s), in %.3f s", target.rank, weights.layout,
+                 len(weights) - len(weights.copied), len(weights.copied),
+                 ", ".join(sorted(weights.copied)[:8]) or "none", seconds)
+    else:
+        log.info("vlaunch load format: %d of %d tensors mapped from the %s, the rest loaded by "
+                 "vLLM, in %.3f s", len(assigned), len(weights), weights.source, seconds)
+
+
+def _fill_raw(loader: Any, model: Any, weights: Weights, model_config: Any, device: Any,
+              target: Target) -> dict[str, Any]:
+    """Fill the model from the raw layout (whole tensors) or, sliced, the checkpoint."""
+    whole = target.position.tp_size == 1 or target.plan == "replicate"
+    if not whole and weights.source == "cache":  # sliced: vLLM slices from the files
+        _fill(model, _disk_weights(loader.load_config, model_config, model), {}, model_config,
+              device)
+        return {}
+    share = loader.options.mode == "share" and weights.source == "cache"
+    assigned = _assign(model, weights) if share else {}
+    _fill(model, weights, assigned, model_config, device)
+    return assigned
+
+
+def _cached(target: Target, options: LoaderOptions, vllm_config: Any, layout: Any) -> Weights:
+    """The rank's weights from its cache (or, with fallback, from disk)."""
+    from vlaunch.cache.client.loader import load
+
+    eplb = getattr(vllm_config.parallel_config, "enable_eplb", False)
+    return load(target, mode=options.mode, fallback=options.fallback, timeout=options.timeout,
+                layout=layout, rewrites="EPLB" if eplb else None)
 
 
 def draft_role(vllm_config: Any, model_config: Any) -> str:
@@ -302,22 +326,6 @@ def _check_budget(nbytes: int, vllm_config: Any, device: str) -> None:
                            device)
 
 
-def _layout_nbytes(model: str, where: dict[str, Any], fields: dict[str, str]) -> int:
-    """Bytes the rank's engine layout with these fields would map; 0 without one."""
-    from vlaunch.cache.client.layout import layout_nbytes
-    from vlaunch.cache.client.weights import engine_args
-    from vlaunch.cache.contract.sockdir import default_socket_dir, socket_path
-    from vlaunch.cache.store.plan import Layout
-
-    _, tp, pp, dp, plan, kernel_backends = engine_args(
-        model, where["tensor_parallel_size"], where["pipeline_parallel_size"],
-        where["data_parallel_size"], where["plan"], where["kernel_backends"])
-    path = socket_path(where["socket_dir"] or default_socket_dir(), where["rank"])
-    return layout_nbytes(path, model, Layout.from_global(where["rank"], tp, pp, dp),
-                         where["device"], fields, plan=plan, kernel_backends=kernel_backends,
-                         loader=where["loader"])
-
-
 def _adopt_layout(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Make each parameter its tensor of the engine layout (shape and dtype must match)."""
     from vlaunch.cache.integrations.meta import set_data
@@ -336,28 +344,18 @@ def _adopt_layout(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> N
         set_data(param, t)
 
 
-def _hand_back(model: torch.nn.Module, fields: dict[str, str], vllm_config: Any,
-               options: LoaderOptions) -> Any:
+def _hand_back(model: torch.nn.Module, fields: dict[str, str], target: Target) -> Any:
     """Hand the loaded parameters back as the rank's engine layout and rebind them to it;
     None (with a warning) when the cache refuses."""
     from vlaunch.cache.client.layout import hand_back, release_cached
-    from vlaunch.cache.client.weights import engine_args
     from vlaunch.cache.contract.errors import VlaunchError
     from vlaunch.cache.integrations.meta import set_data
 
-    where = _where(vllm_config, options)
-    model_path = vllm_config.model_config.model
-    _, tp, pp, dp, plan, kernel_backends = engine_args(
-        model_path, where["tensor_parallel_size"], where["pipeline_parallel_size"],
-        where["data_parallel_size"], where["plan"], where["kernel_backends"])
     params = dict(model.named_parameters())
     copy = [name for name in params if _rewritten(model, name)]
     try:
-        back = hand_back({n: p.data for n, p in params.items()}, model=model_path,
-                         fields=fields, copy=copy, rank=where["rank"], tensor_parallel_size=tp,
-                         pipeline_parallel_size=pp, data_parallel_size=dp,
-                         socket_dir=where["socket_dir"], device=where["device"], plan=plan,
-                         kernel_backends=kernel_backends, loader=where["loader"])
+        back = hand_back({n: p.data for n, p in params.items()}, target, fields=fields,
+                         copy=copy)
     except (VlaunchError, ValueError) as exc:
         log.warning("vlaunch load format: could not hand the engine layout back to the cache "
                     "(%s); vLLM keeps its own copy", exc)
@@ -366,7 +364,7 @@ def _hand_back(model: torch.nn.Module, fields: dict[str, str], vllm_config: Any,
         set_data(param, back[name])
     # vLLM's own copies went with the dict handed back; on CUDA give their memory back to the
     # driver before the post-load processing allocates (one copy, docs/engine-layout.md)
-    release_cached(where["device"])
+    release_cached(target.device)
     return back
 
 
@@ -388,24 +386,6 @@ def _disk_weights(load_config: Any, model_config: Any, model: Any) -> dict[str, 
     plain.load_format, plain.model_loader_extra_config = "safetensors", {}
     source = DefaultModelLoader(plain)
     return dict(source.get_all_weights(model_config, model))
-
-
-def _where(vllm_config: Any, options: LoaderOptions) -> dict[str, Any]:
-    """The rank, sizes, socket dir, device and fingerprint fields of this vLLM worker."""
-    import torch
-    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
-
-    par = vllm_config.parallel_config
-    tp, pp, dp = par.tensor_parallel_size, par.pipeline_parallel_size, par.data_parallel_size
-    dp_rank = par.data_parallel_rank if dp > 1 else 0
-    rank = (dp_rank * pp + get_pp_group().rank_in_group) * tp + get_tensor_model_parallel_rank()
-    device = str(vllm_config.device_config.device)
-    if device == "cuda":
-        device = f"cuda:{torch.cuda.current_device()}"
-    return {"rank": rank, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-            "data_parallel_size": dp, "socket_dir": options.socket_dir or None,
-            "device": device, "plan": options.plan_for(tp),
-            "kernel_backends": options.kernel_backends or None, "loader": options.loader}
 
 
 def _assign(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

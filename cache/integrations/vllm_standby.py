@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Iterator, MutableMapping
 
+from vlaunch.cache.contract import settings
 from vlaunch.cache.contract.errors import UsageError
 from vlaunch.cache.contract.notify import SdNotify
 from vlaunch.cache.contract.peers import proc_pid
@@ -59,7 +60,7 @@ class PromotePipeError(UsageError):
 def export_promote_pipe(env: MutableMapping[str, str] | None = None) -> None:
     """In the process that holds the launcher's promote fd, name the pipe for vLLM's children."""
     env = os.environ if env is None else env
-    if not is_standby(env) or PROMOTE_PIPE_ENV in env:
+    if not is_standby(env) or settings.get(PROMOTE_PIPE_ENV, env):
         return
     fd = promote_fd(env)
     try:
@@ -78,7 +79,7 @@ def open_pipe(env: MutableMapping[str, str] | None = None) -> int:
     process that holds it; PromotePipeError if neither is possible."""
     env = os.environ if env is None else env
     export_promote_pipe(env)  # this process may be the first (single-process vLLM)
-    raw = env.get(PROMOTE_PIPE_ENV, "")
+    raw = settings.get(PROMOTE_PIPE_ENV, env)
     try:
         pid, fd, dev, ino = (int(x) for x in raw.split(":"))
     except ValueError:

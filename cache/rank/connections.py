@@ -19,9 +19,9 @@ import resource
 import socket
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Protocol
 
-from vlaunch.cache.contract import protocol, wire
+from vlaunch.cache.contract import protocol, settings, wire
 from vlaunch.cache.contract.errors import RankStarvedError
 
 log = logging.getLogger("vlaunch.cache")
@@ -34,8 +34,9 @@ IDLE_GRACE = 1.0
 """Seconds a connection must have been quiet before it may be shed (not mid-handoff)."""
 COPY_GRACE = 30.0
 """Seconds a copy-mode connection must have been quiet before it may be shed."""
-STARVED_AFTER = 30.0
-"""Seconds without a successful accept, shedding included, before the rank gives up."""
+STARVED_AFTER = settings.STARVED_AFTER
+"""Seconds without a successful accept, shedding included, before the rank gives up
+($VLAUNCH_STARVED_AFTER overrides)."""
 _SHORT_OF = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
@@ -52,9 +53,9 @@ def raise_nofile_limit() -> tuple[int, int]:
 def connection_bound(env: Mapping[str, str], reserved_fds: int) -> int:
     """The most client connections this rank keeps open: $VLAUNCH_MAX_CONNECTIONS as given,
     else MAX_CONNECTIONS capped by the file-descriptor limit less a reserve."""
-    raw = env.get("VLAUNCH_MAX_CONNECTIONS", "").strip()
-    if raw.isdigit() and int(raw) > 0:
-        return int(raw)
+    given = settings.get("VLAUNCH_MAX_CONNECTIONS", env)
+    if given is not None:
+        return int(given)
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
         return MAX_CONNECTIONS
@@ -63,11 +64,13 @@ def connection_bound(env: Mapping[str, str], reserved_fds: int) -> int:
 
 def starved_after(env: Mapping[str, str]) -> float:
     """$VLAUNCH_STARVED_AFTER (seconds), else STARVED_AFTER."""
-    try:
-        value = float(env.get("VLAUNCH_STARVED_AFTER", "") or STARVED_AFTER)
-    except ValueError:
-        return STARVED_AFTER
-    return value if value > 0 else STARVED_AFTER
+    return float(settings.get("VLAUNCH_STARVED_AFTER", env))
+
+
+class Leased(Protocol):
+    """What the shedding policy reads of a connection's lease (daemon.Lease)."""
+
+    mode: str  # "" before any open; share, copy or copy-release after
 
 
 class Connections:
@@ -98,7 +101,7 @@ class Connections:
         self._socks.pop(cid, None)
         self._active.pop(cid, None)
 
-    def shed_idle(self, leases: Mapping[int, Any], count: int) -> int:
+    def shed_idle(self, leases: Mapping[int, Leased], count: int) -> int:
         """Cut up to `count` idle connections that hold no mapping, quietest first."""
         now = time.monotonic()
         idle = sorted((t, cid) for cid, t in self._active.items()
@@ -114,7 +117,7 @@ class Connections:
         return len(idle[:count])
 
     async def accept_loop(self, loop: asyncio.AbstractEventLoop, listener: socket.socket,
-                          leases: Mapping[int, Any], serve: Callable[[socket.socket], None]
+                          leases: Mapping[int, Leased], serve: Callable[[socket.socket], None]
                           ) -> None:
         """Accept clients forever; hand each to `serve`. Refuses past the bound (after
         shedding), and survives EMFILE; raises RankStarvedError when it can accept no more."""
@@ -140,7 +143,7 @@ class Connections:
                 continue
             serve(conn)
 
-    def _short_of_fds(self, exc: OSError, since: float, leases: Mapping[int, Any]) -> None:
+    def _short_of_fds(self, exc: OSError, since: float, leases: Mapping[int, Leased]) -> None:
         """Log once, shed, and give up once the shortage has lasted `starved_after`."""
         if not self._short_logged:
             self._short_logged = True
@@ -174,7 +177,7 @@ class Connections:
             conn.close()
 
 
-def _grace(lease: Any) -> float:
+def _grace(lease: Leased | None) -> float:
     """Seconds of quiet after which a connection may be shed: IDLE_GRACE if it never opened
     the slabs; longer after a copy (its copies may still run); never while it maps them."""
     if lease is None or not lease.mode:

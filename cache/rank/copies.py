@@ -7,10 +7,10 @@ into them as soon as the `open` request arrives, then sends their fds. The engin
 read-write while the copy runs (they are its memory from then on: the rank lets go of its own
 handles), and the rank answers the engine's `copied` request once the copy is done.
 
-On an H200, a copy-mode `load()` of a 17.4 GB rank in a fresh engine process took 9.8-10.3
-ms this way (each slab in four pieces, the reply sent by the copy's thread) against 12.4-13.7
-ms the engine's way: 79-83% of a plain device-to-device copy_ of the same bytes, from 60-66%
-(benchmarks/results/gpu_2026-12-01.md, calls 32-34; what the rest is made of is there too).
+On an H200 this brought a copy-mode `load()` in a fresh engine process from about two thirds
+of a plain device-to-device copy_ of the same bytes to about four fifths (each slab in four
+pieces, the reply sent by the copy's thread: benchmarks/results/gpu_2026-12-01.md, calls
+32-34, with what the rest is made of).
 Where the rank cannot take the copy on (no room for it on the device, or MAX_IN_FLIGHT copies
 already running), `start` returns None and the rank sends its own slabs: the engine copies
 them itself, as on a CPU rank.
@@ -25,11 +25,17 @@ import socket
 import threading
 import time
 from ctypes import c_void_p
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vlaunch.cache.contract import wire
 from vlaunch.cache.contract.errors import DeviceError
 from vlaunch.cache.store import cudadrv as cu
+
+if TYPE_CHECKING:
+    import torch
+
+    from vlaunch.cache.store.slabs import Slab
+    from vlaunch.cache.store.slabs_cuda import CudaBackend
 
 log = logging.getLogger("vlaunch.cache")
 
@@ -66,7 +72,7 @@ class Copy:
     once the handles are gone.
     """
 
-    def __init__(self, slabs: list[Any], fds: list[int], event: Any,
+    def __init__(self, slabs: list[Slab], fds: list[int], event: torch.cuda.Event,
                  slot: Slots, what: str, steps: tuple[float, ...],
                  pieces: list[list[int]] | None = None) -> None:
         self.fds = fds
@@ -177,7 +183,7 @@ class Slots:
 class RankCopier:
     """Makes engines' copies of this rank's slabs on its GPU, on a stream of its own."""
 
-    def __init__(self, backend: Any, fds: list[int], sizes: tuple[int, ...]) -> None:
+    def __init__(self, backend: CudaBackend, fds: list[int], sizes: tuple[int, ...]) -> None:
         import torch
 
         self._backend, self._sizes = backend, sizes
@@ -200,12 +206,12 @@ class RankCopier:
 
         Each slab is made of `piece_sizes()` allocations, and each piece's copy is queued as
         soon as that piece is mapped: the device copies the first piece while the rank
-        allocates the next ones. A 17.4 GB slab's copy started 0.6-0.9 ms after the request
-        this way, 1.0-1.5 ms when it was one allocation."""
+        allocates the next ones, so the copy starts sooner than with one allocation
+        (benchmarks/results/gpu_2026-12-01.md)."""
         asked = time.perf_counter()
         if not self._sources or not self._slots.acquire():
             return None
-        slabs: list[Any] = []
+        slabs: list[Slab] = []
         fds: list[int] = []
         cuts: list[list[int]] = []
         first = 0.0
@@ -242,7 +248,7 @@ class RankCopier:
         each = sum(-(-max(n, 1) // granule) * granule for n in self._sizes)
         return {"in_flight": taken, "bytes": taken * each}
 
-    def _record(self) -> Any:
+    def _record(self) -> torch.cuda.Event:
         """An event on the rank's stream after every copy queued so far."""
         import torch
 

@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.contract import engine_layout as el
 from vlaunch.cache.contract import fingerprint as fp
@@ -35,7 +35,10 @@ from vlaunch.cache.rank.layouts import LayoutError, LayoutStore
 from vlaunch.cache.rank.openers import Openers
 from vlaunch.cache.store import artifacts as art
 from vlaunch.cache.store.artifacts import ArtifactStore
-from vlaunch.cache.store.manifest import Manifest
+
+if TYPE_CHECKING:
+    from vlaunch.cache.rank.copies import RankCopier
+    from vlaunch.cache.rank.served import Served
 
 log = logging.getLogger("vlaunch.cache")
 FRAME_TIMEOUT = 10.0
@@ -69,12 +72,12 @@ class Lease:
 class CacheServer:
     """Serves one rank's manifest and slab fds on a Unix socket."""
 
-    def __init__(self, *, rank: int, fingerprint: fp.Fingerprint, manifest: Manifest,
-                 fds: list[int], device: str, release: Any = None,
+    def __init__(self, rank: int, served: Served, *, device: str,
                  allowed_uids: frozenset[int] | None = None,
                  artifacts: ArtifactStore | None = None, layouts: LayoutStore | None = None,
-                 raw_released: bool = False, copier: Any = None) -> None:
-        self.rank, self.fingerprint, self.manifest = rank, fingerprint, manifest
+                 copier: RankCopier | None = None) -> None:
+        manifest, fds = served.manifest, served.fds
+        self.rank, self.fingerprint, self.manifest = rank, served.fingerprint, manifest
         self.fds, self.device = fds, device
         self.allowed_uids = allowed_uids
         self.artifacts = artifacts if artifacts is not None else ArtifactStore()
@@ -84,11 +87,11 @@ class CacheServer:
         self.openers = Openers(rank)  # the processes that opened the raw layout
         self.leases: dict[int, Lease] = {}
         self.started = time.time()
-        self._release = release
+        self._release = served.release
         self.integrity: Any = None  # rank.integrity.Integrity: the files, their watch, digests
         # engine-shaped layouts (docs/engine-layout.md) and the raw layout's state
         self.layouts = layouts if layouts is not None else LayoutStore(None, manifest.nbytes)
-        self.raw_released = raw_released
+        self.raw_released = served.raw_released
         self.copier = copier  # rank.copies.RankCopier on a GPU: the rank makes engines' copies
         self._copies: dict[int, Any] = {}  # id(lease) -> its copy in flight (rank.copies.Copy)
         self.escrow: socket.socket | None = None  # the launcher's ready channel, kept open
@@ -188,7 +191,7 @@ class CacheServer:
         if op.startswith("publish"):
             if self.swap is None:
                 return protocol.error("refused", "this rank takes no published weights"), []
-            return self.swap.request(op, self.leases[cid], f)
+            return self.swap.publisher.request(op, self.leases[cid], f)
         if self.state == "released" and op in ("hello", "manifest", "open"):
             return protocol.error("released", "the cache released its copy after a copy-release "
                                   "handoff; restart the cache to serve again"), []
@@ -433,7 +436,7 @@ class CacheServer:
                  len(layout.manifest.tensors) - len(layout.copy), len(layout.copy),
                  f" ({', '.join(layout.copy[:8])}{', ...' if len(layout.copy) > 8 else ''})"
                  if layout.copy else "")
-        self._send_escrow(layout.escrow(), layout.fds)
+        self.send_escrow(layout.escrow(), layout.fds)
         if f["release_raw"] and not self.raw_released:
             self.release_raw()
         return {"ok": True, "key": layout.key, "fingerprint": layout.fingerprint}, []
@@ -445,7 +448,7 @@ class CacheServer:
         self.raw_released = True
         self._close_raw()
         release, self._release = self._release, None
-        self._send_escrow({"event": "release", "layout": "raw"}, [])
+        self.send_escrow({"event": "release", "layout": "raw"}, [])
         if release:
             asyncio.get_running_loop().call_soon(release)  # answer first: freeing takes a while
 
@@ -459,8 +462,9 @@ class CacheServer:
         if self.swap is not None:
             self.swap.raw_closed()
 
-    def _send_escrow(self, frame: dict[str, Any], fds: list[int]) -> None:
-        """Tell the launcher (if it listens) what to escrow or drop; see docs/engine-layout.md."""
+    def send_escrow(self, frame: dict[str, Any], fds: list[int]) -> None:
+        """Tell the launcher (if it listens) what to escrow or drop (docs/engine-layout.md),
+        or answer its swap steps (docs/swap.md)."""
         if self.escrow is None:
             return
         try:
@@ -476,7 +480,7 @@ class CacheServer:
         items = only or tuple((k, h, art.encode(self.artifacts.get(k, h) or b""))
                               for k, h, _ in self.artifacts.listing())
         for kind, key, data in items:
-            self._send_escrow(protocol.event("artifact", kind=kind, key=key, data=data), [])
+            self.send_escrow(protocol.event("artifact", kind=kind, key=key, data=data), [])
 
     def handle_digest(self, lease: Lease, f: dict[str, Any]) -> Any:
         """digest: a page of (tensor, blake2b of its bytes in the slabs), for vlaunch verify."""
@@ -553,7 +557,7 @@ class CacheServer:
         """Close our fds and mappings; memory goes once every client has unmapped."""
         self._close_raw()
         self.state, self._handed_to = "released", None
-        self._send_escrow(protocol.event("release", layout="raw"), [])  # the launcher's too
+        self.send_escrow(protocol.event("release", layout="raw"), [])  # the launcher's too
         release, self._release = self._release, None
         if release and later:
             asyncio.get_running_loop().call_soon(release)

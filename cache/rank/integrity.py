@@ -26,17 +26,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vlaunch.cache.contract import protocol
+from vlaunch.cache.contract import protocol, settings
 from vlaunch.cache.contract.errors import CheckpointChangedError, VerifyError, VlaunchError
 from vlaunch.cache.store import identity
 
 if TYPE_CHECKING:
-    from vlaunch.cache.store.manifest import Manifest
+    from vlaunch.cache.rank.daemon import CacheServer
+    from vlaunch.cache.store.manifest import Manifest, TensorRecord
+    from vlaunch.cache.store.ranks import Position
+    from vlaunch.cache.store.shard import Shard
     from vlaunch.cache.store.slabs import SlabBytes
 
 log = logging.getLogger("vlaunch.cache")
 
-WATCH_EVERY = 5.0
+WATCH_EVERY = settings.WATCH_EVERY
 """Seconds between two stats of the checkpoint's files while a rank serves
 ($VLAUNCH_WATCH_EVERY overrides it)."""
 DIGEST_PAGE = 1024
@@ -66,7 +69,7 @@ def checked_load(model: str, rank: int, load: Callable[[], Any]) -> Any:
                                  "start the cache again")
 
 
-def release(shard: Any) -> None:
+def release(shard: Shard) -> None:
     """Free a shard's slabs."""
     shard.tensors.clear()
     for slab in shard.slabs:
@@ -78,7 +81,7 @@ def remember(rec: identity.Record, slabs: list[SlabBytes]) -> None:
     _LAST.update(record=rec, slabs=slabs)
 
 
-def data_identity(model: str, shard: Any) -> str:
+def data_identity(model: str, shard: Shard) -> str:
     """The `checkpoint_data` fingerprint field of what this rank read (or will be seeded with)."""
     rec = _LAST.get("record")
     if rec is None or rec.header != shard.checkpoint.identity:
@@ -90,7 +93,7 @@ def data_identity(model: str, shard: Any) -> str:
 class Integrity:
     """What a serving rank knows about the files its slabs came from."""
 
-    def __init__(self, server: Any, model: str, plan: str, socket: Path,
+    def __init__(self, server: CacheServer, model: str, plan: str, socket: Path,
                  published: str = "") -> None:
         self.server, self.socket = server, socket
         self.published = published  # the label of a published version: no files to watch
@@ -132,7 +135,7 @@ class Integrity:
             self.record = rec
 
     def _watch(self) -> None:
-        every = _seconds(os.environ.get("VLAUNCH_WATCH_EVERY", ""), WATCH_EVERY)
+        every = float(settings.get("VLAUNCH_WATCH_EVERY"))
         while True:
             time.sleep(every)
             self.poll()
@@ -230,7 +233,7 @@ def slab_digests(manifest: Manifest, slabs: list[SlabBytes], threads: int = 8
     """blake2b of each tensor's bytes, in manifest order (the same hash as expected_digests)."""
     from vlaunch.cache.store.reader import chunks
 
-    def one(rec: Any) -> tuple[str, str]:
+    def one(rec: TensorRecord) -> tuple[str, str]:
         h = identity.digest()
         for part in chunks(slabs[rec.slab][rec.offset:rec.offset + rec.nbytes]):
             h.update(part)
@@ -240,7 +243,7 @@ def slab_digests(manifest: Manifest, slabs: list[SlabBytes], threads: int = 8
         return dict(pool.map(one, manifest.tensors))
 
 
-def verify_loaded(model: str, plan: str, layout: Any, manifest: Manifest,
+def verify_loaded(model: str, plan: str, layout: Position, manifest: Manifest,
                   slabs: list[SlabBytes], rank: int, threads: int = 8) -> None:
     """`--verify`: compare every tensor's bytes with the files; VerifyError (79) on a mismatch."""
     from vlaunch.cache.store.plan import HookPlan, load_plan
@@ -268,12 +271,3 @@ def verify_loaded(model: str, plan: str, layout: Any, manifest: Manifest,
 def _unlink(path: Path) -> None:
     with contextlib.suppress(OSError):
         path.unlink()
-
-
-def _seconds(text: str, default: float) -> float:
-    """A positive number of seconds from an environment variable, else `default`."""
-    try:
-        value = float(text)
-    except ValueError:
-        return default
-    return value if 0 < value < 1e6 else default

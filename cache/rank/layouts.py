@@ -13,12 +13,15 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.contract import engine_layout as el
 from vlaunch.cache.contract import fingerprint as fp
 from vlaunch.cache.contract import protocol, wire
 from vlaunch.cache.store.manifest import MAX_NAME, MAX_TENSORS, Manifest
+
+if TYPE_CHECKING:
+    from vlaunch.cache.store.slabs import Backend, Slab
 
 log = logging.getLogger("vlaunch.cache")
 
@@ -41,7 +44,7 @@ class EngineLayout:
     manifest: Manifest
     copy: tuple[str, ...]
     fds: list[int]
-    slabs: list[Any] = field(default_factory=list)
+    slabs: list[Slab] = field(default_factory=list)
     pid: int = 0
     at: float = field(default_factory=time.time)
 
@@ -78,14 +81,14 @@ class EngineLayout:
 @dataclass
 class _Pending:
     fields: dict[str, str]
-    slabs: list[Any]
+    slabs: list[Slab]
     fds: list[int]
 
 
 class LayoutStore:
     """Allocations in progress (per connection) and the committed engine layout(s)."""
 
-    def __init__(self, backend: Any, raw_bytes: int) -> None:
+    def __init__(self, backend: Backend, raw_bytes: int) -> None:
         self.backend = backend
         self.limit = max(2 * raw_bytes, MIN_LIMIT)
         self.layouts: dict[str, EngineLayout] = {}
@@ -117,7 +120,7 @@ class LayoutStore:
             raise LayoutError(f"layout_alloc: {sum(sizes)} bytes exceed this rank's limit of "
                               f"{self.limit} (twice its raw layout); hand back only the "
                               "rank's parameters")
-        slabs: list[Any] = []
+        slabs: list[Slab] = []
         try:
             for size in sizes:
                 slabs.append(self.backend.allocate(size))

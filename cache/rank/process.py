@@ -10,22 +10,35 @@ import signal
 import socket
 import stat
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from vlaunch.cache.client import collector
 from vlaunch.cache.contract import fingerprint as fp
-from vlaunch.cache.contract import protocol, wire
-from vlaunch.cache.contract.errors import ProtocolError, UsageError, VlaunchError
+from vlaunch.cache.contract import protocol, settings, wire
+from vlaunch.cache.contract.errors import ProtocolError, VlaunchError
 from vlaunch.cache.contract.exitcodes import ExitStatus
-from vlaunch.cache.contract.launch import RankArgs
+from vlaunch.cache.contract.launch import RankArgs, check_seed_listening
 from vlaunch.cache.contract.logs import setup_logging
 from vlaunch.cache.contract.notify import SdNotify
 from vlaunch.cache.contract.roles import seat, stem
 from vlaunch.cache.contract.sockdir import RankLock, ensure_socket_dir
 from vlaunch.cache.rank.connections import raise_nofile_limit
 from vlaunch.cache.rank.failures import out_of_memory
+from vlaunch.cache.rank.served import Served
+from vlaunch.cache.store import collector
+from vlaunch.cache.store.identity import CheckpointIdentity
 from vlaunch.cache.store.manifest import Manifest
-from vlaunch.cache.store.plan import Layout
+from vlaunch.cache.store.ranks import Position
+from vlaunch.cache.store.target import Target
+
+if TYPE_CHECKING:
+    from collections.abc import Coroutine
+    from pathlib import Path
+    from types import FrameType
+
+    from vlaunch.cache.rank.daemon import CacheServer
+    from vlaunch.cache.store.artifacts import ArtifactStore
+    from vlaunch.cache.store.shard import Shard
+    from vlaunch.cache.store.slabs import Backend
 
 log = logging.getLogger("vlaunch.cache")
 
@@ -36,7 +49,7 @@ def main(opts: RankArgs) -> int:
     setup_logging("vlaunch-cache", "INFO", rank)
     signal.signal(signal.SIGTERM, _exit_quietly)  # while loading; the loop takes over later
     try:
-        _layout(opts)  # a rank outside its layout is a usage error before anything else
+        _position(opts)  # a rank outside its world is a usage error before anything else
         return _run(opts, rank)
     except VlaunchError as exc:
         log.error("%s", exc)
@@ -70,17 +83,15 @@ def _root_cause(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def _exit_quietly(signum: int, frame: Any) -> None:
+def _exit_quietly(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
 def _run(opts: RankArgs, rank: int) -> int:
     from vlaunch.cache.contract.sockdir import default_socket_dir
-    from vlaunch.cache.store.slabs import get_backend
+    from vlaunch.cache.store.slabs import backend_for
 
-    if opts.seed_listen_port and not opts.seed_token:  # the same check as vlaunch run's
-        raise UsageError("--seed-listen-port needs a seed token: set VLAUNCH_SEED_TOKEN (or "
-                         "--seed-token) to a long secret, or drop --seed-listen-port")
+    check_seed_listening(opts.seed_listen_port, opts.seed_token)  # as vlaunch run checks it
     directory = ensure_socket_dir(opts.socket_dir or default_socket_dir())
     lock = RankLock(directory, rank, opts.role)
     lock.acquire()
@@ -88,48 +99,42 @@ def _run(opts: RankArgs, rank: int) -> int:
         _check_socket_path(lock.socket)
         soft, hard = raise_nofile_limit()
         log.debug("RLIMIT_NOFILE %d (hard %d)", soft, hard)
-        backend = get_backend(opts.device)
+        backend = backend_for(opts.device)  # the one the fingerprint's device fields are of
         from vlaunch.cache.store.artifacts import ArtifactStore
 
         store = ArtifactStore(_artifact_dir(opts.artifact_dir, stem(opts.role, rank)))
-        adopted: list[Any] = []
-        raw_released = False
-        weights: dict[str, Any] = {}  # an escrow's version, model and label (after a swap)
+        target = _target(opts, lock.socket)
         if opts.adopt_fd >= 0:
-            manifest, fds, fingerprint, release, adopted, raw_released = _adopt(
-                opts.adopt_fd, store, weights)
+            served = _adopt(opts.adopt_fd, store)
         elif opts.seed:
             with collector.paused():  # per-tensor objects that live as long as the rank
-                manifest, fds, fingerprint, release = _seed_or_load(opts, backend, rank, store)
+                served = _seed_or_load(opts, target, backend, store)
         else:
             with collector.paused():
-                manifest, fds, fingerprint, release = _load(opts, backend, rank)
+                served = _load(opts, target, backend)
         from vlaunch.cache.rank.daemon import CacheServer
         from vlaunch.cache.rank.layouts import LayoutStore
 
-        layouts = LayoutStore(backend, manifest.nbytes)
-        for layout in adopted:
+        layouts = LayoutStore(backend, served.manifest.nbytes)
+        for layout in served.layouts:
             layouts.add(layout)
         copier = None
-        if backend.name == "cuda" and fds:  # the rank makes copy-mode engines' copies
+        if backend.name == "cuda" and served.fds:  # the rank makes copy-mode engines' copies
             from vlaunch.cache.rank.copies import RankCopier
 
-            copier = RankCopier(backend, fds, manifest.slab_sizes)
-        server = CacheServer(rank=rank, fingerprint=fingerprint, manifest=manifest, fds=fds,
-                             device=backend.device, release=release, artifacts=store,
-                             layouts=layouts, raw_released=raw_released, copier=copier)
+            copier = RankCopier(backend, served.fds, served.manifest.slab_sizes)
+        server = CacheServer(rank, served, device=backend.device, artifacts=store,
+                             layouts=layouts, copier=copier)
         if opts.adopt_fd >= 0:
             server.openers.give_up("its slabs were adopted from a rank that exited, and the "
                                    "engines that mapped them then may still")
         from vlaunch.cache.rank.integrity import Integrity
         from vlaunch.cache.rank.swap import RankSwap
 
-        label = str(weights.get("label", ""))
         server.integrity = Integrity(server, opts.model, opts.plan, lock.socket,
-                                     published=label).start()
-        server.swap = RankSwap(server, plan=opts.plan, layout=_layout(opts), backend=backend,
-                               threads=opts.threads, model=opts.model,
-                               version=int(weights.get("version", 0)), label=label,
+                                     published=served.label).start()
+        server.swap = RankSwap(server, target, backend=backend, threads=opts.threads,
+                               version=served.version, label=served.label,
                                checksum=opts.checksum)
         asyncio_run(_serve(server, lock, opts))
         log.info("stopped; socket and lock removed")
@@ -138,17 +143,18 @@ def _run(opts: RankArgs, rank: int) -> int:
         lock.release()
 
 
-def _load(opts: RankArgs, backend: Any, rank: int) -> tuple[Manifest, list[int],
-                                                               fp.Fingerprint, Any]:
+def _load(opts: RankArgs, target: Target, backend: Backend) -> Served:
+    """Read the rank's shard from the checkpoint (between two looks at its files)."""
     from vlaunch.cache.rank.integrity import checked_load
     from vlaunch.cache.store.manifest import with_checksums
     from vlaunch.cache.store.progress import reported_on
     from vlaunch.cache.store.reader import checksums
     from vlaunch.cache.store.shard import load_shard
 
+    rank = target.rank
     with reported_on(opts.ready_fd, rank):  # the launcher shows loaded bytes while we load
         shard = checked_load(opts.model, rank, lambda: load_shard(
-            opts.model, opts.plan, _layout(opts), backend, threads=opts.threads,
+            opts.model, opts.plan, target.position, backend, threads=opts.threads,
             label=f"rank {rank} loading"))
     manifest = shard.manifest
     if opts.checksum if opts.checksum is not None else backend.name == "cpu":
@@ -160,43 +166,45 @@ def _load(opts: RankArgs, backend: Any, rank: int) -> tuple[Manifest, list[int],
     if opts.verify:  # every byte against the files, once, before ready (79 on a mismatch)
         from vlaunch.cache.rank.integrity import verify_loaded
 
-        verify_loaded(opts.model, opts.plan, _layout(opts), shard.manifest, shard.tensors,
+        verify_loaded(opts.model, opts.plan, target.position, shard.manifest, shard.tensors,
                       rank, opts.threads)
-    return _finish(opts, backend, shard, manifest)
+    return _finish(opts, target, shard, manifest)
 
 
-def _finish(opts: RankArgs, backend: Any, shard: Any, manifest: Manifest
-            ) -> tuple[Manifest, list[int], fp.Fingerprint, Any]:
+def _finish(opts: RankArgs, target: Target, shard: Shard, manifest: Manifest) -> Served:
     """Seal and export a filled shard; its fingerprint and release hook."""
     for slab in shard.slabs:
         slab.seal()
     fds = [slab.export_fd() for slab in shard.slabs]
-    fingerprint = _fingerprint(opts, backend, shard)
 
     def release() -> None:
         shard.tensors.clear()
         for slab in shard.slabs:
             slab.release()
 
-    return manifest, fds, fingerprint, release
+    return Served(manifest, fds, _fingerprint(opts, target, shard), release)
 
 
-def _fingerprint(opts: RankArgs, backend: Any, shard: Any) -> fp.Fingerprint:
+def _fingerprint(opts: RankArgs, target: Target, shard: Shard) -> fp.Fingerprint:
+    """The fingerprint of what the rank read: the Target's, built as an engine builds it
+    (store/target.py), from the identity of the files the shard came from."""
     from vlaunch.cache.rank.integrity import data_identity
-    from vlaunch.cache.store import quant
 
-    return fp.build(checkpoint=shard.checkpoint.identity,
-                    checkpoint_data=data_identity(opts.model, shard), plan=shard.plan_identity,
-                    layout=_layout(opts).as_dict(), dtype="checkpoint", backend=backend.name,
-                    device=backend.device_info(), kernel_backends=opts.kernel_backends,
-                    loader=opts.loader, quantization=quant.fingerprint_fields(
-                        opts.model, os.environ.get("VLAUNCH_QUANTIZATION")), role=opts.role)
+    read = CheckpointIdentity(shard.checkpoint.identity, data_identity(opts.model, shard))
+    return target.fingerprint(read, shard.plan_identity)
 
 
-def _layout(opts: RankArgs) -> Layout:
+def _target(opts: RankArgs, socket: Path) -> Target:
+    """What this rank serves, as an engine's Target names it: the same fields, so that both
+    ends build the same fingerprint."""
+    return Target(opts.model, _position(opts), opts.device, opts.plan, opts.kernel_backends,
+                  opts.loader, settings.get("VLAUNCH_QUANTIZATION"), opts.role, socket)
+
+
+def _position(opts: RankArgs) -> Position:
     """Where this rank sits in the tensor/pipeline/data-parallel world."""
-    return Layout.from_global(opts.rank, opts.tensor_parallel_size,
-                              opts.pipeline_parallel_size, opts.data_parallel_size)
+    return Position.from_global(opts.rank, opts.tensor_parallel_size,
+                                opts.pipeline_parallel_size, opts.data_parallel_size)
 
 
 def _artifact_dir(root: str, name: str) -> str:
@@ -205,8 +213,8 @@ def _artifact_dir(root: str, name: str) -> str:
     return os.path.join(root, name) if root else ""
 
 
-def _seed_or_load(opts: RankArgs, backend: Any, rank: int, store: Any
-                  ) -> tuple[Manifest, list[int], fp.Fingerprint, Any]:
+def _seed_or_load(opts: RankArgs, target: Target, backend: Backend, store: ArtifactStore
+                  ) -> Served:
     """Seed from a running replica; on failure, end with SEED_FAILED or (--seed-fallback)
     load from disk with a warning."""
     from vlaunch.cache.contract.errors import SeedError
@@ -214,12 +222,12 @@ def _seed_or_load(opts: RankArgs, backend: Any, rank: int, store: Any
     from vlaunch.cache.store.shard import empty_shard
 
     try:
-        shard = empty_shard(opts.model, opts.plan, _layout(opts), backend)
+        shard = empty_shard(opts.model, opts.plan, target.position, backend)
         try:
-            seeded = seed_into(opts.seed, opts.seed_token, rank,
-                               _fingerprint(opts, backend, shard), shard.manifest,
+            seeded = seed_into(opts.seed, opts.seed_token, target.rank,
+                               _fingerprint(opts, target, shard), shard.manifest,
                                shard.tensors, backend.device, timeout=opts.seed_timeout,
-                               role=opts.role, world=_layout(opts).world_size,
+                               role=opts.role, world=target.position.world_size,
                                streams=opts.seed_streams)
         except BaseException:
             shard.tensors.clear()
@@ -230,25 +238,24 @@ def _seed_or_load(opts: RankArgs, backend: Any, rank: int, store: Any
         if not opts.seed_fallback:
             raise
         log.warning("seeding failed (%s); loading from disk instead (--seed-fallback)", exc)
-        return _load(opts, backend, rank)
+        return _load(opts, target, backend)
     for kind, key, data in seeded.artifacts:
         store.put(kind, key, data)
     log.info("seeded %.2f GB and %d artifact(s) from %s in %.2fs (%.2f GB/s%s); serving on "
              "our own", seeded.manifest.nbytes / 1e9, len(seeded.artifacts), opts.seed,
              seeded.seconds, seeded.manifest.nbytes / 1e9 / max(seeded.seconds, 1e-9),
              f", {seeded.streams} streams" if seeded.streams else "")
-    return _finish(opts, backend, shard, seeded.manifest)
+    return _finish(opts, target, shard, seeded.manifest)
 
 
-def _adopt(fd: int, store: Any, weights: dict[str, Any]
-           ) -> tuple[Manifest, list[int], fp.Fingerprint, Any, list[Any], bool]:
+def _adopt(fd: int, store: ArtifactStore) -> Served:
     """Take over escrowed slabs (fds + manifest) from the launcher instead of loading: the raw
     layout's (unless it was released), then any engine layout's (docs/engine-layout.md), and
-    the escrowed artifacts into `store`; `weights` gets the escrow's version, model and
-    label (what a swap made the rank serve)."""
-    from vlaunch.cache.rank.layouts import LayoutError, adopt
+    the escrowed artifacts into `store`; with the version and label a swap made the rank
+    serve."""
+    from vlaunch.cache.rank.layouts import EngineLayout, LayoutError, adopt
 
-    layouts: list[Any] = []
+    layouts: list[EngineLayout] = []
     with socket.socket(fileno=fd) as sock:
         msg, fds = wire.recv_frame(sock)
         try:
@@ -269,7 +276,6 @@ def _adopt(fd: int, store: Any, weights: dict[str, Any]
             pass
     if msg.get("event") != "escrow" or not isinstance(msg.get("fingerprint"), dict):
         raise ProtocolError("adopt channel did not carry an escrow frame")
-    weights.update({k: msg[k] for k in ("version", "model", "label") if k in msg})
     from vlaunch.cache.store.columns import from_wire
 
     manifest = from_wire(msg["manifest"])  # the columns form the ready frame gave the escrow
@@ -279,11 +285,12 @@ def _adopt(fd: int, store: Any, weights: dict[str, Any]
     log.info("adopted %d escrowed slab(s), %.2f GB%s, and %d engine layout(s), without reading "
              "the checkpoint", len(fds), 0 if released else manifest.nbytes / 1e9,
              " (raw layout released)" if released else "", len(layouts))
-    return (manifest, fds, {str(k): str(v) for k, v in msg["fingerprint"].items()}, None,
-            layouts, released)
+    return Served(manifest, fds, {str(k): str(v) for k, v in msg["fingerprint"].items()},
+                  layouts=layouts, raw_released=released, version=int(msg.get("version", 0)),
+                  label=str(msg.get("label", "")))
 
 
-def _adopt_artifact(frame: dict[str, Any], fds: list[int], store: Any) -> None:
+def _adopt_artifact(frame: dict[str, Any], fds: list[int], store: ArtifactStore) -> None:
     """Keep an escrowed artifact; a bad one is one warning (the engine tunes again)."""
     from vlaunch.cache.store.artifacts import decode
 
@@ -298,14 +305,14 @@ def _adopt_artifact(frame: dict[str, Any], fds: list[int], store: Any) -> None:
     log.info("adopted escrowed artifact %s/%s", frame["kind"], frame["key"][:12])
 
 
-def asyncio_run(coro: Any) -> None:
+def asyncio_run(coro: Coroutine[Any, Any, None]) -> None:
     """Run a coroutine on uvloop."""
     import uvloop
 
     uvloop.run(coro)
 
 
-async def _serve(server: Any, lock: RankLock, opts: RankArgs) -> None:
+async def _serve(server: CacheServer, lock: RankLock, opts: RankArgs) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -317,7 +324,7 @@ async def _serve(server: Any, lock: RankLock, opts: RankArgs) -> None:
 
         seeding = await SeedSource(server, opts.seed_token, timeout=opts.seed_timeout).start(
             opts.seed_listen_host, source_port(opts.seed_listen_port, seat(
-                opts.role, server.rank, _layout(opts).world_size)))
+                opts.role, server.rank, _position(opts).world_size)))
     task = asyncio.ensure_future(server.serve(lock.socket, stop))
     bound = asyncio.ensure_future(server.bound.wait())
     await asyncio.wait({task, bound}, return_when=asyncio.FIRST_COMPLETED)
@@ -329,7 +336,7 @@ async def _serve(server: Any, lock: RankLock, opts: RankArgs) -> None:
         seeding.close()
 
 
-def _check_socket_path(path: Any) -> None:
+def _check_socket_path(path: Path) -> None:
     """Refuse, before loading, a socket path that holds a stray file or a symlink (the lock
     holder already removed a stale socket of a killed rank)."""
     from vlaunch.cache.rank.daemon import socket_path_taken
@@ -341,7 +348,7 @@ def _check_socket_path(path: Any) -> None:
         raise socket_path_taken(path, f"the path is {kind}")
 
 
-def _report_ready(server: Any, lock: RankLock, opts: RankArgs) -> None:
+def _report_ready(server: CacheServer, lock: RankLock, opts: RankArgs) -> None:
     """Tell whoever waits: the launcher (ready fd, with escrow), systemd, and the log."""
     from vlaunch.cache.store import columns
 
@@ -367,9 +374,9 @@ def _report_ready(server: Any, lock: RankLock, opts: RankArgs) -> None:
         if server.swap is not None:
             server.swap.listen(sock, asyncio.get_running_loop())
         for layout in server.layouts.layouts.values():
-            server._send_escrow(layout.escrow(), layout.fds)
+            server.send_escrow(layout.escrow(), layout.fds)
         if server.raw_released:
-            server._send_escrow({"event": "release", "layout": "raw"}, [])
+            server.send_escrow({"event": "release", "layout": "raw"}, [])
         server.escrow_artifacts()  # from --artifact-dir, a seed or the escrow: kept there too
     notify = SdNotify()  # `vlaunch cache` under its own unit; never blocks, never raises
     notify.send({"READY": "1", "STATUS": f"rank {rank} serving"})

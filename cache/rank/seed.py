@@ -32,6 +32,7 @@ from vlaunch.cache.contract.errors import (
 )
 from vlaunch.cache.rank import seedwire
 from vlaunch.cache.rank.seedsource import source_port
+from vlaunch.cache.store.artifacts import Artifact
 from vlaunch.cache.store.manifest import Manifest
 from vlaunch.cache.store.slabs import on_device
 
@@ -50,7 +51,7 @@ class Seeded:
     """What a seeding brought: the manifest (with the source's checksums) and artifacts."""
 
     manifest: Manifest
-    artifacts: list[tuple[str, str, bytes]]
+    artifacts: list[Artifact]
     seconds: float
     copy_seconds: float = 0.0
     """The bytes' move alone: map + copy + unmap (same host) or the slab streams (TCP)."""
@@ -113,20 +114,21 @@ def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifes
               slabs: list[SlabBytes], device: str, *, timeout: float = TIMEOUT,
               role: str = "target") -> Seeded:
     """Copy the source rank's slabs (mapped from its fds) into `slabs`."""
-    from vlaunch.cache.client.connection import CacheClient
+    from vlaunch.cache.contract.connection import Connection
     from vlaunch.cache.contract.sockdir import socket_path
+    from vlaunch.cache.store import artifacts, columns
 
     start = time.perf_counter()
     laps = _Laps()
     try:
-        client = CacheClient(socket_path(directory, rank, role), timeout=timeout,
-                             client="seed")
+        client = Connection(socket_path(directory, rank, role), timeout=timeout,
+                            client="seed")
     except VlaunchError as exc:
         raise SeedError(f"seed source unreachable: {exc}") from None
     try:
         laps.lap("connect")
         check_fingerprint(client.status()["fingerprint"], ours)
-        source = client.manifest()
+        source = columns.fetch(client)
         check_layout(source, manifest)
         # share: we map the source read-only while we copy (a copy mode would have a GPU
         # source make a copy of its own for us first)
@@ -141,8 +143,8 @@ def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifes
         mapped.clear()  # unmaps: we no longer depend on the source
         laps.lap("unmap")
         moved = sum(laps.phases[k] for k in ("map", "copy", "unmap"))
-        artifacts = [(k, h, client.artifact_get(k, h) or b"") for k, h, _ in
-                     client.artifact_list()]
+        held = [Artifact(k, h, artifacts.fetch(client, k, h) or b"") for k, h, _ in
+                artifacts.listing(client)]
         laps.lap("artifacts")
     except (VlaunchError, OSError) as exc:
         if isinstance(exc, SeedError):
@@ -152,13 +154,13 @@ def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifes
         client.close()
     _verify(source, slabs)
     laps.lap("close+verify")
-    return Seeded(source, [a for a in artifacts if a[2]], time.perf_counter() - start, moved,
+    return Seeded(source, [a for a in held if a.data], time.perf_counter() - start, moved,
                   laps.phases)
 
 
 def _map_source(fds: list[int], sizes: tuple[int, ...], device: str) -> list[SlabBytes]:
     """Map the source's slab fds read-only, as our own slabs' bytes are; closes every fd."""
-    from vlaunch.cache.client.connection import backend_for
+    from vlaunch.cache.store.slabs import backend_for
 
     try:
         if len(fds) != len(sizes):
@@ -252,7 +254,7 @@ def seed_tcp(host: str, port: int, token: str, ours: fp.Fingerprint, manifest: M
                   len(socks))
 
 
-def _artifacts(sock: socket.socket, listing: Any) -> list[tuple[str, str, bytes]]:
+def _artifacts(sock: socket.socket, listing: Any) -> list[Artifact]:
     """Every artifact the source listed, fetched on the control connection."""
     from vlaunch.cache.store.artifacts import decode
 
@@ -260,7 +262,7 @@ def _artifacts(sock: socket.socket, listing: Any) -> list[tuple[str, str, bytes]
     for kind, key, _ in listing or []:
         got = seedwire.ask(sock, {"op": "artifact_get", "kind": kind, "key": key}, miss=True)
         if got.get("ok"):
-            out.append((str(kind), str(key), decode(got["data"])))
+            out.append(Artifact(str(kind), str(key), decode(got["data"])))
     return out
 
 

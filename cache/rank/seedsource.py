@@ -22,11 +22,14 @@ import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.contract import protocol, wire
 from vlaunch.cache.contract.errors import ProtocolError, SeedError
 from vlaunch.cache.rank import seedwire
+
+if TYPE_CHECKING:
+    from vlaunch.cache.rank.daemon import CacheServer
 
 log = logging.getLogger("vlaunch.cache.rank.seed")
 MAX_CONNECTIONS = 4 * seedwire.MAX_STREAMS
@@ -44,7 +47,7 @@ class _Peer:
 class SeedSource:
     """Serves one rank's slabs to seeding replicas on a TCP port; needs a token."""
 
-    def __init__(self, server: Any, token: str, *, timeout: float = 30.0) -> None:
+    def __init__(self, server: CacheServer, token: str, *, timeout: float = 30.0) -> None:
         if len(token) < 16:
             raise SeedError("the seed token is shorter than 16 characters; use a long random "
                             "one (openssl rand -hex 32)")
@@ -95,7 +98,7 @@ class SeedSource:
             task.add_done_callback(self._tasks.discard)
 
     async def _client(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
-                      peer: Any) -> None:
+                      peer: tuple[str, int]) -> None:
         sent = _Peer()
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -189,7 +192,7 @@ class SeedSource:
         if self.server.manifest.backend == "cpu":
             seedwire.send_fd(sock, fd, offset, nbytes, self.timeout)
             return
-        from vlaunch.cache.client.connection import backend_for
+        from vlaunch.cache.store.slabs import backend_for
 
         slab = backend_for(self.server.device).map_fd(fd, size, readonly=True)
         try:

@@ -14,9 +14,9 @@ source that stalls, closes early or announces another length fails the whole see
 
 Why this and not a transfer engine: measured on loopback for the same shard
 (benchmarks/bench_seed_engines.py, benchmarks/results/seed_engines.md), NIXL's UCX backend
-over TCP moved 0.1-0.2 GB/s where a plain 4-stream socket copy moved 1-2, and gloo's
-send/recv came level with the plain copy but needs torch in every CPU rank (a rank imports
-none) and a TCPStore and gloo listeners that take any peer.
+over TCP moved a tenth of what a plain 4-stream socket copy moved, and gloo's send/recv came
+level with the plain copy but needs torch in every CPU rank (a rank imports none) and a
+TCPStore and gloo listeners that take any peer.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from vlaunch.cache.contract.errors import SeedError
 from vlaunch.cache.store.slabs import on_device
 
 if TYPE_CHECKING:
+    import torch
+
     from vlaunch.cache.store.slabs import SlabBytes
 
 RANGE = 64 << 20
@@ -249,7 +251,8 @@ class DeviceSender:
         self.stream: Any = None
         self.buffers: list[Any] = []
 
-    def send(self, sock: int, slab: Any, offset: int, nbytes: int, timeout: float) -> None:
+    def send(self, sock: int, slab: torch.Tensor, offset: int, nbytes: int, timeout: float
+             ) -> None:
         """Write bytes [offset, offset + nbytes) of a CUDA slab to the non-blocking `sock`."""
         import torch
 

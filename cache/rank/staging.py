@@ -14,10 +14,13 @@ import json
 import mmap
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.store.manifest import Manifest
 from vlaunch.cache.store.slabs import SlabBytes, on_device
+
+if TYPE_CHECKING:
+    from vlaunch.cache.store.slabs import Backend
 
 COPY_CHUNK = 256 << 20
 """Bytes per copy of `copy_bytes` (a pinned host-to-device copy of this size runs near PCIe's
@@ -65,7 +68,7 @@ def _config(model: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def free_device_bytes(backend: Any) -> int:
+def free_device_bytes(backend: Backend) -> int:
     """Bytes free on the rank's device now (host memory for the CPU backend)."""
     if backend.name != "cuda":
         return available_host_bytes()

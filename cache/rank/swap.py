@@ -7,25 +7,19 @@ frames, one at a time; the rank answers each but finish and abort with a `swap_a
 refusal before the commit leaves the served weights as they were; the old weights are kept
 (double: their slabs; in place: a host copy) until finish or rollback.
 
-A trainer publishes on the rank's socket (cache/client/publish.py; the same peer checks as any
-client): `publish_begin` hands it writable staging slabs shaped as the served shard,
-`publish_commit` names what it wrote; the rank then tells the launcher ("published"), which
-cuts over as for a swap, and the commit's reply says how that ended.
+A trainer's published version (rank/publishing.py) is staged by the trainer and then cut over
+by the same steps. What a swap holds between its steps is in rank/swapstate.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import socket
 import threading
 import time
-import weakref
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.contract import protocol, wire
 from vlaunch.cache.contract.errors import (
@@ -33,108 +27,47 @@ from vlaunch.cache.contract.errors import (
     PlanError,
     ProtocolError,
     VlaunchError,
-    exit_status,
 )
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.rank import staging
 from vlaunch.cache.rank.openers import Openers
+from vlaunch.cache.rank.publishing import Publisher, answer_trainer
+from vlaunch.cache.rank.swapstate import (
+    Staged,
+    StagingMemoryError,
+    SwapError,
+    Weights,
+    discard,
+    status_of,
+    words,
+)
 from vlaunch.cache.store.manifest import Manifest
 from vlaunch.cache.store.slabs import on_device
+
+if TYPE_CHECKING:
+    from vlaunch.cache.rank.daemon import CacheServer
+    from vlaunch.cache.store.slabs import Backend
+    from vlaunch.cache.store.target import Target
 
 log = logging.getLogger("vlaunch.cache")
 
 POLL = 0.05
 """Seconds between two looks at the leases while an in-place commit waits for them to end."""
-MAX_LABEL = 256
-
-
-class SwapError(VlaunchError):
-    """A swap step the rank refuses; `status` says why (the launcher passes it on)."""
-
-    def __init__(self, message: str, status: ExitStatus = ExitStatus.SWAP_UNAVAILABLE) -> None:
-        super().__init__(message)
-        self.code = status
-
-
-class StagingMemoryError(VlaunchError):
-    """No room to stage the new weights (device or host)."""
-
-    status = exit_status("OUT_OF_MEMORY")
-
-
-@dataclass
-class Weights:
-    """One shard as the rank serves it: everything a cutover switches over."""
-
-    version: int
-    model: str
-    label: str  # a published version's label; "" for a checkpoint's files
-    fingerprint: dict[str, str]
-    manifest: Manifest
-    fds: list[int]
-    release: Callable[[], None] | None
-    buffers: list[Any] | None  # the rank's writable views of its raw slabs, where it has them
-    layouts: Any
-    raw_released: bool
-    copier: Any
-    record: Any  # identity.Record of the files; None for a published version
-    digests: dict[str, str] | None = None  # a published version's, taken at its commit
-    openers: Any = None  # rank.openers.Openers of these slabs (None: new, nobody opened them)
-
-
-@dataclass
-class Staged:
-    """New weights beside the served ones, from prepare (or a publish) to finish."""
-
-    version: int
-    model: str
-    label: str = ""
-    mode: str = ""
-    keep: bool = True  # in place: keep the served bytes on the host for a rollback
-    margin: int = 0
-    specs: list[Any] = field(default_factory=list)
-    manifest: Manifest | None = None
-    record: Any = None
-    fingerprint: dict[str, str] = field(default_factory=dict)
-    slabs: list[Any] = field(default_factory=list)  # allocated slabs (double, a publish's)
-    buffers: list[Any] = field(default_factory=list)  # the staged bytes
-    free: Callable[[], None] | None = None  # frees host buffers (in place)
-    backup: list[Any] | None = None  # in place: the served bytes, for a rollback
-    backup_free: Callable[[], None] | None = None
-    previous: Weights | None = None  # what served before the commit
-    committed: bool = False
-    owner: int = 0  # a publish: id() of the trainer's lease
-    reply: asyncio.Future[tuple[dict[str, Any], list[int]]] | None = None
-    digests: dict[str, str] | None = None
-
-    def release(self) -> None:
-        """Free what was staged (never the served slabs)."""
-        self.buffers = []
-        if self.free is not None:
-            self.free()
-            self.free = None
-        for slab in self.slabs:
-            slab.release()
-        self.slabs = []
-        self.drop_backup()
-
-    def drop_backup(self) -> None:
-        """Free the host copy of the old weights."""
-        self.backup = None
-        if self.backup_free is not None:
-            self.backup_free()
-            self.backup_free = None
 
 
 class RankSwap:
     """Swaps and publishes on one rank: the channel's frames and the trainers' requests."""
 
-    def __init__(self, server: Any, *, plan: str, layout: Any, backend: Any, threads: int,
-                 model: str, version: int = 0, label: str = "",
-                 checksum: bool | None = None) -> None:
-        self.server, self.plan, self.layout, self.backend = server, plan, layout, backend
+    def __init__(self, server: CacheServer, target: Target, *, backend: Backend, threads: int,
+                 version: int = 0, label: str = "", checksum: bool | None = None) -> None:
+        """`target`: what the rank serves (its plan, position, checkpoint and quantization
+        hold for every version it swaps to; only the checkpoint moves)."""
+        self.server, self.plan, self.layout, self.backend = (
+            server, target.plan, target.position, backend)
+        self.quantization = target.quantization or None
         self.threads, self.checksum = threads, checksum
-        self.version, self.model, self.label = version, str(Path(model).absolute()), label
+        self.version, self.model, self.label = (
+            version, str(Path(target.model).absolute()), label)
         integrity = server.integrity
         # the same list as the load's (its release clears it): a view kept here would keep
         # the slabs' memory mapped after the rank released them
@@ -145,6 +78,7 @@ class RankSwap:
         self.busy = False
         self.aborted = False  # the launcher aborted the swap whose step runs now
         self._tasks: set[asyncio.Task[None]] = set()
+        self.publisher = Publisher(self)  # the trainers' requests (rank/publishing.py)
 
     # ------------------------------------------------------------------- the channel
 
@@ -192,11 +126,11 @@ class RankSwap:
             log.error("rank %d: swap to version %d: %s", self.server.rank, version, exc)
             self.answer("refused", version, status=int(status), message=str(exc))
         except Exception as exc:  # a bug or the machine: refuse, keep serving
-            status = _status_of(exc)
+            status = status_of(exc)
             if status is ExitStatus.INTERNAL:
                 log.exception("rank %d: swap step %s failed", self.server.rank, step)
             self.answer("refused", version, status=int(status),
-                        message=f"{step} failed: {_words(exc)}")
+                        message=f"{step} failed: {words(exc)}")
         finally:
             self.busy = False
 
@@ -204,7 +138,7 @@ class RankSwap:
                **fields: Any) -> None:
         """Send a swap_answer to the launcher (fds: duplicates, closed here)."""
         try:
-            self.server._send_escrow(protocol.event("swap_answer", answer=answer,
+            self.server.send_escrow(protocol.event("swap_answer", answer=answer,
                                                     version=version, **fields), list(fds))
         finally:
             wire.close_fds(list(fds))
@@ -216,7 +150,7 @@ class RankSwap:
         self.answer(answer, version, fds, manifest=server.manifest.to_wire(),
                     fingerprint=server.fingerprint, model=self.model, label=self.label)
         for layout in server.layouts.layouts.values():
-            server._send_escrow(layout.escrow(), layout.fds)
+            server.send_escrow(layout.escrow(), layout.fds)
 
     # ------------------------------------------------------------------------ steps
 
@@ -255,7 +189,7 @@ class RankSwap:
                                backend=self.backend.name, alignment=self.backend.alignment,
                                max_slab=MAX_SLAB)
         served = self.server.fingerprint
-        quantization = quant.fingerprint_fields(model, _engine_quantization())
+        quantization = quant.fingerprint_fields(model, self.quantization)
         why = staging.manifest_difference(self.server.manifest, staged.manifest) or \
             staging.config_difference(self.model, model) or next(
                 (f"{k} is {served.get(k)!r} served, {v!r} in the new one"
@@ -301,10 +235,10 @@ class RankSwap:
         rank, sizes = self.server.rank, staged.manifest.slab_sizes
         start = time.perf_counter()
         if staged.mode == "double":
-            staged.slabs = self._allocate(sizes, "on the device beside the served one")
+            staged.slabs = self.allocate(sizes, "on the device beside the served one")
             staged.buffers = [s.buffer() for s in staged.slabs]
         else:
-            self._room_on_host(staged)
+            self.room_on_host(staged)
             staged.buffers, staged.free = staging.host_buffers(
                 sizes, pinned=self.backend.name == "cuda")
         fill(staged.specs, staged.manifest, staged.buffers, threads=self.threads,
@@ -315,14 +249,14 @@ class RankSwap:
                 f"the checkpoint at {staged.model} changed while rank {rank} staged it "
                 f"({', '.join(changed[:4])}); wait until whatever writes it has finished, "
                 "then swap again")
-        staged.manifest = self._with_checksums(staged.manifest, staged.buffers)
+        staged.manifest = self.with_checksums(staged.manifest, staged.buffers)
         if staged.mode == "in-place" and staged.keep:
-            self._keep_served(staged)
+            self.keep_served(staged)
         log.info("rank %d: staged version %d (%s, %.2f GB, %s) in %.2fs", rank, staged.version,
                  staged.model, staged.manifest.nbytes / 1e9, staged.mode,
                  time.perf_counter() - start)
 
-    def _allocate(self, sizes: tuple[int, ...], where: str) -> list[Any]:
+    def allocate(self, sizes: tuple[int, ...], where: str) -> list[Any]:
         """New slabs of the rank's backend; StagingMemoryError when the device has no room."""
         from vlaunch.cache.contract.errors import DeviceError
 
@@ -334,11 +268,11 @@ class RankSwap:
             for slab in slabs:
                 slab.release()
             raise StagingMemoryError(
-                f"no room for the new shard {where} ({sum(sizes) / 1e9:.2f} GB: {_words(exc)}); "
+                f"no room for the new shard {where} ({sum(sizes) / 1e9:.2f} GB: {words(exc)}); "
                 "swap in place (vlaunch swap --mode in-place) or free device memory") from None
         return slabs
 
-    def _room_on_host(self, staged: Staged) -> None:
+    def room_on_host(self, staged: Staged) -> None:
         """StagingMemoryError unless the host has room for an in-place swap's buffers."""
         assert staged.manifest is not None
         need = staged.manifest.nbytes * (2 if staged.keep else 1) + staged.margin
@@ -350,7 +284,7 @@ class RankSwap:
                 f"{need / 1e9:.2f} GB needed (the new shard{kept}), {free / 1e9:.2f} GB "
                 "available; free host memory, or swap with --on-failure stop (no copy kept)")
 
-    def _keep_served(self, staged: Staged) -> None:
+    def keep_served(self, staged: Staged) -> None:
         """A host copy of the served bytes, for a rollback after an in-place commit."""
         served = self.server.manifest
         staged.backup, staged.backup_free = staging.host_buffers(
@@ -392,7 +326,7 @@ class RankSwap:
         fill(specs, self.server.manifest, into, threads=self.threads,
              label=f"rank {self.server.rank} keeping the served weights")
 
-    def _with_checksums(self, manifest: Manifest, buffers: list[Any]) -> Manifest:
+    def with_checksums(self, manifest: Manifest, buffers: list[Any]) -> Manifest:
         """The manifest with crc32 per tensor where the rank's first load had them."""
         on = self.checksum if self.checksum is not None else self.backend.name == "cpu"
         if not on:
@@ -502,7 +436,7 @@ class RankSwap:
         assert staged.manifest is not None
         slabs: list[Any] = []
         if target is None:
-            slabs = self._allocate(staged.manifest.slab_sizes, "on the device")
+            slabs = self.allocate(staged.manifest.slab_sizes, "on the device")
             target = [s.buffer() for s in slabs]
         staging.copy_bytes(target, staged.buffers)
         for slab in slabs:
@@ -517,9 +451,9 @@ class RankSwap:
         self.staged = None
         previous = staged.previous
         if previous is not None and staged.mode == "double":
-            _discard(previous)
+            discard(previous)
         staged.release()
-        self._answer_trainer(staged, {"ok": True, "version": staged.version,
+        answer_trainer(staged, {"ok": True, "version": staged.version,
                                       "mode": staged.mode})
         log.info("rank %d: version %d serves; the old weights are dropped", self.server.rank,
                  staged.version)
@@ -532,7 +466,7 @@ class RankSwap:
         self.staged = None
         if staged is not None:
             staged.release()
-            self._answer_trainer(staged, protocol.error("swap", msg["message"] or
+            answer_trainer(staged, protocol.error("swap", msg["message"] or
                                                         "rolled back", status=msg["status"]))
         self._answer_served("rolled_back", msg["version"])
 
@@ -541,7 +475,7 @@ class RankSwap:
         previous = staged.previous
         assert previous is not None
         if staged.mode == "double":
-            _discard(self._capture())
+            discard(self._capture())
             self._install(previous)
             return
         if staged.backup is None:
@@ -575,141 +509,10 @@ class RankSwap:
             return
         self.staged = None
         staged.release()
-        self._answer_trainer(staged, protocol.error("swap", msg["message"] or "aborted",
+        answer_trainer(staged, protocol.error("swap", msg["message"] or "aborted",
                                                     status=msg["status"]))
         log.info("rank %d: swap to version %d abandoned; still serving version %d",
                  self.server.rank, staged.version, self.version)
-
-    # ------------------------------------------------------------------- publishing
-
-    def request(self, op: str, lease: Any, f: dict[str, Any]) -> Any:
-        """A trainer's publish_* request (a coroutine for publish_commit)."""
-        if op == "published_digests":
-            return self._digest_page(f)
-        try:
-            return getattr(self, f"_{op}")(lease, f)
-        except SwapError as exc:
-            return protocol.error("refused", str(exc), status=int(exc.code)), []
-        except VlaunchError as exc:
-            return protocol.error("refused", str(exc), status=int(exc.status)), []
-
-    def _publish_begin(self, lease: Any, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        """Staging slabs shaped as the served shard, writable, for the trainer to fill."""
-        label, mode = f["label"], f.get("mode", "auto")
-        if not 0 < len(label) <= MAX_LABEL or not label.isprintable():
-            raise SwapError(f"a published version's label must be 1..{MAX_LABEL} printable "
-                            "characters")
-        if mode not in ("auto", "double", "in-place"):
-            raise SwapError(f"publish mode must be auto, double or in-place, not {mode[:32]!r}")
-        if self.server.escrow is None:
-            raise SwapError("publishing needs the launcher (vlaunch run), which cuts every rank "
-                            "over together; this rank runs without one")
-        if self.staged is not None or self.busy:
-            raise SwapError(f"rank {self.server.rank} is busy with another swap or publish")
-        manifest = self.server.manifest
-        margin = f.get("margin", 1 << 30)
-        double = mode == "double" or (mode == "auto" and staging.free_device_bytes(
-            self.backend) >= manifest.nbytes + margin)
-        staged = Staged(0, self.model, label=label, mode="double" if double else "in-place",
-                        owner=id(lease), margin=margin)
-        if double:
-            staged.slabs = self._allocate(manifest.slab_sizes,
-                                          "on the device beside the served one")
-        else:
-            self._room_on_host(Staged(0, "", keep=True, margin=margin, manifest=manifest))
-            from vlaunch.cache.store.slabs import CpuSlab
-
-            staged.slabs = [CpuSlab(n) for n in manifest.slab_sizes]
-        staged.buffers = [s.buffer() for s in staged.slabs]
-        staged.manifest = manifest._replace(tensors=tuple(
-            t._replace(checksum=None) for t in manifest.tensors))
-        self.staged = staged
-        weakref.finalize(lease, self._publisher_gone, id(lease))
-        log.info("rank %d: pid %d publishes %r (%s, %.2f GB of staging)", self.server.rank,
-                 lease.pid, label, staged.mode, manifest.nbytes / 1e9)
-        return ({"ok": True, "mode": staged.mode, "manifest": staged.manifest.to_wire()},
-                staging.slab_fds(staged.slabs))
-
-    async def _publish_commit(self, lease: Any, f: dict[str, Any]
-                              ) -> tuple[dict[str, Any], list[int]]:
-        """The trainer wrote every tensor: check the names, shapes and dtypes, take the
-        version's identity, tell the launcher; answered once the cutover ended."""
-        staged = self.staged
-        if staged is None or staged.owner != id(lease) or staged.reply is not None:
-            raise SwapError("publish_commit without a publish_begin on this connection")
-        assert staged.manifest is not None
-        if f["label"] != staged.label:
-            raise SwapError(f"publish_commit names {f['label'][:64]!r}, publish_begin "
-                            f"{staged.label!r}")
-        why = tensors_difference(staged.manifest, f["tensors"])
-        if why:
-            self.staged = None
-            staged.release()
-            raise SwapError(f"published tensors refused: {why}; publish exactly the shard's "
-                            "tensors, with their names, dtypes and shapes")
-        loop = asyncio.get_running_loop()
-        staged.reply = loop.create_future()
-        self.busy = True
-        try:
-            await loop.run_in_executor(None, self._take_published, staged)
-        except BaseException:
-            self.busy = False
-            self.staged = None
-            staged.release()
-            raise
-        self.busy = False
-        self.answer("published", 0, label=staged.label, mode=staged.mode,
-                    fingerprint=staged.fingerprint, model=staged.model)
-        return await staged.reply
-
-    def _take_published(self, staged: Staged) -> None:
-        """A published version's digests and identity (in a thread), and the host copy of
-        the served weights an in-place rollback needs."""
-        from vlaunch.cache.rank.integrity import slab_digests
-
-        assert staged.manifest is not None
-        for slab in staged.slabs:
-            slab.seal()  # no new writable mapping: the trainer's own is dropped already
-        staged.digests = slab_digests(staged.manifest, staged.buffers, self.threads)
-        h = hashlib.blake2b(digest_size=16, person=b"vlaunch-publish")
-        for name in sorted(staged.digests):
-            h.update(name.encode() + b"\0" + staged.digests[name].encode())
-        # no label in it: engines get it in a comma list (VLAUNCH_CHECKPOINT_DATA)
-        staged.fingerprint = {**self.server.fingerprint,
-                              "checkpoint_data": f"published-{h.hexdigest()}"}
-        staged.manifest = self._with_checksums(staged.manifest, staged.buffers)
-        if staged.mode == "in-place":
-            self._keep_served(staged)
-
-    def _publish_abort(self, lease: Any, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        """Drop this connection's staging (before its commit)."""
-        self._publisher_gone(id(lease))
-        return {"ok": True}, []
-
-    def _publisher_gone(self, owner: int) -> None:
-        """A trainer left (or aborted) before its commit: drop its staging."""
-        staged = self.staged
-        if staged is not None and staged.owner == owner and staged.reply is None:
-            self.staged = None
-            staged.release()
-            log.info("rank %d: the publish of %r was abandoned before its commit",
-                     self.server.rank, staged.label)
-
-    def _answer_trainer(self, staged: Staged, reply: dict[str, Any]) -> None:
-        if staged.reply is not None and not staged.reply.done():
-            staged.reply.set_result((reply, []))
-
-    def _digest_page(self, f: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        """A page of a published version's digests, as taken at its commit."""
-        from vlaunch.cache.rank.integrity import DIGEST_PAGE
-
-        if self.digests is None:
-            return protocol.error("refused", "the weights this rank serves were not published "
-                                  "(vlaunch verify compares them with their files)"), []
-        names = list(self.digests)
-        page = names[f["start"]:f["start"] + min(f["count"], DIGEST_PAGE)]
-        return {"ok": True, "total": len(names),
-                "digests": [[n, self.digests[n]] for n in page]}, []
 
     # -------------------------------------------------------------------- the server
 
@@ -835,63 +638,8 @@ class RankSwap:
         return RankCopier(self.backend, fds, manifest.slab_sizes)
 
 
-def _discard(w: Weights) -> None:
-    """Let go of weights no longer served (mapped clients keep the memory until they exit)."""
-    if w.openers is not None:
-        w.openers.close()
-    wire.close_fds(w.fds)
-    w.fds = []
-    if w.release is not None:
-        w.release()
-    w.layouts.close()
-    if w.copier is not None:
-        w.copier.close()
-
-
-def tensors_difference(manifest: Manifest, rows: list[Any]) -> str:
-    """The first way a publish_commit's [name, dtype, shape] rows differ from the shard."""
-    want = {t.name: (t.dtype, list(t.shape)) for t in manifest.tensors}
-    seen: set[str] = set()
-    if len(rows) > len(want):
-        return f"{len(rows)} tensors named, the shard has {len(want)}"
-    for row in rows:
-        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str)):
-            return "each tensor must be [name, dtype, shape]"
-        name, dtype, shape = row
-        if name not in want:
-            return f"{name[:200]!r} is not a tensor of this rank's shard"
-        if name in seen:
-            return f"{name[:200]!r} is named twice"
-        seen.add(name)
-        if [dtype, shape] != list(want[name]):
-            return f"{name!r} is {dtype}{shape}, the shard's is {want[name][0]}{want[name][1]}"
-    missing = sorted(set(want) - seen)
-    return f"{len(missing)} tensor(s) not published, first {missing[0]!r}" if missing else ""
-
-
 def _dup(fd: int) -> int:
     import os
 
     return os.dup(fd)
-
-
-def _engine_quantization() -> str | None:
-    import os
-
-    return os.environ.get("VLAUNCH_QUANTIZATION")
-
-
-def _status_of(exc: BaseException) -> ExitStatus:
-    """The exit status a failed step reports (as a rank's own failure would)."""
-    from vlaunch.cache.rank.failures import out_of_memory
-
-    if out_of_memory(exc):
-        return ExitStatus.OUT_OF_MEMORY
-    if isinstance(exc, OSError):
-        return ExitStatus.IO_ERROR
-    return ExitStatus.INTERNAL
-
-
-def _words(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 

@@ -54,8 +54,8 @@ from vlaunch.cache.contract.standby import (
 from vlaunch.cache.reference import faults
 from vlaunch.cache.reference.http import EngineStopping, parse_generate, start_http
 from vlaunch.cache.reference.options import EX_CONFIG, ConfigError, EngineOptions, parse_args
+from vlaunch.cache.reference.state import RankState
 from vlaunch.cache.reference.workers import (
-    RankState,
     broadcast_stop,
     device_for,
     gather_stats,

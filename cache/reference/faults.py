@@ -18,6 +18,8 @@ import logging
 import os
 import time
 
+from vlaunch.cache.contract import settings
+
 log = logging.getLogger("vlaunch.engine")
 
 FAULT_ENV = "VLAUNCH_REFERENCE_FAULT_FILE"
@@ -25,7 +27,7 @@ FAULT_ENV = "VLAUNCH_REFERENCE_FAULT_FILE"
 
 def take(rank: int) -> str:
     """The fault for `rank`, once ("" if none): the file is removed by whoever takes it."""
-    path = os.environ.get(FAULT_ENV, "")
+    path = settings.get(FAULT_ENV)
     if not path:
         return ""
     try:

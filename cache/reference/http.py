@@ -26,8 +26,28 @@ from typing import TYPE_CHECKING, Any
 from vlaunch.cache.contract.http import reply_json
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+    from typing import Protocol
+
     from vlaunch.cache.reference.config import ModelConfig
-    from vlaunch.cache.reference.engine import Engine
+    from vlaunch.cache.reference.options import EngineOptions
+
+    class Engine(Protocol):
+        """What the HTTP server needs of its engine (engine.Engine), so that this module
+        names no engine module: its options and config, its figures, whether it is ready
+        or stopping, and a way to queue a request."""
+
+        opts: EngineOptions
+        cfg: ModelConfig
+        stats: dict[str, Any]
+        stopping: bool
+
+        @property
+        def ready(self) -> bool:
+            """Weights loaded, warmed up, accepting requests."""
+
+        def submit(self, tokens: list[int], max_new: int) -> Future[list[int]] | None:
+            """Queue a generation; None when the engine no longer accepts requests."""
 
 log = logging.getLogger("vlaunch.engine")
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from vlaunch.cache.reference.workers import RankState
+    from vlaunch.cache.reference.state import RankState
 
 log = logging.getLogger("vlaunch.engine")
 

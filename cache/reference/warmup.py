@@ -30,7 +30,7 @@ from vlaunch.cache.client.layout import release_cached
 from vlaunch.cache.reference.memory import RankMemory, own_memory
 
 if TYPE_CHECKING:
-    from vlaunch.cache.reference.workers import RankState
+    from vlaunch.cache.reference.state import RankState
 
 Decode = Callable[["RankState", list[int], int], list[int]]
 """This rank's part of a generation (workers.decode): the path a real request takes."""

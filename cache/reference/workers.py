@@ -18,17 +18,16 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.contract.lifetime import die_with_parent
 from vlaunch.cache.contract.standby import parks_before_weights
 from vlaunch.cache.reference import faults
 from vlaunch.cache.reference.options import ConfigError, EngineOptions
+from vlaunch.cache.reference.state import RankState
 
 if TYPE_CHECKING:
     from vlaunch.cache.reference.config import ModelConfig
-    from vlaunch.cache.reference.refmodel import TPLlama
 
 log = logging.getLogger("vlaunch.engine")
 
@@ -62,25 +61,6 @@ def open_store(opts: EngineOptions, listener: socket.socket | None) -> Any:
                          timeout=STORE_TIMEOUT)
 
 
-@dataclass
-class RankState:
-    """One rank's model and its process group."""
-
-    rank: int
-    tp_size: int
-    device: str
-    comm_device: str
-    model: TPLlama
-    weights_ms: float
-    source: str
-    nbytes: int
-    layout: str = "own"
-    draft: TPLlama | None = None  # speculative decoding's draft model (replicated: no comm)
-    speculative_tokens: int = 4
-    weights_split: tuple[int, int] | None = None  # bytes (shared, own): memory.py
-    memory_logged: Any = None  # the RankMemory this rank last logged (memory.py)
-
-
 def device_for(kind: str, rank: int, tp_size: int) -> str:
     """The torch device of `rank`: cpu, or the GPU that $VLAUNCH_ENGINE_DEVICES names.
 
@@ -89,11 +69,12 @@ def device_for(kind: str, rank: int, tp_size: int) -> str:
     """
     if kind == "cpu":
         return "cpu"
+    from vlaunch.cache.contract.engine_env import EngineEnv
     from vlaunch.cache.contract.errors import DeviceError
     from vlaunch.cache.store.slabs import cuda_index
 
-    raw = os.environ.get("VLAUNCH_ENGINE_DEVICES", "")
-    items = [x.strip() for x in raw.split(",") if x.strip()]
+    items = EngineEnv.from_env().engine_devices
+    raw = ",".join(items)
     if not items:
         return f"cuda:{rank}"
     if len(items) < tp_size:

@@ -23,11 +23,10 @@ import mmap
 import os
 from pathlib import Path
 
-from vlaunch.cache.contract.errors import DeviceError
+from vlaunch.cache.contract import settings
 
 log = logging.getLogger(__name__)
 
-PAGES_CHOICES = ("auto", "4k")
 HUGE = 2 << 20
 PROBE_BYTES = 2 * HUGE  # holds one aligned 2 MiB folio wherever the mapping starts
 _COUNTER = "ShmemHugePages:"  # /proc/meminfo, kB
@@ -42,20 +41,12 @@ def new_memfd(size: int) -> int:
 
 def requested_pages() -> str:
     """VLAUNCH_CPU_SLAB_PAGES: auto (ask for 2 MiB pages; the default) or 4k (never ask)."""
-    value = os.environ.get("VLAUNCH_CPU_SLAB_PAGES") or "auto"
-    if value not in PAGES_CHOICES:
-        raise DeviceError(f"VLAUNCH_CPU_SLAB_PAGES must be auto or 4k, not {value!r}; unset "
-                          "it to let the host's shmem huge-page policy decide")
-    return value
+    return str(settings.get("VLAUNCH_CPU_SLAB_PAGES"))
 
 
 def check_environment() -> None:
     """Refuse the file backing that earlier versions offered, with the reason and the fix."""
-    if os.environ.get("VLAUNCH_CPU_SLABS", "auto") not in ("", "auto", "memfd"):
-        raise DeviceError("file-backed CPU slabs are no longer supported "
-                          "(VLAUNCH_CPU_SLABS): a file cannot be sealed, so an engine could "
-                          "write into the cache's weights; unset VLAUNCH_CPU_SLABS (CPU slabs "
-                          "are sealed memfds)")
+    settings.get("VLAUNCH_CPU_SLABS")
 
 
 def advise_huge() -> bool:

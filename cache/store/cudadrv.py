@@ -1,8 +1,9 @@
 """The CUDA driver calls that vlaunch makes, through ctypes on libcuda.so.1.
 
-Why not cuda-bindings: `import cuda.bindings.driver` took 45-55 ms on an H200 host, and every
-engine paid it at start for about fifteen calls. torch has already loaded libcuda.so.1 when a
-handoff runs, so loading it here is a lookup, and ctypes releases the GIL around each call.
+Why not cuda-bindings: its import took longer than the whole share handoff it served
+(benchmarks/results/figures.md), and every engine paid it at start for about fifteen calls.
+torch has already loaded libcuda.so.1 when a handoff runs, so loading it here is a lookup, and
+ctypes releases the GIL around each call.
 The structures and constants below are the driver API's (cuda.h), which NVIDIA keeps binary
 compatible across driver versions.
 """

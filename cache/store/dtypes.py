@@ -24,10 +24,8 @@ if TYPE_CHECKING:
 
 
 class DType(NamedTuple):
-    """A safetensors dtype: its name in headers, its size in bits and its torch dtype's name.
-
-    A NamedTuple rather than a frozen dataclass: an engine's handoff imports this module, and
-    a frozen dataclass costs several times more to define (same fields, repr and equality)."""
+    """A safetensors dtype: its name in headers, its size in bits and its torch dtype's name
+    (a NamedTuple: see vlaunch.cache)."""
 
     name: str
     bits: int

@@ -54,11 +54,8 @@ _PERSON = b"vlaunch-sample1"
 
 
 class FileStat(NamedTuple):
-    """What a stat says about one file: enough to notice it was rewritten or replaced.
-
-    A NamedTuple rather than a frozen dataclass: every engine start imports this module, and
-    defining a frozen dataclass costs several times more. Its repr, which `stat_key` hashes,
-    has the same form either way."""
+    """What a stat says about one file: enough to notice it was rewritten or replaced (a
+    NamedTuple: see vlaunch.cache; `stat_key` hashes its repr)."""
 
     dev: int
     ino: int
@@ -79,8 +76,7 @@ class FileStat(NamedTuple):
 
 
 class Record(NamedTuple):
-    """The identity of a checkpoint as a cache read it: its files' stats and its two hashes
-    (a NamedTuple, as FileStat is: a dataclass costs several times more to define)."""
+    """The identity of a checkpoint as a cache read it: its files' stats and its two hashes."""
 
     model: str  # absolute path as given (a file or a directory)
     root: Path
@@ -223,16 +219,23 @@ def write_memo(path: Path, rec: Record) -> None:
     os.replace(tmp, path)
 
 
+class CheckpointIdentity(NamedTuple):
+    """A checkpoint's two fingerprint fields: its headers' identity and its data's."""
+
+    header: str  # the fingerprint's `checkpoint`
+    data: str  # its `checkpoint_data`
+
+
 def identities(model: str | os.PathLike[str], memo: os.PathLike[str] | str | None = None,
-               *, socket: os.PathLike[str] | str | None = None) -> tuple[str, str]:
-    """(checkpoint, checkpoint_data) of the files at `model`, as an engine checks them.
+               *, socket: os.PathLike[str] | str | None = None) -> CheckpointIdentity:
+    """The identity of the files at `model`, as an engine checks them.
 
     From a memo (this process's, then the rank's file: `memo`, or the one of the rank serving
     `socket`) when every stat still matches it; otherwise read: open and validate the
     headers, then the samples.
 
-    This is on every engine start's path, so the memo's check works on plain strings:
-    pathlib made up a third of it (0.2 ms a fingerprint here, before).
+    This is on every engine start's path, so the memo's check works on plain strings: pathlib
+    made up a third of it (benchmarks/results/figures.md).
     """
     path = _absolute(os.fspath(model))
     if memo is None and socket is not None:
@@ -243,7 +246,7 @@ def identities(model: str | os.PathLike[str], memo: os.PathLike[str] | str | Non
             return hit
     rec, _ = record(path)
     _SEEN[path] = rec.memo()
-    return rec.header, rec.data
+    return CheckpointIdentity(rec.header, rec.data)
 
 
 def _absolute(path: str) -> str:
@@ -273,7 +276,7 @@ def _read_memo(path: os.PathLike[str] | str | None) -> dict[str, Any] | None:
         os.close(fd)
 
 
-def _memo_hit(path: str, memo: dict[str, Any] | None) -> tuple[str, str] | None:
+def _memo_hit(path: str, memo: dict[str, Any] | None) -> CheckpointIdentity | None:
     """The memo's identities if `path` (absolute) names the same, unchanged files; else
     None."""
     try:
@@ -294,7 +297,9 @@ def _memo_hit(path: str, memo: dict[str, Any] | None) -> tuple[str, str] | None:
         if stat_key(root, names, stats, FileStat.of(root)) != memo["stat"]:
             return None
         header, data = memo["checkpoint"], memo["checkpoint_data"]
-        return (header, data) if isinstance(header, str) and isinstance(data, str) else None
+        if isinstance(header, str) and isinstance(data, str):
+            return CheckpointIdentity(header, data)
+        return None
     except (OSError, KeyError, TypeError):
         return None
 

@@ -15,9 +15,7 @@ MAX_NAME = 1024
 MAX_DIMS = 16
 
 
-# NamedTuples rather than frozen dataclasses: every engine's handoff imports this module and
-# builds a record per tensor; a frozen dataclass costs several times more to define and to
-# instantiate (the same fields, repr, equality, hashing and immutability).
+# NamedTuples (see vlaunch.cache): a handoff builds a record per tensor.
 
 
 class TensorRecord(NamedTuple):
@@ -132,11 +130,6 @@ def checked_int(value: Any, what: str) -> int:
     if type(value) is not int or value < 0 or value > LIMIT:
         raise ValueError(f"{what} {value!r} is not a bounded non-negative integer")
     return value
-
-
-def _span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
-    """Elements from the first to one past the last element a strided view touches."""
-    return 1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True)) if all(shape) else 0
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

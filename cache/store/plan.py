@@ -52,14 +52,14 @@ from vlaunch.cache.store.builtin_plans import BUILTIN, rules_identity
 from vlaunch.cache.store.checkpoint import Checkpoint, TensorEntry
 from vlaunch.cache.store.dtypes import DTYPES, shape_problem
 from vlaunch.cache.store.dtypes import nbytes as size_of
-from vlaunch.cache.store.ranks import Layout
+from vlaunch.cache.store.ranks import Position
 
 if TYPE_CHECKING:
     import torch
 
 Run = tuple[int, int]  # (absolute file offset, length)
 Block = tuple[int, int, list[tuple[int, int, int]]]  # (span offset, span length, copies)
-PlanHook = Callable[[Checkpoint, "Layout"], Mapping[str, "torch.Tensor"]]
+PlanHook = Callable[[Checkpoint, "Position"], Mapping[str, "torch.Tensor"]]
 
 _LAYER = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.")
 _HOOK_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
@@ -256,7 +256,7 @@ class HookPlan:
         """The plan's identity for the fingerprint."""
         return f"hook:{self.spec}"
 
-    def build(self, checkpoint: Checkpoint, layout: Layout) -> dict[str, torch.Tensor]:
+    def build(self, checkpoint: Checkpoint, layout: Position) -> dict[str, torch.Tensor]:
         """Call the hook and check that it returned a mapping of names to tensors."""
         import torch
 
@@ -320,7 +320,7 @@ def load_hook(spec: str) -> PlanHook:
     return obj  # type: ignore[no-any-return]
 
 
-def plan_rank(ckpt: Checkpoint, plan: ShardPlan, layout: Layout) -> list[SliceSpec]:
+def plan_rank(ckpt: Checkpoint, plan: ShardPlan, layout: Position) -> list[SliceSpec]:
     """Return the slices rank `layout` holds, in checkpoint order."""
     from vlaunch.cache.store.quant import act_order, quantization_config
 
@@ -371,7 +371,7 @@ _QUANT_AUX = re.compile(r"\.(?:weight_scale|weight_scale_inv|weight_zero_point|s
 _GROUPED = re.compile(r"\.(?:scales|qzeros)$")
 
 
-def ep_layout(layout: Layout) -> tuple[int, int]:
+def ep_layout(layout: Position) -> tuple[int, int]:
     """(ep_size, ep_rank): experts spread over the tp x dp ranks, as vLLM's expert parallelism."""
     return layout.tp_size * layout.dp_size, layout.dp_rank * layout.tp_size + layout.tp_rank
 
@@ -383,7 +383,7 @@ def expert_range(experts: int, ep_size: int, ep_rank: int) -> range:
     return range(start, start + base + (ep_rank < extra))
 
 
-def _expert_filter(ckpt: Checkpoint, plan: ShardPlan, layout: Layout) -> Callable[[str], bool]:
+def _expert_filter(ckpt: Checkpoint, plan: ShardPlan, layout: Position) -> Callable[[str], bool]:
     """Under expert parallelism, whether rank `layout` holds tensor `name`'s expert."""
     if plan.experts != "ep":
         return lambda name: True
@@ -397,7 +397,7 @@ def _expert_filter(ckpt: Checkpoint, plan: ShardPlan, layout: Layout) -> Callabl
     return owns
 
 
-def _slice(entry: TensorEntry, plan: ShardPlan, layout: Layout,
+def _slice(entry: TensorEntry, plan: ShardPlan, layout: Position,
            whole_groups: bool = False,
            rules: Callable[[str], tuple[int | None, int]] | None = None) -> SliceSpec:
     """Return the tensor-parallel (or expert-parallel) slice of `entry` that rank `layout` holds

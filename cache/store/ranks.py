@@ -1,7 +1,8 @@
-"""Where a rank sits: `Layout`, its tensor-, pipeline- and data-parallel sizes and ranks.
+"""Where a rank sits: `Position`, its tensor-, pipeline- and data-parallel sizes and ranks.
 
-Apart from the shard plans (plan.py) because an engine's share handoff needs the layout and
-nothing else of them; plan.py re-exports it. Light: nothing beyond the contract's errors.
+(An "engine layout" is something else: the tensors as an engine post-processed them,
+docs/engine-layout.md.) Apart from the shard plans (plan.py) because an engine's share
+handoff needs the position and nothing else of them. Light: nothing beyond the contract's errors.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import NamedTuple
 from vlaunch.cache.contract.errors import UsageError
 
 
-class _LayoutFields(NamedTuple):
+class _PositionFields(NamedTuple):
     tp_size: int
     tp_rank: int
     pp_size: int = 1
@@ -20,21 +21,20 @@ class _LayoutFields(NamedTuple):
     dp_rank: int = 0
 
 
-class Layout(_LayoutFields):
+class Position(_PositionFields):
     """Where a rank sits: its tensor-, pipeline- and data-parallel sizes and ranks.
 
     Global ranks are ordered data, then pipeline, then tensor (tensor varies fastest):
     global_rank = (dp_rank * pp_size + pp_rank) * tp_size + tp_rank.
 
-    Immutable, compared and hashed by its fields, validated when made. A NamedTuple rather
-    than a frozen dataclass: every engine start defines it, and a frozen dataclass costs
-    several times more to define (its repr has the same form).
+    Immutable, compared and hashed by its fields, validated when made (a NamedTuple: see
+    vlaunch.cache).
     """
 
     __slots__ = ()
 
     def __new__(cls, tp_size: int, tp_rank: int, pp_size: int = 1, pp_rank: int = 0,
-                dp_size: int = 1, dp_rank: int = 0) -> Layout:
+                dp_size: int = 1, dp_rank: int = 0) -> Position:
         for kind, size, rank in (("tp", tp_size, tp_rank), ("pp", pp_size, pp_rank),
                                  ("dp", dp_size, dp_rank)):
             if type(size) is not int or size < 1:
@@ -55,8 +55,8 @@ class Layout(_LayoutFields):
         return (self.dp_rank * self.pp_size + self.pp_rank) * self.tp_size + self.tp_rank
 
     @classmethod
-    def from_global(cls, rank: int, tp_size: int, pp_size: int = 1, dp_size: int = 1) -> Layout:
-        """Return the layout of global rank `rank` in a world of the given sizes."""
+    def from_global(cls, rank: int, tp_size: int, pp_size: int = 1, dp_size: int = 1) -> Position:
+        """The position of global rank `rank` in a world of the given sizes."""
         world = tp_size * pp_size * dp_size
         if type(rank) is not int or not 0 <= rank < world:
             raise UsageError(f"rank must be an integer in 0..{world - 1} for tp_size "

@@ -26,7 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vlaunch.cache.contract import settings
 from vlaunch.cache.contract.errors import CheckpointError, VlaunchError, exit_status
+from vlaunch.cache.store.pieces import Piece, pieces
 from vlaunch.cache.store.progress import Progress
 from vlaunch.cache.store.slabs import host_array, on_device
 
@@ -41,7 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("vlaunch.cache.store.reader")
 CHUNK = 64 << 20
 CUDA_CHUNK = 16 << 20  # pinned staging is costly to allocate: up to 2 buffers x threads x this
-NARROW = 1 << 20  # a split narrower than this per row is read as whole spans (see pieces)
 SPARE_BUFFERS = 2  # pinned staging buffers beyond one per reader thread
 STAGING: dict[str, Any] = {}  # the last CUDA load's staging: buffers, chunk, pinned_s
 
@@ -97,25 +98,14 @@ def fill(specs: list[SliceSpec], manifest: Manifest, slabs: list[SlabBytes], *,
             os.close(fd)
 
 
-READERS = ("staging", "register")
-
-
 def reader_mode() -> str:
     """The CUDA reader (VLAUNCH_READER): `staging` (the default: reader threads read into
     pinned buffers, the copy engine moves them) or `register` (DMA out of the registered page
-    cache, no host copy: registered.py).
-
-    Measured on 2 H200s (2026-11-30/12-01, benchmarks/results/gpu_2026-12-01.md): staging
-    was faster or level in every layout (TP 1 34-39 GB/s against 23-28 registered; TP 2 19-21
-    against 10-15 a rank); at PP 2 registering was ahead in two calls of three (32.0 against
-    23.2, 22.8 against 20.2 GB/s a rank) and behind in one (18.7 against 27.9).
+    cache, no host copy: registered.py). Staging is the default: on two H200s it was faster
+    or level in every layout but PP 2, where the two traded places
+    (benchmarks/results/gpu_2026-12-01.md).
     """
-    mode = os.environ.get("VLAUNCH_READER") or "staging"
-    if mode not in READERS:
-        log.warning("VLAUNCH_READER=%s is not one of %s; using staging", mode,
-                    ", ".join(READERS))
-        return "staging"
-    return mode
+    return str(settings.get("VLAUNCH_READER"))
 
 
 def _fill_staged(specs: list[SliceSpec], records: dict[str, Any], slabs: list[SlabBytes],
@@ -125,7 +115,7 @@ def _fill_staged(specs: list[SliceSpec], records: dict[str, Any], slabs: list[Sl
     `threads`."""
     cuda = on_device(slabs[0]) if slabs else False
     chunk = chunk or (CUDA_CHUNK if cuda else CHUNK)
-    gather = os.environ.get("VLAUNCH_SPLIT_READ", "gather") == "gather"
+    gather = settings.get("VLAUNCH_SPLIT_READ") == "gather"
     if not cuda:  # whole tensors that follow each other in a file: one preadv for many
         specs, batches = _batched(specs, records, slabs, chunk)
     work = [(s, p) for s in specs for p in pieces(s, chunk, packed=gather)]
@@ -252,69 +242,6 @@ def _fill_registered(specs: list[SliceSpec], records: dict[str, Any], slabs: lis
     return registered.fill_registered(work, fds, slabs[0].device, progress.add)
 
 
-@dataclass(frozen=True)
-class Piece:
-    """One read: `rows` rows of `row` bytes at file offset `offset`; bytes [lo, lo + width) of
-    each row land, packed, at byte `at` of the slice. A contiguous piece is one whole row."""
-
-    offset: int
-    rows: int
-    row: int
-    lo: int
-    width: int
-    at: int
-
-    @property
-    def span(self) -> int:
-        """Bytes read from the file."""
-        return self.rows * self.row
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes written into the slice."""
-        return self.rows * self.width
-
-    @property
-    def contiguous(self) -> bool:
-        """Whether every byte read is kept."""
-        return self.row == self.width
-
-
-def pieces(spec: SliceSpec, chunk: int, packed: bool = False) -> list[Piece]:
-    """Cut a slice into reads of at most `chunk` bytes of file span each (`packed`: of at most
-    `chunk` bytes kept, for reads that gather the kept bytes out of a file mapping).
-
-    A split whose part of each row is narrower than NARROW (o_proj and down_proj at TP > 1)
-    is read as spans of whole rows, the other ranks' bytes included, and split after the read
-    by one strided copy: one read and one host-to-device copy per span instead of one per row.
-    A wider part is read where it lies, row by row, without reading the other ranks' bytes.
-
-    Ranks do not share reads: each rank's process reads what it holds. Sharing a span (one
-    rank reads it, the others get their columns from it) would need the ranks' processes to
-    coordinate and hand device memory to each other during the load; with the page cache
-    warm the cost it saves is a memory copy, and gathering (VLAUNCH_SPLIT_READ=gather) avoids
-    even that without coordination.
-    """
-    runs = spec.runs()
-    if not runs:
-        return []
-    width = runs[0][1]
-    if len(runs) > 1 and width < NARROW and (width if packed else runs[1][0] - runs[0][0]) <= chunk:
-        row = runs[1][0] - runs[0][0]
-        first = spec.source.begin
-        per = chunk // (width if packed else row)
-        return [Piece(first + i * row, min(per, len(runs) - i), row, runs[0][0] - first, width,
-                      i * width) for i in range(0, len(runs), per)]
-    out = []
-    at = 0
-    for offset, length in runs:
-        for start in range(0, length, chunk):
-            n = min(chunk, length - start)
-            out.append(Piece(offset + start, 1, n, 0, n, at + start))
-        at += length
-    return out
-
-
 def _words(piece: Piece, *addresses: int) -> int:
     """The widest word (8, 4, 2 or 1 bytes) that the piece's offsets and the addresses allow."""
     return next(u for u in (8, 4, 2, 1)
@@ -398,9 +325,9 @@ class _CudaMover:
     Why hand-written: fastsafetensors, kvikio and cuFile readers were weighed. Without the
     nvidia-fs kernel module (absent in containers and VMs), cuFile and kvikio fall back to
     POSIX reads into pinned bounce buffers, which is this pipeline, at the cost of a large
-    native dependency each; fastsafetensors reads whole files per rank and measured 26 GB/s
-    against this reader's 20-31 GB/s on the same H200. None splits a tensor per rank on the
-    device. The pipeline is some 60 lines over torch and os.preadv.
+    native dependency each; fastsafetensors reads whole files per rank and measured within
+    this reader's range on the same H200 (benchmarks/results/figures.md). None splits a
+    tensor per rank on the device. The pipeline is some 60 lines over torch and os.preadv.
     """
 
     def __init__(self, device: torch.device, chunk: int, limit: int) -> None:

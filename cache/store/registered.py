@@ -10,9 +10,10 @@ pitch apart), so a rank moves only its own bytes. A copy may not span two regist
 driver answers "invalid argument"), so copies are cut at window boundaries.
 
 Opt-in (VLAUNCH_READER=register, reader.reader_mode): on two H200s it was not faster than the
-staging reader (registering and copying do not overlap: ~25 GB/s a process; 8 registering
-threads were slower than 1; a 2-D DMA of 4-14 KiB rows crawls). Registering a cold file reads
-it from disk on one thread. Any refusal to register falls back to the staging reader.
+staging reader (registering and copying do not overlap; 8 registering threads were slower
+than 1; a 2-D DMA of rows a few KiB long crawls: benchmarks/results/gpu_2026-12-01.md).
+Registering a cold file reads it from disk on one thread. Any refusal to register falls back
+to the staging reader.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from vlaunch.cache.store.reader import Piece
+    from vlaunch.cache.store.pieces import Piece
 
 log = logging.getLogger("vlaunch.cache.store.registered")
 WINDOW = 32 << 20  # bytes registered at once; a multiple of the page size
@@ -117,7 +118,7 @@ def fill_registered(work: Sequence[tuple[str, Piece, torch.Tensor]], fds: dict[s
 
     Each window is registered in file order and its copies queued on one stream as soon as it
     is, so the copy engine drains the queue while the next window is registered (one thread:
-    eight ran at 22.6 GB/s against 28.2 for one, H200, TP 1). Split rows go by 2-D copies
+    eight were slower, benchmarks/results/figures.md). Split rows go by 2-D copies
     straight from the page cache: only the rank's own bytes cross the bus.
     """
     import numpy as np

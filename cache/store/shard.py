@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from vlaunch.cache.contract.engine_env import READER_THREADS
 from vlaunch.cache.store.checkpoint import Checkpoint, open_checkpoint
 from vlaunch.cache.store.manifest import Manifest, pack, views
-from vlaunch.cache.store.plan import HookPlan, Layout, load_plan, plan_rank
+from vlaunch.cache.store.plan import HookPlan, Position, load_plan, plan_rank
 
 if TYPE_CHECKING:
     import torch
@@ -42,7 +42,7 @@ class Shard:
         return views(self.manifest, _as_torch(self.tensors))
 
 
-def load_shard(model: str, plan_spec: str, layout: Layout, backend: Backend, *,
+def load_shard(model: str, plan_spec: str, layout: Position, backend: Backend, *,
                threads: int = READER_THREADS, label: str = "loading") -> Shard:
     """Plan, allocate and read a rank's shard into fresh slabs of `backend`."""
     from vlaunch.cache.store.reader import fill
@@ -59,7 +59,7 @@ def load_shard(model: str, plan_spec: str, layout: Layout, backend: Backend, *,
     return shard
 
 
-def empty_shard(model: str, plan_spec: str, layout: Layout, backend: Backend) -> Shard:
+def empty_shard(model: str, plan_spec: str, layout: Position, backend: Backend) -> Shard:
     """Plan and allocate a rank's shard without reading any tensor data (to be seeded)."""
     from vlaunch.cache.contract.errors import SeedError
 
@@ -71,7 +71,7 @@ def empty_shard(model: str, plan_spec: str, layout: Layout, backend: Backend) ->
     return _allocate(ckpt, plan, layout, backend, time.perf_counter())[0]
 
 
-def _allocate(ckpt: Checkpoint, plan: Any, layout: Layout, backend: Backend,
+def _allocate(ckpt: Checkpoint, plan: Any, layout: Position, backend: Backend,
               start: float) -> tuple[Shard, list[Any]]:
     specs = plan_rank(ckpt, plan, layout)
     manifest = pack([(s.name, s.dtype, s.shape) for s in specs], backend=backend.name,
@@ -82,7 +82,7 @@ def _allocate(ckpt: Checkpoint, plan: Any, layout: Layout, backend: Backend,
                  time.perf_counter() - start), specs
 
 
-def _from_hook(ckpt: Checkpoint, plan: HookPlan, layout: Layout, backend: Backend,
+def _from_hook(ckpt: Checkpoint, plan: HookPlan, layout: Position, backend: Backend,
                start: float) -> Shard:
     """Let an engine's hook build the rank's tensors, then pack them into slabs."""
     from vlaunch.cache.store.dtypes import from_torch, header_shape

@@ -167,9 +167,9 @@ class CpuBackend:
 
         Populated: the page tables are filled in the mmap call (MAP_POPULATE) rather than by
         one fault per page as the engine first reads each. With 2 MiB pages (a memfd under
-        `MADV_HUGEPAGE`), a 320 MiB slab mapped populated took 0.2 ms more and its first read
-        of every page 0.6 ms less (benchmarks/bench_cpu_handoff.py, results/cpu.md); with
-        4 KiB pages the two cost the same. An engine reads every weight on its first step.
+        `MADV_HUGEPAGE`) the map costs a little more and the first read of every page saves
+        more than that; with 4 KiB pages the two cost the same (benchmarks/results/cpu.md).
+        An engine reads every weight on its first step.
         """
         return _tensor_over(_mapping(fd, size, readonly, populate=True), size)
 
@@ -214,8 +214,8 @@ def empty_for_copy(size: int, device: str) -> torch.Tensor:
     """Uninitialised memory of our own for the copy of a slab (copy modes, engine side).
 
     On CPU its pages are asked to be 2 MiB (`MADV_HUGEPAGE`) before the copy faults them in:
-    with 4 KiB pages a copy-mode load of a 320 MiB slab spent half its time in page faults,
-    116-119 ms against 58-62 with 2 MiB pages (bench_cpu_handoff.py on a 2-core machine).
+    with 4 KiB pages a copy-mode load spent half its time in page faults
+    (benchmarks/results/figures.md).
     Where the host's THP policy is `never` the advice does nothing; the memory is torch's
     own either way."""
     import torch
@@ -276,8 +276,19 @@ def _tensor_over(buf: mmap.mmap | None, size: int) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=torch.uint8, count=max(size, 1))[:size]
 
 
+_BACKENDS: dict[str, Backend] = {}
+
+
+def backend_for(device: str) -> Backend:
+    """The slab backend of `device`, made once per process and reused by every handoff."""
+    backend = _BACKENDS.get(device)
+    if backend is None:
+        backend = _BACKENDS[device] = get_backend(device)
+    return backend
+
+
 def get_backend(device: str) -> Backend:
-    """The backend for `cpu`, `cuda` or `cuda:N`."""
+    """A new backend for `cpu`, `cuda` or `cuda:N` (`backend_for`: the process's own)."""
     if device == "cpu":
         return CpuBackend()
     if device == "cuda" or device.startswith("cuda:"):

@@ -1,10 +1,12 @@
 """The supervisor's decisions: a pure state machine that takes events and returns actions.
 
-One concern a module: `supervisor` (the entry, `Supervisor.handle`, and the contract with the
-executor), `model` (phases, states, records), `state` (the shared state), `ranks`, `engine`,
-`budget`, `hang` (health probes, the engine watchdog, hung engines and standbys), `standby`,
-`swap` (new weights), `stop`, `timers`, `view` (the status surface) and `exits` (how a child
-ended, in words). None of them does I/O or reads a clock (tests/test_layout.py checks it).
+One concern a module: `events` (the vocabulary: the configuration, the events the core takes
+and the actions it returns), `supervisor` (the entry, `Supervisor.handle`, and the contract
+with the executor), `model` (phases, states, records), `state` (the shared state), `ranks`,
+`engine`, `budget`, `hang` (health probes, the engine watchdog, hung engines and standbys),
+`standby`, `swap` (new weights), `stop`, `timers`, `view` (the status surface) and `exits` (how
+a child ended, in words). None of them does I/O or reads a clock (tests/test_layout.py checks
+it).
 """
 
 from .exits import CACHE_STATUSES, describe_exit

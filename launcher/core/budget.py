@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..events import SupervisorConfig
+from .events import SupervisorConfig
 
 
 class RestartBudget:

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from vlaunch.cache.contract.exitcodes import ExitStatus
 
-from ..events import (
+from .events import (
     Action,
     ChildExited,
     EngineReady,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
-from ..events import Action, EngineHealth, EngineWatchdog, Log, Notify, SignalChild
+from .events import Action, EngineHealth, EngineWatchdog, Log, Notify, SignalChild
 from .model import EngineState, StandbyState
 from .state import SupervisorState
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from vlaunch.cache.contract.exitcodes import ExitStatus
 
-from ..events import (
+from .events import (
     Action,
     CacheProgress,
     CacheReady,

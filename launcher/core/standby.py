@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
-from ..events import (
+from .events import (
     Action,
     ChildExited,
     Log,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
-from ..events import Exit, SupervisorConfig, SwapPolicy
 from .budget import RestartBudget
+from .events import Exit, SupervisorConfig, SwapPolicy
 from .model import (
     ENGINE_ALIVE,
     EngineState,

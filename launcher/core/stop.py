@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from vlaunch.cache.contract.exitcodes import ExitStatus
 
-from ..events import Action, Exit, KillAll, Log, Notify, SignalChild, SignalReceived
+from .events import Action, Exit, KillAll, Log, Notify, SignalChild, SignalReceived
 from .exits import signal_name
 from .model import RANK_RUNNING, EngineState, RankState, Stop
 from .state import SupervisorState

@@ -53,7 +53,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from ..events import (
+from .engine import EngineDecisions
+from .events import (
     Action,
     CacheProgress,
     CacheReady,
@@ -75,7 +76,6 @@ from ..events import (
     SwapStep,
     Tick,
 )
-from .engine import EngineDecisions
 from .exits import signal_name
 from .hang import HangDecisions
 from .model import SupervisorProtocolError

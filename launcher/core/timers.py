@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from vlaunch.cache.contract.exitcodes import ExitStatus
 
-from ..events import Action, Log, Notify
+from .events import Action, Log, Notify
 from .model import Phase, RankState
 from .state import SupervisorState
 

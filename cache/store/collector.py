@@ -36,12 +36,11 @@ def age_young_objects() -> None:
 
     They are the handoff's and what the engine made just before it (vlaunch's modules,
     imported for the call), and they live as long as the weights. Otherwise re-enabling the
-    collector set off a collection of them at once: 2 of the 10 ms a first share load() of 289
-    tensors took on a CPU here, 0.3-0.4 ms of a copy-mode one on an H200 host. gc.freeze()
-    then gc.unfreeze() is that move (two list splices, and the young counts reset); it is
-    skipped where the engine has frozen a heap of its own, which unfreeze() would thaw.
-    Python 3.12 starts with 375 objects frozen (tuples of its deep-frozen modules): thawing
-    those into the oldest generation costs nothing.
+    collector set off a collection of them at once, a fifth of a first share load() on a CPU
+    (benchmarks/results/figures.md). gc.freeze() then gc.unfreeze() is that move (two list
+    splices, and the young counts reset); it is skipped where the engine has frozen a heap of
+    its own, which unfreeze() would thaw. Python 3.12 starts with a few hundred objects frozen
+    (tuples of its deep-frozen modules): thawing those into the oldest generation is free.
     """
     if gc.get_freeze_count() <= INTERPRETER_FROZEN:
         gc.freeze()

@@ -1,7 +1,8 @@
 """The supervisor's vocabulary: its configuration, the events it consumes, the actions it returns.
 
-All frozen dataclasses with no behaviour beyond validation; `core.Supervisor` is the only
-consumer of events and producer of actions.
+All frozen dataclasses with no behaviour beyond validation; `Supervisor` (supervisor.py) is
+the only consumer of events and producer of actions, the executor (launcher/executor.py) the
+only producer of events and consumer of actions.
 """
 
 from __future__ import annotations

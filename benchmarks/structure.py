@@ -1,0 +1,274 @@
+#!/usr/bin/env python3
+"""The tree's shape, read from its syntax: module sizes, parameter lists, VLAUNCH_* reads.
+
+Architecture changes quote these figures before and after (benchmarks/results/structure.md):
+the largest modules, the functions with the most parameters, the route one parameter takes
+through the calls, and every VLAUNCH_* variable with the places that read it. The tree is
+read as text, except for the variable table's option and field columns: a child process
+imports the tree's click commands and its engine environment (nothing of them runs).
+
+    python benchmarks/structure.py                     # all four tables
+    python benchmarks/structure.py --repo /other/checkout --walk cache/client/loader.py:load:model
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+TOPS = ("cache", "launcher")
+VAR = re.compile(r"VLAUNCH_[A-Z0-9_]+")
+READERS = {"get", "getenv", "pop", "setdefault"}
+
+
+def modules(repo: Path) -> Iterator[Path]:
+    """Every Python file of the two packages."""
+    for top in TOPS:
+        yield from sorted((repo / top).rglob("*.py"))
+
+
+def sizes(repo: Path, top: int) -> list[str]:
+    """The largest modules, by lines."""
+    counted = sorted(((len(p.read_text().splitlines()), p.relative_to(repo)) for p in
+                      modules(repo)), reverse=True)
+    total = sum(n for n, _ in counted)
+    rows = [f"{n:5d}  {p}" for n, p in counted[:top]]
+    return [f"{len(counted)} modules, {total} lines; the {top} largest:", *rows]
+
+
+def parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """A function's parameter names, without self and cls."""
+    a = node.args
+    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+    names += [f"*{a.vararg.arg}"] if a.vararg else []
+    names += [f"**{a.kwarg.arg}"] if a.kwarg else []
+    return [n for n in names if n not in ("self", "cls")]
+
+
+def functions(repo: Path) -> Iterator[tuple[Path, str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """(file, qualified name, node) of every function and method."""
+    for path in modules(repo):
+        tree = ast.parse(path.read_text(), str(path))
+        stack: list[tuple[ast.AST, str]] = [(tree, "")]
+        while stack:
+            node, prefix = stack.pop()
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                    yield path, prefix + child.name, child
+                    stack.append((child, f"{prefix}{child.name}."))
+                elif isinstance(child, ast.ClassDef):
+                    stack.append((child, f"{prefix}{child.name}."))
+
+
+def longest(repo: Path, least: int) -> list[str]:
+    """Functions with `least` parameters or more, longest first, and where they live."""
+    found = sorted(((len(parameters(f)), str(p.relative_to(repo)), name)
+                    for p, name, f in functions(repo) if len(parameters(f)) >= least),
+                   key=lambda r: (-r[0], r[1], r[2]))
+    where = Counter(p.split("/")[0] + "/" + p.split("/")[1] for _, p, _ in found)
+    rows = [f"{n:3d}  {p}:{name}" for n, p, name in found]
+    return [f"{len(found)} functions with {least} or more parameters "
+            f"({', '.join(f'{k} {v}' for k, v in where.most_common())}):", *rows]
+
+
+def typed_any(repo: Path) -> list[str]:
+    """Per package, the share of parameters annotated `Any` (self and cls left out)."""
+    counts: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for path, _, node in functions(repo):
+        a = node.args
+        parts = path.relative_to(repo).parts
+        where = "/".join(parts[:2]) if len(parts) > 2 else f"{parts[0]}/*.py"
+        for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs):
+            if arg.arg in ("self", "cls"):
+                continue
+            counts[where][0] += 1
+            counts[where][1] += arg.annotation is not None and ast.unparse(arg.annotation) == "Any"
+    rows = [f"  {k:22s} {n:4d} parameters, {a:3d} typed Any ({100 * a / n:.0f}%)"
+            for k, (n, a) in sorted(counts.items()) if n]
+    return ["parameters typed `Any`, per package:", *rows]
+
+
+def environment_reads(repo: Path) -> dict[str, list[str]]:
+    """VLAUNCH_* name -> where it is read: `file:line kind` (environ/getenv with a literal or
+    a module-level constant, a click envvar=, a settings registry entry)."""
+    out: dict[str, list[str]] = defaultdict(list)
+    for path in modules(repo):
+        tree = ast.parse(path.read_text(), str(path))
+        rel = path.relative_to(repo)
+        consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+                  and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+                  for t in n.targets if isinstance(t, ast.Name)}
+
+        def name_of(node: ast.AST, consts: dict[str, str] = consts) -> str:
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                return node.value
+            if isinstance(node, ast.Name):
+                return consts.get(node.id, "")
+            if isinstance(node, ast.JoinedStr):  # f"VLAUNCH_{x}": the literal part
+                return "".join(v.value for v in node.values if isinstance(v, ast.Constant)
+                               and isinstance(v.value, str)) + "*"
+            return ""
+
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                func = node.func
+                attr = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                if attr in READERS and node.args and (env := name_of(node.args[0])):
+                    kind = "read"
+                elif attr in ("option", "SourceOption", "Option") or any(
+                        k.arg == "envvar" for k in node.keywords):
+                    env = next((name_of(k.value) for k in node.keywords if k.arg == "envvar"),
+                               "")
+                    kind = "cli option"
+                else:
+                    continue
+            elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) \
+                    and node.value.attr == "environ" and isinstance(node.ctx, ast.Load):
+                env, kind = name_of(node.slice), "read"
+            else:
+                continue
+            if env.startswith("VLAUNCH_"):
+                out[env].append(f"{rel}:{node.lineno} {kind}")
+    return out
+
+
+TABLES = r"""
+import json, sys
+import click
+out = {"options": {}, "fields": {}, "settings": {}}
+from vlaunch.launcher.cli import cli
+def walk(cmd, path):
+    for p in getattr(cmd, "params", []):
+        names = [p.envvar] if isinstance(p.envvar, str) else list(p.envvar or [])
+        for n in names:
+            out["options"].setdefault(n, []).append(f"{path} {p.opts[0]}")
+    for name, sub in getattr(cmd, "commands", {}).items():
+        walk(sub, f"{path} {name}")
+walk(cli, "vlaunch")
+from vlaunch.cache.contract.engine_env import EngineEnv, env_name
+out["fields"] = {env_name(f): f for f in EngineEnv._fields}
+try:
+    from vlaunch.cache.contract import settings
+except ImportError:
+    pass
+else:
+    out["settings"] = {s.name: s.kind for s in settings.REGISTRY.values()}
+print(json.dumps(out))
+"""
+
+
+def tables(repo: Path) -> dict[str, dict[str, object]]:
+    """The tree's option envvars, EngineEnv fields and registered settings (read by a child
+    that imports the tree at `repo` as the vlaunch package)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "vlaunch").mkdir()
+        (Path(tmp) / "vlaunch" / "__init__.py").write_text("")
+        for top in TOPS:
+            (Path(tmp) / "vlaunch" / top).symlink_to(repo.resolve() / top)
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("VLAUNCH_")},
+               "PYTHONPATH": tmp}
+        r = subprocess.run([sys.executable, "-c", TABLES], capture_output=True, text=True,
+                           env=env, cwd=tmp, check=True, timeout=120)
+    return json.loads(r.stdout)
+
+
+def environment(repo: Path) -> list[str]:
+    """The VLAUNCH_* table: every name, what defines it (an option of a command, a field of
+    the engine's environment, a registered setting) and where a module reads it by name."""
+    reads = environment_reads(repo)
+    named = {n.value for p in modules(repo) for n in ast.walk(ast.parse(p.read_text()))
+             if isinstance(n, ast.Constant) and isinstance(n.value, str)
+             and VAR.fullmatch(n.value)}
+    known = tables(repo)
+    options, fields, settings = known["options"], known["fields"], known["settings"]
+    rows = []
+    for name in sorted(n for n in named | set(reads) | set(options) | set(fields) | set(settings)
+                       if "*" not in n):
+        what = [*(f"option {o}" for o in options.get(name, [])),
+                *([f"EngineEnv.{fields[name]}"] if name in fields else []),
+                *([f"setting ({settings[name]})"] if name in settings else []),
+                *(f"read {p.removesuffix(' read')}" for p in reads.get(name, [])
+                  if p.endswith(" read"))]
+        rows.append(f"{name:34s} {'; '.join(what) or 'named only'}")
+    files = {p.split(":")[0] for v in reads.values() for p in v if p.endswith(" read")}
+    adhoc = {n for n, v in reads.items() if any(p.endswith(" read") for p in v)}
+    return [f"{len(rows)} VLAUNCH_* names: {len(options)} option variables, {len(fields)} "
+            f"EngineEnv fields ({len(set(fields) & set(options))} also options), "
+            f"{len(settings)} registered settings; {len(adhoc)} read by name in {len(files)} "
+            "files:", *rows]
+
+
+def walk(repo: Path, start: str, stops: int = 60) -> list[str]:
+    """Follow a parameter from `file:function:param` through the calls that pass it on, by
+    name (a call whose argument is the parameter itself, to a function of the tree with that
+    name): each step with its module, and how often the route comes back to a module."""
+    file, func, param = start.split(":")
+    table: dict[str, list[tuple[Path, str, ast.FunctionDef | ast.AsyncFunctionDef]]] = \
+        defaultdict(list)
+    for p, name, node in functions(repo):
+        table[name.rsplit(".", 1)[-1]].append((p, name, node))
+    here = next(x for x in table[func.rsplit(".", 1)[-1]]
+                if x[0] == repo / file and x[1] == func)
+    route: list[tuple[str, str, str]] = []
+    seen: set[tuple[str, str]] = set()
+
+    def visit(path: Path, qual: str, node: ast.AST, name: str) -> None:
+        if len(route) >= stops or (str(path), qual) in seen:
+            return
+        seen.add((str(path), qual))
+        route.append((str(path.relative_to(repo)), qual, name))
+        for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+            callee = call.func.attr if isinstance(call.func, ast.Attribute) else \
+                getattr(call.func, "id", "")
+            targets = table.get(callee, [])
+            if len(targets) != 1:
+                continue  # unknown, or one name several functions bear
+            tpath, tqual, tnode = targets[0]
+            params = parameters(tnode)
+            bound = ""
+            for i, arg in enumerate(call.args):
+                if isinstance(arg, ast.Name) and arg.id == name and i < len(params):
+                    bound = params[i]
+            for k in call.keywords:
+                if isinstance(k.value, ast.Name) and k.value.id == name and k.arg:
+                    bound = k.arg
+            if bound:
+                visit(tpath, tqual, tnode, bound)
+
+    visit(*here, param)
+    rows, last, left, back = [], "", set(), 0
+    for mod, qual, name in route:
+        again = mod in left and mod != last
+        back += again
+        if last and mod != last:
+            left.add(last)
+        last = mod
+        rows.append(f"  {mod}:{qual} as {name}{'   (back again)' if again else ''}")
+    mods = {m for m, _, _ in route}
+    return [f"`{param}` from {file}:{func}: {len(route)} functions in {len(mods)} modules, "
+            f"{back} returns to a module it had left:", *rows]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[1])
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--least", type=int, default=9, help="parameters that make a list long")
+    ap.add_argument("--walk", default="cache/client/loader.py:load:model")
+    args = ap.parse_args()
+    for block in (sizes(args.repo, args.top), longest(args.repo, args.least),
+                  walk(args.repo, args.walk), typed_any(args.repo), environment(args.repo)):
+        print("\n".join(block), end="\n\n")
+
+
+if __name__ == "__main__":
+    main()

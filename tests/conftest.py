@@ -32,19 +32,27 @@ def pytest_cmdline_main(config: pytest.Config) -> Iterator[object]:
     suite, `tests/faults`) unless `-n` was given; files and single tests run in one process,
     where workers' start-up (each imports torch) costs more than they save.
 
-    Not an addopts line: the GPU machine and the FlashInfer venv have no pytest-xdist, and
-    there the suite runs in one process. `-n 0` runs it in one process anywhere.
+    Not an addopts line: the FlashInfer venv has no pytest-xdist, and there the suite runs in
+    one process. `-n 0` runs it in one process anywhere. A run that selects the GPU tests
+    (`-m gpu`) stays in one process too: they measure the device's free memory, which tests
+    on other workers would move.
     """
     option = config.option
     if not hasattr(config, "workerinput"):
         _byte_compile_vlaunch()
     if (config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput")
             and option.numprocesses is None and not option.usepdb
+            and not _selects_gpu_tests(option.markexpr or "")
             and all(Path(arg).is_dir() for arg in config.args)):
         option.numprocesses = "auto"
         if option.dist == "no":
             option.dist = "worksteal"
     return (yield)
+
+
+def _selects_gpu_tests(markexpr: str) -> bool:
+    """Whether a -m expression asks for the gpu marker (not only excludes it)."""
+    return "gpu" in markexpr.replace("not gpu", "")
 
 
 def _byte_compile_vlaunch() -> None:

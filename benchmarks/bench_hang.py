@@ -3,7 +3,7 @@
 
     python benchmarks/bench_hang.py [--device cpu|cuda] [--tp 1] [--reps 3] [--model DIR]
         [--devices 0,0] [--hang sigstop|stall] [--watchdog 2] [--unhealthy-after 2]
-        [--stop-timeout 2] [--out FILE]
+        [--stop-timeout 2] [--hang-kill-after S] [--out FILE]
 
 Runs the reference engine under `vlaunch run --engine-watchdog W --engine-unhealthy-after U`
 twice: ordinary restarts (without backoff, so that the figure is the engine's start, not the
@@ -11,7 +11,8 @@ restart policy's wait), then with --standby. Each rep first SIGKILLs the serving
 process group and times kill -> the first generated token (POST /generate, max_new_tokens 1),
 then hangs the next engine and times hang -> first token, split into: detected (the launcher
 calls it hung: W + U after its last ping, by design), gone (SIGTERM, then SIGKILL after the
-stop timeout: neither hang handles SIGTERM) and first token after the old engine was gone.
+stop timeout: neither hang handles SIGTERM; with --hang-kill-after 0, SIGKILL at once) and first
+token after the old engine was gone.
 `--hang sigstop` stops the engine process; `stall` blocks its serving loop behind a healthy
 /health (the reference engine's test-only fault hook, VLAUNCH_REFERENCE_FAULT_FILE). Outputs
 must equal those before each fault. Prints one JSON line per mode, then the medians and the
@@ -81,6 +82,8 @@ class Mode:
                "--engine-watchdog", str(args.watchdog),
                "--engine-unhealthy-after", str(args.unhealthy_after), "--stop-timeout",
                str(args.stop_timeout), *(["--devices", args.devices] if args.devices else []),
+               *([] if args.hang_kill_after is None else
+                 ["--engine-hang-kill-after", str(args.hang_kill_after)]),
                *(["--standby"] if standby else []), "--", *engine]
         env = {**os.environ, "VLAUNCH_REFERENCE_FAULT_FILE": str(self.fault)}
         log = self.log_path.open("wb")
@@ -180,6 +183,8 @@ def main() -> int:
     ap.add_argument("--unhealthy-after", type=float, default=2.0,
                     help="--engine-unhealthy-after")
     ap.add_argument("--stop-timeout", type=float, default=2.0, help="--stop-timeout")
+    ap.add_argument("--hang-kill-after", type=float, default=None,
+                    help="--engine-hang-kill-after (default: not given, --stop-timeout)")
     ap.add_argument("--out", default="", help="also write the results here (JSON)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-hang-") as tmp:
@@ -200,7 +205,7 @@ def main() -> int:
     summary = {
         "figure": "hang -> first token and kill -> first token, medians", "device": args.device,
         "tp": args.tp, "hang": args.hang, "configured_detection_s": detection,
-        "stop_timeout_s": args.stop_timeout,
+        "stop_timeout_s": args.stop_timeout, "hang_kill_after_s": args.hang_kill_after,
         "kill_ordinary_s": round(ordinary["kill_median_s"], 3),
         "kill_standby_s": round(standby["kill_median_s"], 3),
         "hang_ordinary_s": round(ordinary["hang_first_token_median_s"], 3),

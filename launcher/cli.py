@@ -111,6 +111,11 @@ def _opt(name: str, env: str, **kw: Any) -> Callable[[F], F]:
       help="Seconds a ready engine's health URL, liveness request or watchdog may fail without "
            "a break before it counts as hung: stopped (SIGTERM, SIGKILL after --stop-timeout) "
            "and restarted (0: never; failing only makes it not ready).")
+@_opt("--engine-hang-kill-after", "ENGINE_HANG_KILL_AFTER", default=None,
+      type=click.FloatRange(0),
+      help="Seconds a hung engine gets between its SIGTERM and its SIGKILL [default: "
+           "--stop-timeout]; 0: SIGKILL at once, so that a standby is promoted without "
+           "waiting (a hung engine rarely handles SIGTERM).")
 @_opt("--engine-liveness-request", "ENGINE_LIVENESS_REQUEST", default="",
       help="A request that only a working engine answers with 2xx, sent once it is ready: "
            "'METHOD URL [BODY]' (a JSON body), e.g. a one-token completion (docs/health.md).")

@@ -96,7 +96,8 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
             preload=bool(o["preload_autotune"]),
             start_timeout=o.get("start_timeout") or None, model=model, swap_ranks=ranks,
             unhealthy_after=o.get("engine_unhealthy_after") or None,
-            engine_watchdog=o.get("engine_watchdog") or None)
+            engine_watchdog=o.get("engine_watchdog") or None,
+            hang_kill_after=o.get("engine_hang_kill_after"))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     port = o["health_port"]

@@ -245,6 +245,37 @@ def test_a_hung_engine_is_replaced_by_the_parked_standby_once_it_is_gone() -> No
     assert sup.engine is not None and sup.engine.pid == 301
 
 
+def test_hang_kill_after_0_kills_at_once_and_the_standby_serves_when_the_engine_is_gone(
+        ) -> None:
+    """--engine-hang-kill-after 0: no SIGTERM and no wait for the stop timeout; the SIGKILL
+    goes with the hang, and the standby is promoted at the hung engine's exit."""
+    events = [*SERVING, *parked(), *standby_pings(4, 10), EngineWatchdog("standby", 11),
+              *ticks(11, 15)]
+    sup, actions = history(events, standby=True, hang_kill_after=0.0, **WATCHDOG)
+    assert signals(actions) == [("engine", KILL)]
+    hung = next(line for line in logs(actions) if " hung, " in line)
+    assert "hung, killing it (SIGKILL at once, --engine-hang-kill-after 0): watchdog fails" \
+        in hung
+    pinged = [e for t in ticks(15.5, 25) for e in (EngineWatchdog("standby", t.now), t)]
+    sup, later = history(pinged, sup)  # past stop_timeout: no second signal
+    assert not of(SignalChild, later) and not of(PromoteStandby, later)
+    sup, gone = history([engine_exit(1, -9, 25.1)], sup)
+    assert of(PromoteStandby, gone) == [PromoteStandby()]
+    assert sup.engine is not None and sup.engine.pid == 301 and sup.engine.hangs == 1
+
+
+def test_hang_kill_after_shortens_the_wait_for_the_sigkill() -> None:
+    sup, hung = history([*SERVING, *health(False, 5, 8)], hang_kill_after=1.5, **HTTP)
+    assert signals(hung) == [("engine", TERM)]
+    assert any("hung, stopping it (SIGTERM, SIGKILL after 1.5 s): " in line
+               for line in logs(hung))
+    sup, waiting = history([Tick(9.4)], sup)
+    assert not of(SignalChild, waiting)
+    sup, killed = history([Tick(9.5)], sup)  # stop_timeout is 5: 1.5 s after the SIGTERM
+    assert signals(killed) == [("engine", KILL)]
+    assert "ignored SIGTERM for 1.5 s: killing it" in logs(killed)[0]
+
+
 def test_a_parked_standby_that_stops_pinging_is_killed_and_replaced() -> None:
     events = [*SERVING, *parked(), *pings(4, 8)]  # the standby pinged once (parked at 4)
     sup, actions = history(events, standby=True, **WATCHDOG)
@@ -302,6 +333,12 @@ def test_a_hang_during_a_rank_respawn_restarts_the_engine_once_the_rank_serves()
 def test_invalid_hang_settings(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         SupervisorConfig(ranks=(0,), has_engine=True, **{field: value})
+
+
+@pytest.mark.parametrize("value", [-1, -0.5, float("nan"), float("inf")])
+def test_invalid_hang_kill_after(value: float) -> None:
+    with pytest.raises(ValueError, match="hang_kill_after"):
+        SupervisorConfig(ranks=(0,), has_engine=True, hang_kill_after=value)
 
 
 def test_supervisor_runs_without_hang_settings() -> None:

@@ -52,6 +52,7 @@ class SupervisorConfig:
     standby_park_timeout: float = 300.0  # seconds a standby may take to park, else given up
     unhealthy_after: float | None = None  # seconds of failing health after which it is hung
     engine_watchdog: float | None = None  # WATCHDOG_USEC the engine is given, in seconds
+    hang_kill_after: float | None = None  # a hung engine's SIGTERM -> SIGKILL; None: stop_timeout
     model: str = ""  # the checkpoint the ranks load first (/status until a swap replaces it)
     swap_ranks: tuple[int, ...] = ()  # the ranks a swap changes (the target group); (): all
 
@@ -99,6 +100,9 @@ def _config_problems(c: SupervisorConfig) -> Iterator[str]:
         value = getattr(c, name)
         if value is not None and not (_finite(value) and value > 0):
             yield f"{name} must be None or a finite number > 0 (got {value!r})"
+    if c.hang_kill_after is not None and not (_finite(c.hang_kill_after)
+                                              and c.hang_kill_after >= 0):
+        yield f"hang_kill_after must be None or a finite number >= 0 (got {c.hang_kill_after!r})"
     if c.standby and not c.has_engine:
         yield "standby needs an engine command (there is nothing to keep a standby of)"
     if not set(c.swap_ranks) <= set(c.ranks):

@@ -1,6 +1,7 @@
 """Hang detection (--engine-unhealthy-after): a ready engine whose probes fail continuously
-that long is failed (SIGTERM, SIGKILL after stop_timeout, then a restart inside the budget),
-and a parked standby whose watchdog pings stopped is killed and replaced.
+that long is failed (SIGTERM, SIGKILL after hang_kill_after, by default stop_timeout; with 0,
+SIGKILL at once; then a restart inside the budget), and a parked standby whose watchdog pings
+stopped is killed and replaced.
 
 The probes: the health URL and the liveness request (`EngineHealth`, from the executor), and
 the engine's own `WATCHDOG=1` (`EngineWatchdog`), overdue `engine_watchdog` seconds after the
@@ -99,21 +100,31 @@ class HangDecisions(SupervisorState):
                 engine.state is not EngineState.READY or now - since < limit:
             return []
         why = "; ".join(fails(p, d) for p, d in sorted(self._failing.items()))
-        self._hang, self._hang_kill_due = why, now + self.config.stop_timeout
+        grace = self._hang_grace()
+        self._hang, self._hang_kill_due = why, (now + grace if grace else None)
         self._engine = replace(engine, state=EngineState.STOPPING, hangs=engine.hangs + 1)
-        return [Log("ERROR", f"engine (pid {engine.pid}) hung, stopping it (SIGTERM, SIGKILL "
-                             f"after {self.config.stop_timeout:g} s): {why}, failing for "
-                             f"{now - since:.1f} s (--engine-unhealthy-after {limit:g})"),
+        failing = f"{why}, failing for {now - since:.1f} s (--engine-unhealthy-after {limit:g})"
+        line = (f"engine (pid {engine.pid}) hung, stopping it (SIGTERM, SIGKILL after "
+                f"{grace:g} s): {failing}" if grace else
+                f"engine (pid {engine.pid}) hung, killing it (SIGKILL at once, "
+                f"--engine-hang-kill-after 0): {failing}")
+        return [Log("ERROR", line),
                 Notify({**self._reloading_field(), "STATUS": "restarting engine (hung)"}),
-                SignalChild("engine", None, signal.SIGTERM)]
+                SignalChild("engine", None, signal.SIGTERM if grace else signal.SIGKILL)]
+
+    def _hang_grace(self) -> float:
+        """Seconds a hung engine gets between its SIGTERM and its SIGKILL (0: SIGKILL at
+        once): hang_kill_after, else stop_timeout."""
+        c = self.config
+        return c.stop_timeout if c.hang_kill_after is None else c.hang_kill_after
 
     def _hang_kill_if_due(self, now: float) -> list[Action]:
-        """SIGKILL a hung engine that outlived its SIGTERM by stop_timeout."""
+        """SIGKILL a hung engine that outlived its SIGTERM by its grace (_hang_grace)."""
         if self._hang_kill_due is None or now < self._hang_kill_due or self._stop is not None:
             return []
         self._hang_kill_due = None
         return [Log("WARNING", f"the hung engine (pid {self._require_engine().pid}) ignored "
-                               f"SIGTERM for {self.config.stop_timeout:g} s: killing it"),
+                               f"SIGTERM for {self._hang_grace():g} s: killing it"),
                 SignalChild("engine", None, signal.SIGKILL)]
 
     def _hung_engine_gone(self) -> str | None:

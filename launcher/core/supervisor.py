@@ -28,8 +28,9 @@ Contract with the executor:
   health URL, `EngineHealth(probe="liveness")` for each liveness request (a timeout is a
   failure), `EngineWatchdog` for each `WATCHDOG=1` of the engine (role "engine") or of the
   parked standby (role "standby"). With `unhealthy_after`, failing that long makes the engine
-  hung (hang.py): `SignalChild` SIGTERM, SIGKILL after `stop_timeout`, and its exit is a
-  restart whatever its status.
+  hung (hang.py): `SignalChild` SIGTERM, SIGKILL after `hang_kill_after` (default
+  `stop_timeout`; 0: SIGKILL at once, no SIGTERM), and its exit is a restart whatever its
+  status.
 - `RunPreload` (only with `SupervisorConfig.preload`, once, when every rank is first ready) is
   answered by exactly one `PreloadDone`, after the command ended, timed out or failed to
   start; the engine is spawned (or READY=1 sent) only then. The executor kills a preload

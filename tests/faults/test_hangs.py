@@ -253,3 +253,25 @@ def test_a_hang_during_a_rank_respawn(hang: Any) -> None:
     assert h.generate() == before
     assert "weights from cache" in text[text.index("starting the engine (attempt 2)"):]
     h.stop()
+
+
+@pytest.mark.slow
+def test_a_hung_engine_killed_at_once_hands_over_to_the_parked_standby(hang: Any) -> None:
+    """--engine-hang-kill-after 0 with --standby: the SIGSTOPped engine gets no SIGTERM and no
+    --stop-timeout of grace; its process tree is SIGKILLed with the hang and the parked standby
+    serves the same tokens as soon as it is gone."""
+    h = hang("--engine-watchdog", str(WATCHDOG), "--standby", "--engine-hang-kill-after", "0")
+    snap = h.la.wait_for(lambda s: serving(s) and s["standby"]["state"] == "parked")
+    before, tree, ranks = h.generate(), h.tree(snap), rank_pids(snap)
+    promoted = snap["standby"]["pid"]
+    took, _ = h.hung(lambda: os.kill(h.command(snap), signal.SIGSTOP))
+    assert UNHEALTHY <= took <= WATCHDOG + UNHEALTHY + SLACK
+    snap = h.la.wait_for(lambda s: serving(s) and s["engine"]["pid"] == promoted, timeout=60)
+    assert_reaped(tree)
+    assert rank_pids(snap) == ranks
+    assert h.generate() == before
+    text = h.la.text()
+    assert "hung, killing it (SIGKILL at once, --engine-hang-kill-after 0): " in text
+    assert "ignored SIGTERM" not in text
+    h.verify()
+    h.stop()

@@ -133,9 +133,12 @@ def run_mode(args: argparse.Namespace, model: Path, work: Path, variant: str) ->
 
 def parked_memory(snap: dict[str, Any], status: Any) -> dict[str, Any]:
     """What the parked standby holds: the launcher's sample of it, and nvidia-smi's figure."""
-    pid = snap["standby"]["pid"]
-    mem = until(lambda: ((status().get("memory") or {}).get("standby") or {}).get("pid") == pid
-                and status()["memory"], 60, what="a memory sample of the standby")
+    pid, parked_at = snap["standby"]["pid"], time.time()
+    # a sample taken after the standby parked: the first one that names it may be from
+    # before its warm-up made its CUDA context (0 bytes then; the sampler runs every 5 s)
+    mem = until(lambda: (m := status().get("memory") or {}).get("sampled_at", 0) > parked_at
+                and (m.get("standby") or {}).get("pid") == pid and m, 60,
+                what="a memory sample of the parked standby")
     sb, engine = mem["standby"], mem.get("engine") or {}
     device = sb.get("device_bytes")
     return {"standby_rss_mib": sb["rss"] / 2**20, "standby_uss_mib": sb["uss"] / 2**20,

@@ -317,7 +317,8 @@ def test_zero_backoff_respawns_in_the_same_call() -> None:
 
 def test_restart_after_ready_sends_reloading_then_ready_again() -> None:
     _, actions = history([*SERVING, engine_exit(1, -11, 10), Tick(11), *engine_up(2, 12)])
-    assert notes(actions)[-5:] == ["RELOADING=1", "STATUS=restarting engine (attempt 2, in 0.5 s)",
+    assert notes(actions)[-6:] == ["RELOADING=1", "STATUS=restarting engine (attempt 2, in 0.5 s)",
+                                   "EXTEND_TIMEOUT_USEC=30000000",  # systemd's reload timer
                                    "STATUS=restarting engine (attempt 2)", "READY=1",
                                    "STATUS=serving"]
     assert "WARNING engine (pid 201) exited: killed by signal 11 (SIGSEGV); restarting it in " \
@@ -508,6 +509,19 @@ def test_extend_timeout_while_loading_until_ready() -> None:
                             *engine_up(t=36), *ticks[35:]])
     extends = [n for n in notes(actions) if n.startswith("EXTEND_TIMEOUT_USEC=")]
     assert extends == ["EXTEND_TIMEOUT_USEC=30000000"] * 4  # at 0, 10, 20 and 30 s
+    assert sup.phase is Phase.SERVING
+
+
+def test_extend_timeout_while_a_restart_is_reported_as_a_reload() -> None:
+    """After READY=1, a restart is systemd's reload state (RELOADING=1), timed with
+    TimeoutStartSec: EXTEND_TIMEOUT_USEC every 10 s until READY=1 ends it, then none."""
+    sup, _ = history([*SERVING, *(Tick(float(t)) for t in range(3, 40))])
+    ticks = [Tick(float(t)) for t in range(41, 100)]
+    sup, actions = history([engine_exit(1, 1 << 8, 40.5), *ticks[:30],
+                            *engine_up(attempt=2, t=71.5), *ticks[30:]], sup)
+    extends = [n for n in notes(actions) if n.startswith("EXTEND_TIMEOUT_USEC=")]
+    assert "RELOADING=1" in notes(actions)
+    assert extends == ["EXTEND_TIMEOUT_USEC=30000000"] * 3  # at 41, 51 and 61 s
     assert sup.phase is Phase.SERVING
 
 

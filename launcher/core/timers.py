@@ -10,7 +10,9 @@ from .model import Phase, RankState
 from .state import SupervisorState
 
 EXTEND_EVERY = 10.0
-"""Seconds between two `EXTEND_TIMEOUT_USEC` messages until the first `READY=1`."""
+"""Seconds between two `EXTEND_TIMEOUT_USEC` messages until the first `READY=1`, and while a
+restart after it is reported as a reload (`RELOADING=1` until `READY=1` again: systemd times
+that state with TimeoutStartSec too)."""
 EXTEND_BY = 3 * EXTEND_EVERY
 """Seconds each `EXTEND_TIMEOUT_USEC` grants: three missed ticks before systemd gives up."""
 
@@ -27,8 +29,10 @@ class Timers(SupervisorState):
         return [Notify({"WATCHDOG": "1"})]
 
     def _extend(self, now: float) -> list[Action]:
-        """EXTEND_TIMEOUT_USEC every EXTEND_EVERY seconds until the first READY=1."""
-        if self._ready_sent or self._stop is not None or now < self._next_extend:
+        """EXTEND_TIMEOUT_USEC every EXTEND_EVERY seconds until the first READY=1, and from a
+        RELOADING=1 until the READY=1 that ends it."""
+        waiting = not self._ready_sent or self._reloading
+        if not waiting or self._stop is not None or now < self._next_extend:
             return []
         self._next_extend = now + EXTEND_EVERY
         return [Notify({"EXTEND_TIMEOUT_USEC": usec(EXTEND_BY)})]

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from benchlib import get, launcher_url
+from benchlib import free_port, get, launcher_url
 
 from vlaunch.cache.contract.waiting import until
 
@@ -54,15 +54,6 @@ def generate(port: int, max_new: int, timeout: float = 30) -> list[int] | None:
             return json.loads(r.read())["tokens"]
     except (OSError, ValueError, KeyError):
         return None
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Mode:

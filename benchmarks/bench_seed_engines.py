@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchlib import free_port
+
 TOKEN = "bench-token-0123456789abcdef"
 GB = 1e9
 
@@ -76,12 +78,6 @@ def huge(buf: mmap.mmap) -> mmap.mmap:
     with contextlib.suppress(AttributeError, OSError):
         buf.madvise(mmap.MADV_HUGEPAGE)
     return buf
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cuts(size: int, parts: int) -> list[tuple[int, int]]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,19 +32,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchlib import get
+from benchlib import free_port, get, launcher_url
 
 from vlaunch.cache.contract.waiting import until
 from vlaunch.launcher.statusview import query_rank
 
 PROMPT = [1, 5, 9, 2, 7]
 MODES = ("double", "double+standby", "in-place", "in-place+standby")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ask(port: int) -> list[int] | None:
@@ -144,7 +137,7 @@ def launcher(args: argparse.Namespace, model: Path, work: Path, name: str, port:
            *(["--standby"] if standby else []), "--", *engine]
     log = (work / f"launcher-{name}.log").open("wb")
     proc = subprocess.Popen(cmd, stderr=log, stdout=log)
-    url = until(lambda: _url(sock), 900, what="launcher.json")
+    url = until(lambda: launcher_url(sock), 900, what="launcher.json")
     until(lambda: _serving(get(url + "/status") or {}, standby), 1800, what="serving")
     return proc, url, sock
 
@@ -212,13 +205,6 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
-
-def _url(sock: Path) -> str | None:
-    try:
-        return json.loads((sock / "launcher.json").read_text())["url"]
-    except (OSError, ValueError, KeyError):
-        return None
 
 
 def _serving(snap: dict[str, Any], standby: bool) -> bool:

@@ -21,6 +21,13 @@ def get(url: str) -> dict[str, Any] | None:
         return None
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launcher_url(sockdir: Path) -> str | None:
     """The health URL a launcher wrote to its socket directory's launcher.json, if it did."""
     try:

@@ -204,6 +204,18 @@ def spawn_cache(model: Path | str, socket_dir: Path, *args: str, rank: int = 0,
     return CacheProc(proc, ready, fds, socket_dir)
 
 
+def rank_status(socket_dir: Path, rank: int = 0) -> dict:
+    """A rank's `status` reply, on a connection of its own."""
+    from vlaunch.cache.client.connection import CacheClient
+    from vlaunch.cache.contract.sockdir import socket_path
+
+    client = CacheClient(socket_path(socket_dir, rank))
+    try:
+        return client.status()
+    finally:
+        client.close()
+
+
 @pytest.fixture
 def notify_reader(tmp_path: Path) -> Iterator[socket.socket]:
     """A bound, non-blocking datagram socket standing in for systemd's NOTIFY_SOCKET; tests

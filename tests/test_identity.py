@@ -13,15 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vlaunch.cache.client.connection import CacheClient
 from vlaunch.cache.client.loader import load
 from vlaunch.cache.contract.errors import CheckpointChangedError, FingerprintMismatchError
 from vlaunch.cache.contract.exitcodes import ExitStatus
-from vlaunch.cache.contract.sockdir import socket_path
 from vlaunch.cache.store import identity
 from vlaunch.cache.store.checkpoint import open_checkpoint
 
-from .conftest import CacheProc, eventually, llama_tensors, spawn_cache
+from .conftest import CacheProc, eventually, llama_tensors, rank_status, spawn_cache
 from .test_launcher import Launcher
 
 NAME = "model.safetensors"
@@ -41,14 +39,6 @@ def _fine_tune(scale: float = 1e-2) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return {k: (v.float() + scale * torch.randn(v.shape, generator=g)).to(v.dtype)
             for k, v in llama_tensors().items()}
-
-
-def _status(sockdir: Path) -> dict:
-    client = CacheClient(socket_path(sockdir, 0))
-    try:
-        return client.status()
-    finally:
-        client.close()
 
 
 # ----------------------------------------------------------------------- the identity itself
@@ -145,9 +135,9 @@ def test_checkpoint_rewritten_under_a_serving_cache(tmp_path: Path, sockdir: Pat
     assert cache.ready
     held = load(str(model), socket_dir=str(sockdir), fallback=False, device="cpu",
                 plan="replicate")
-    assert held.source == "cache" and _status(sockdir)["checkpoint"]["changed"] == []
+    assert held.source == "cache" and rank_status(sockdir)["checkpoint"]["changed"] == []
     _write(model, _fine_tune())  # a new checkpoint of the same architecture, replaced in place
-    changed = eventually(lambda: _status(sockdir)["checkpoint"]["changed"], 30,
+    changed = eventually(lambda: rank_status(sockdir)["checkpoint"]["changed"], 30,
                          what="the change in the rank's status")
     assert changed == [NAME]
     with pytest.raises(FingerprintMismatchError) as err:
@@ -310,7 +300,7 @@ def test_a_rank_adopted_from_escrow_checks_the_files_it_did_not_read(
     theirs.close()
     caches.append(second)
     assert second.ready
-    changed = _status(sockdir)["checkpoint"]["changed"]
+    changed = rank_status(sockdir)["checkpoint"]["changed"]
     if not rewritten:
         assert changed == []
         got = load(str(model), socket_dir=str(sockdir), fallback=False, device="cpu",

@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import CacheProc, eventually, spawn_cache
+from tests.conftest import CacheProc, eventually, rank_status, spawn_cache
 from vlaunch.cache import hand_back, load
 from vlaunch.cache.client.connection import CacheClient
 from vlaunch.cache.contract import peers, wire
@@ -62,14 +62,6 @@ def _open_fds(cache: CacheProc) -> int:
     """How many fds the rank itself (unshare's child) holds."""
     [rank] = psutil.Process(cache.proc.pid).children()
     return rank.num_fds()
-
-
-def _status(sockdir: Path) -> dict:
-    client = CacheClient(socket_path(sockdir, 0))
-    try:
-        return client.status()
-    finally:
-        client.close()
 
 
 def _log(cache: CacheProc) -> str:
@@ -115,7 +107,7 @@ def test_a_lease_from_another_pid_namespace_shows_pid_0_and_is_named_so(
         llama_ckpt: Path, sockdir: Path, caches: list[CacheProc]) -> None:
     cache = _cache(llama_ckpt, sockdir, caches)
     got = load(str(llama_ckpt), socket_dir=str(sockdir), fallback=False, device="cpu")
-    [lease] = eventually(lambda: _status(sockdir)["leases"], 30, what="the lease")
+    [lease] = eventually(lambda: rank_status(sockdir)["leases"], 30, what="the lease")
     assert lease["pid"] == peers.UNKNOWN_PID and lease["client"] == f"pid {os.getpid()}"
     assert lease["mode"] == "share" and lease["bytes"] > 0
     del got
@@ -130,8 +122,8 @@ def test_copy_release_waits_for_an_opener_in_another_namespace_to_exit(
     cache = _cache(llama_ckpt, sockdir, caches)
     keeper = _keeper(llama_ckpt, sockdir)
     try:
-        eventually(lambda: not _status(sockdir)["leases"], 30, what="the keeper's lease gone")
-        blocked = _status(sockdir)["handover_blocked"]
+        eventually(lambda: not rank_status(sockdir)["leases"], 30, what="the keeper's lease gone")
+        blocked = rank_status(sockdir)["handover_blocked"]
         if peers.peer_pidfds():
             assert blocked.startswith("a process that opened them before still runs"), blocked
         else:
@@ -139,7 +131,7 @@ def test_copy_release_waits_for_an_opener_in_another_namespace_to_exit(
     finally:
         keeper.communicate(timeout=30)  # stdin closed: it exits
     if peers.peer_pidfds():
-        eventually(lambda: _status(sockdir)["handover_blocked"] == "", 30,
+        eventually(lambda: rank_status(sockdir)["handover_blocked"] == "", 30,
                    what="the rank seeing the keeper exit")
     got = load(str(llama_ckpt), socket_dir=str(sockdir), mode="copy-release", fallback=False,
                device="cpu")
@@ -176,7 +168,7 @@ def test_copy_release_next_to_a_live_opener_in_another_namespace_copies(
     cache = _cache(llama_ckpt, sockdir, caches)
     keeper = _keeper(llama_ckpt, sockdir)
     try:
-        eventually(lambda: not _status(sockdir)["leases"], 30, what="the keeper's lease gone")
+        eventually(lambda: not rank_status(sockdir)["leases"], 30, what="the keeper's lease gone")
         got = load(str(llama_ckpt), socket_dir=str(sockdir), mode="copy-release",
                    fallback=False, device="cpu")
         assert not _handed_over(got[next(iter(got))])  # a copy of its own
@@ -198,7 +190,7 @@ def test_without_pidfds_an_opener_in_another_namespace_is_unknown_for_good(
     cache = _cache(llama_ckpt, sockdir, caches, sys.executable, "-c", old_kernel)
     keeper = _keeper(llama_ckpt, sockdir)
     keeper.communicate(timeout=30)
-    blocked = _status(sockdir)["handover_blocked"]
+    blocked = rank_status(sockdir)["handover_blocked"]
     assert "another PID namespace" in blocked and "SO_PEERPIDFD" in blocked, blocked
     got = load(str(llama_ckpt), socket_dir=str(sockdir), mode="copy-release", fallback=False,
                device="cpu")
@@ -217,7 +209,7 @@ def test_engine_layouts_from_another_namespace_are_kept_apart_by_connection(
     tensors = {name: t.clone() for name, t in raw.items()}
     del raw
     other = CacheClient(socket_path(sockdir, 0))
-    raw_fingerprint = _status(sockdir)["fingerprint"]
+    raw_fingerprint = rank_status(sockdir)["fingerprint"]
     reply, fds = other.request({"op": "layout_alloc", "fields": {"engine": "other"},
                                 "sizes": [4096], "fingerprint": raw_fingerprint})
     wire.close_fds(fds)  # its slab stays allocated on its connection
@@ -225,7 +217,7 @@ def test_engine_layouts_from_another_namespace_are_kept_apart_by_connection(
     back = hand_back(tensors, model=str(llama_ckpt), fields=fields, socket_dir=str(sockdir),
                      device="cpu")
     assert set(back) == set(tensors)
-    [layout] = _status(sockdir)["layouts"]
+    [layout] = rank_status(sockdir)["layouts"]
     assert layout["fields"] == fields and layout["from_pid"] == peers.UNKNOWN_PID
     again = load(str(llama_ckpt), socket_dir=str(sockdir), fallback=False, device="cpu",
                  layout=fields)
@@ -234,7 +226,7 @@ def test_engine_layouts_from_another_namespace_are_kept_apart_by_connection(
     reply, _ = other.request({"op": "layout_commit", "fields": {"engine": "other"},
                               "tensors": [row], "copy": [], "release_raw": False})
     assert reply["ok"]
-    [layout] = _status(sockdir)["layouts"]  # one engine layout a rank: the newer replaces it
+    [layout] = rank_status(sockdir)["layouts"]  # one engine layout a rank: the newer replaces it
     assert layout["fields"] == {"engine": "other"} and layout["tensors"] == 1
     other.close()
     del back, again

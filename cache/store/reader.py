@@ -64,16 +64,8 @@ def host_view(t: SlabBytes) -> memoryview:
 
 
 def pread_into(fd: int, view: memoryview, offset: int, file: str) -> None:
-    got = 0
-    while got < len(view):
-        try:
-            n = os.preadv(fd, [view[got:]], offset + got)
-        except OSError as exc:
-            raise ReadError(f"reading {file} failed: {exc.strerror}; check the disk") from None
-        if n == 0:
-            raise CheckpointError(file, f"file ended at byte {offset + got} while reading "
-                                  "tensor data (truncated file)")
-        got += n
+    """Fill `view` from the file's bytes at `offset` (preadv_all with one view)."""
+    preadv_all(fd, [view], offset, file)
 
 
 def fill(specs: list[SliceSpec], manifest: Manifest, slabs: list[SlabBytes], *,

@@ -2,7 +2,8 @@
 its parse and checks, and the engine's tensors (views over the already mapped slabs), per
 tensor, in rows (the JSON form every earlier client asks for) and in columns (what `load()`
 asks for now), beside a bare loop of `torch.as_strided` calls (the floor: one tensor object
-each).
+each) and the same tensors made by one C++ call (`unbind` of one strided view: whether making
+them in bulk lowers that floor).
 
     python benchmarks/bench_manifest_forms.py [--count 100000] [--repeats 5]
 
@@ -70,9 +71,12 @@ def main() -> None:
             strided, base = torch.as_strided, slabs[0]
             [strided(base, (8, 16), (16, 1), i) for i in range(args.count)]
 
-        times: dict[str, list[float]] = {"rows": [], "columns": [], "as_strided alone": []}
+        def bulk() -> None:
+            slabs[0].as_strided((args.count, 8, 16), (1, 16, 1)).unbind(0)
+
         fns: dict[str, Callable[[], None]] = {"rows": rows, "columns": cols,
-                                              "as_strided alone": floor}
+                                              "as_strided alone": floor, "unbind, one call": bulk}
+        times: dict[str, list[float]] = {name: [] for name in fns}
         gc.disable()
         for _ in range(args.repeats):
             for name, fn in fns.items():

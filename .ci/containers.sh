@@ -18,16 +18,11 @@ started=$SECONDS
 
 step() { echo "== containers: $* ($((SECONDS - started)) s)"; }
 
-# 1. Packages: the daemon, compose, the base image's builder, tini.
-missing=()
-for pair in docker:docker.io docker-compose:docker-compose mmdebstrap:mmdebstrap tini:tini; do
-    command -v "${pair%%:*}" >/dev/null || missing+=("${pair#*:}")
-done
-if ((${#missing[@]})); then
-    step "installing ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
+# 1. Packages, each keyed on its own binary (.ci/tools.sh): the daemon, its containerd and
+# runc, the client, compose, the base image's builder, tini (docker run --init).
+# shellcheck source=tools.sh
+source .ci/tools.sh
+need dockerd containerd runc docker docker-compose mmdebstrap tini
 
 # 2. A daemon that answers (started here if none does; it starts its own containerd).
 if ! docker info >/dev/null 2>&1; then

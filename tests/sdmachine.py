@@ -112,13 +112,14 @@ class Machine:
     def http(self, url: str, body: str | None = None, timeout: float = 60) -> tuple[int, str]:
         """GET `url` (POST `body`) from inside the container: (status, body); (0, the error)
         when nothing answers."""
-        code = ("import sys, urllib.request, urllib.error\n"
+        # Any transport error is no answer, a truncated body (IncompleteRead) included.
+        code = ("import sys, http.client, urllib.request, urllib.error\n"
                 "data = sys.argv[2].encode() if len(sys.argv) > 2 else None\n"
                 "try:\n"
                 f"    r = urllib.request.urlopen(sys.argv[1], data, timeout={timeout})\n"
                 "    print(r.status); print(r.read().decode())\n"
                 "except urllib.error.HTTPError as e:\n    print(e.code); print(e.read().decode())\n"
-                "except OSError as e:\n    print(0); print(e)\n")
+                "except (OSError, http.client.HTTPException) as e:\n    print(0); print(e)\n")
         extra = "" if body is None else " " + shlex.quote(body)
         r = self.sh(f"python3 -c {shlex.quote(code)} {shlex.quote(url)}{extra}",
                     timeout=timeout + 30)

@@ -19,6 +19,11 @@ from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.progress import recv_ready
 from vlaunch.cache.reference.refmodel import make_checkpoint
 
+# Each test starts a rank and several fresh processes that import torch (seconds each on a
+# busy 2-core machine): pytest's default 120 s did not cover one test and its teardown with a
+# second suite running beside it.
+pytestmark = pytest.mark.timeout(360)
+
 SHAPE = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128,
          "vocab": 256}
 
@@ -68,8 +73,14 @@ class Rank:
 
     def close(self) -> None:
         self.proc.terminate()
-        self.proc.wait(30)
-        self.ours.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+            raise
+        finally:
+            self.ours.close()
 
 
 @pytest.fixture

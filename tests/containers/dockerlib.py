@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from http.client import HTTPException
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -100,15 +101,23 @@ def ip_of(container: str) -> str:
 
 def http(url: str, body: dict[str, Any] | None = None,
          timeout: float = 5.0) -> tuple[int, dict[str, Any] | None]:
-    """(status, JSON body) of a GET, or a POST of `body`; status 0 when nothing answers."""
+    """(status, JSON body) of a GET, or a POST of `body`; status 0 when nothing answers.
+
+    Any transport error counts as no answer, as a kubelet's or Docker's probe counts it: a
+    refused or reset connection, a timeout, a truncated body (http.client.IncompleteRead is an
+    HTTPException, not an OSError) or a malformed status line from an engine that was killed
+    mid-response."""
     data = json.dumps(body).encode() if body is not None else None
     try:
         with urllib.request.urlopen(urllib.request.Request(url, data=data),
                                     timeout=timeout) as r:
             return r.status, _json(r.read())
     except urllib.error.HTTPError as exc:
-        return exc.code, _json(exc.read())
-    except (OSError, ValueError):
+        try:
+            return exc.code, _json(exc.read())
+        except (OSError, HTTPException):
+            return exc.code, None
+    except (OSError, ValueError, HTTPException):
         return 0, None
 
 

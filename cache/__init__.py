@@ -1,7 +1,7 @@
 """vlaunch.cache: per-rank weight caches and the engine-side loader.
 
 Importing this package is light (no torch): the launcher imports its protocol, fingerprint
-and exit-status modules. `load`, `Target` and `CacheClient` are imported on first use.
+and exit-status modules. The names in `__all__` are imported on first use.
 
 Value types that an engine's start or a process's import defines (the manifest's records,
 `Target`, `Position`, `EngineEnv`, dtypes, file stats, exit-table rows) are NamedTuples, not
@@ -17,12 +17,14 @@ from typing import Any
 
 from vlaunch.cache.contract.version import __version__
 
-__all__ = ["CacheClient", "Published", "Target", "Weights", "__version__", "hand_back",
-           "load", "publish"]
+# Equal to the table in docs/integrations.md ("The Python API"); tests/test_docs_python.py
+# keeps the two the same.
+__all__ = ["CacheClient", "PublishError", "Published", "Target", "Weights", "__version__",
+           "cached_nbytes", "hand_back", "layout_nbytes", "load", "publish", "release_cached"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("load", "Weights"):
+    if name in ("load", "Weights", "cached_nbytes"):
         from vlaunch.cache.client import loader
 
         return getattr(loader, name)
@@ -30,10 +32,10 @@ def __getattr__(name: str) -> Any:
         from vlaunch.cache.store.target import Target
 
         return Target
-    if name == "hand_back":
-        from vlaunch.cache.client.layout import hand_back
+    if name in ("hand_back", "layout_nbytes", "release_cached"):
+        from vlaunch.cache.client import layout
 
-        return hand_back
+        return getattr(layout, name)
     if name in ("publish", "Published", "PublishError"):
         from vlaunch.cache.client import publish
 

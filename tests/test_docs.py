@@ -310,13 +310,19 @@ def test_k8s_probes_follow_the_text() -> None:
                                                   "readinessProbe")}
     assert probe["startupProbe"] == {"path": "/startupz", "port": "vlaunch"}
     assert probe["livenessProbe"] == {"path": "/livez", "port": "vlaunch"}
-    assert probe["readinessProbe"]["port"] == "http"  # the engine's own endpoint
+    # readiness on the launcher's /readyz: false while the engine restarts, hangs or is replaced
+    assert probe["readinessProbe"] == {"path": "/readyz", "port": "vlaunch"}
     assert int(_flag(argv[argv.index("--"):], "--port") or 0) == ports["http"]
+    # hang detection: a liveness request to the engine's port, and a hang deadline that is on
+    engine_port = str(ports["http"])
+    liveness = next(a for a in launcher if a.startswith("--engine-liveness-request="))
+    assert f"127.0.0.1:{engine_port}/" in liveness
+    assert float(_flag(launcher, "--engine-unhealthy-after") or 120) > 0
     stop = float(_flag(launcher, "--stop-timeout") or 30)
     assert pod["terminationGracePeriodSeconds"] > stop + SWEEP_S
     text = (DOCS / "kubernetes.md").read_text()
     for word in ("startupProbe", "livenessProbe", "readinessProbe", "/startupz", "/livez",
-                 "terminationGracePeriodSeconds"):
+                 "/readyz", "--engine-liveness-request", "terminationGracePeriodSeconds"):
         assert word in text, word
 
 

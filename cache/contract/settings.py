@@ -195,7 +195,7 @@ _ALL = (
     Setting("VLAUNCH_KERNEL_BACKENDS", _text, "", "unset",
             "The kernel backends fingerprint field.", ENGINE),
     Setting("VLAUNCH_ATTEMPT", _positive("VLAUNCH_ATTEMPT", 0), None, "unset",
-            "Which start of the engine this is (0: the first).", ENGINE),
+            "Which start of the engine this is (1: the first).", ENGINE),
     Setting("VLAUNCH_PRELOAD", _flag, False, "unset",
             "Set in the `--preload-autotune` command's environment.", ENGINE),
     Setting("VLAUNCH_DRAFT_MODEL", _text, "", "unset",

@@ -15,5 +15,6 @@ docker run -d --name "${VLAUNCH_NAME:-llama}" "${gpus[@]}" \
     -v "${VLAUNCH_MODELS:-/srv/models}:/models:ro" -p "${VLAUNCH_PORT:-8000}:8000" \
     "${VLAUNCH_IMAGE:-vlaunch:latest}" \
     vlaunch run --model /models/llama --tensor-parallel-size 2 \
-        --engine-ready http --engine-health-url http://127.0.0.1:8000/health -- \
+        --engine-ready http --engine-health-url http://127.0.0.1:8000/health \
+        --engine-liveness-request 'POST http://127.0.0.1:8000/generate {"tokens": [1], "max_new_tokens": 1}' -- \
     python3 -m vlaunch.cache.reference.engine --host 0.0.0.0 --port 8000

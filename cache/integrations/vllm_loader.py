@@ -107,6 +107,9 @@ def register() -> None:
     from vlaunch.cache.integrations.vllm_standby import export_promote_pipe
 
     export_promote_pipe()  # a standby: name the promote pipe before vLLM starts its children
+    from vlaunch.cache.integrations.vllm_serve import install
+
+    install()  # vlaunch run --listen: the API server serves the passed socket (vllm_serve.py)
     if LOAD_FORMAT not in _LOAD_FORMAT_TO_MODEL_LOADER:
         register_model_loader(LOAD_FORMAT)(_loader_class())
 

@@ -1,0 +1,191 @@
+"""`vllm serve` on the socket `vlaunch run --listen` passes (socket activation), with a drain.
+
+`vlaunch run --listen HOST:PORT` binds the engine's listening socket once and hands it to each
+engine and standby by the socket-activation protocol (`LISTEN_FDS=N`, `LISTEN_PID=<the
+engine's pid>`, `LISTEN_FDNAMES`, fds from 3). vLLM's plugin (vllm_loader.register, loaded by
+the API server process while it parses its arguments, before it binds) calls `install()` here.
+
+The seam (vLLM 0.32, `vllm/entrypoints/launchers/launcher.py`): `setup_server` makes the HTTP
+socket by calling the module's `create_server_socket(addr, reuse_port=...)` (or
+`create_server_unix_socket(path)` with `--uds`), looked up in that module when it runs, and
+`serve_http` hands that socket to uvicorn (`server.serve(sockets=[sock])`). Both `vllm serve`
+and `python -m vllm.entrypoints.openai.api_server` reach it (`run_server`, and the parent of
+several API servers in `run_multi_api_server`). `install()` replaces those two module
+attributes with functions that return the inherited socket instead of binding, after checking
+the version and that `setup_server` still calls them; anything else fails the start with an
+error naming the vLLM version. vLLM's other sockets (`--grpc`'s) are untouched.
+
+The drain: on SIGTERM vLLM 0.32 first shuts its engine down (aborting what is in flight, unless
+`--shutdown-timeout`), while uvicorn still accepts, and only then stops accepting. On a socket
+the next engine accepts from too, that sends new connections to an engine on its way out. So,
+only when it serves the inherited socket, `serve_http`'s server (the module's `NoSignalServer`,
+replaced by a subclass) takes SIGTERM itself: it stops accepting at once (closes its copy of the
+socket: a close, never a `shutdown()`, which would stop the socket listening for every process
+that shares it), then exits uvicorn's loop, whose shutdown lets every open request finish; vLLM
+then shuts its engine down with nothing in flight. A second SIGTERM forces the exit; SIGINT is
+vLLM's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import signal
+import socket
+import stat
+from collections.abc import MutableMapping
+from typing import Any
+
+from vlaunch.cache.contract.errors import UsageError
+
+log = logging.getLogger("vllm.vlaunch")
+
+SD_LISTEN_FDS_START = 3
+SUPPORTED = ("0.32.",)  # vLLM versions whose launcher module this seam was read in
+_ENV = ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
+_inherited: socket.socket | None = None  # the socket this process serves, once install() took it
+
+
+class VllmListenError(UsageError):
+    """`vllm serve` cannot serve from the socket the launcher passed."""
+
+
+def passed_socket(env: MutableMapping[str, str] | None = None) -> socket.socket | None:
+    """The listening socket passed to this process (fd 3), or None when none is (no LISTEN_FDS,
+    or LISTEN_PID names another process: a child that inherited the environment). Takes it:
+    unsets LISTEN_FDS, LISTEN_PID and LISTEN_FDNAMES so that vLLM's children do not read them,
+    and makes the fd close-on-exec."""
+    env = os.environ if env is None else env
+    raw_fds, raw_pid = env.get("LISTEN_FDS", ""), env.get("LISTEN_PID", "")
+    if not raw_fds:
+        return None
+    try:
+        count, pid = int(raw_fds), int(raw_pid)
+    except ValueError:
+        raise VllmListenError(f"vlaunch: LISTEN_FDS={raw_fds!r} LISTEN_PID={raw_pid!r} are not "
+                              "numbers; vllm serve cannot take the socket the launcher passed"
+                              ) from None
+    if pid != os.getpid():
+        return None
+    names = env.get("LISTEN_FDNAMES", "").split(":")
+    for name in _ENV:
+        env.pop(name, None)
+    if count < 1:
+        return None
+    fd = SD_LISTEN_FDS_START
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISSOCK(st.st_mode):
+        raise VllmListenError(f"vlaunch: LISTEN_FDS={count} but fd {fd} is not a socket; "
+                              "start vllm serve itself as the engine command of vlaunch run "
+                              "--listen (a wrapper must exec it and keep fd 3 open)")
+    sock = socket.socket(fileno=fd)
+    if sock.type != socket.SOCK_STREAM or \
+            not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        sock.detach()
+        raise VllmListenError(f"vlaunch: fd {fd} (LISTEN_FDS) is not a listening stream "
+                              "socket; vllm serve serves HTTP on the first socket of vlaunch "
+                              "run --listen")
+    sock.set_inheritable(False)
+    if count > 1:
+        log.warning("vlaunch: %d sockets passed (%s); vllm serve serves one, fd %d (%s)",
+                    count, ", ".join(n for n in names if n) or "unnamed", fd, names[0] or "-")
+    return sock
+
+
+def install(env: MutableMapping[str, str] | None = None) -> bool:
+    """In the process the launcher passed a socket to, make vLLM's API server serve from it
+    (and drain on SIGTERM); False when no socket was passed to this process."""
+    global _inherited
+    if _inherited is not None:
+        return True
+    sock = passed_socket(env)
+    if sock is None:
+        return False
+    launcher = _launcher_module()
+    _inherited = sock
+
+    def inherited_socket(*args: Any, **kwargs: Any) -> socket.socket:
+        log.info("vlaunch: serving HTTP on the socket vlaunch run passed (fd %d, %s), not "
+                 "binding %s", sock.fileno(), _where(sock), args[0] if args else kwargs)
+        return sock
+
+    launcher.create_server_socket = inherited_socket
+    launcher.create_server_unix_socket = inherited_socket
+    launcher.NoSignalServer = _draining_server(launcher.NoSignalServer)
+    return True
+
+
+def _launcher_module() -> Any:
+    """vLLM's launcher module, checked to be the one this seam was written against."""
+    import vllm
+
+    version = getattr(vllm, "__version__", "?")
+    try:
+        from vllm.entrypoints.launchers import launcher
+    except ImportError as exc:
+        raise VllmListenError(f"vlaunch: vllm serve under vlaunch run --listen needs vLLM "
+                              f"{'/'.join(v + 'x' for v in SUPPORTED)}; vLLM {version} has no "
+                              f"vllm.entrypoints.launchers.launcher ({exc})") from None
+    setup = getattr(launcher, "setup_server", None)
+    called = set(getattr(getattr(inspect.unwrap(setup), "__code__", None), "co_names", ()))
+    missing = [name for name in ("create_server_socket", "create_server_unix_socket")
+               if name not in called or not callable(getattr(launcher, name, None))]
+    server = getattr(launcher, "NoSignalServer", None)
+    if not isinstance(server, type) or not hasattr(server, "startup") or missing:
+        missing += [] if isinstance(server, type) else ["NoSignalServer"]
+        raise VllmListenError(f"vlaunch: vLLM {version}'s API server has not the seam vlaunch "
+                              f"run --listen uses (setup_server calling {', '.join(missing)} in "
+                              "vllm/entrypoints/launchers/launcher.py, read in vLLM 0.32): "
+                              "serve vLLM on a port of its own, without --listen")
+    if not version.startswith(SUPPORTED):
+        log.warning("vlaunch: vLLM %s: the --listen seam was read in vLLM %s; it is present, "
+                    "so it is used", version, "/".join(v + "x" for v in SUPPORTED))
+    return launcher
+
+
+def _where(sock: socket.socket) -> str:
+    try:
+        name = sock.getsockname()
+    except OSError:
+        return "?"
+    if isinstance(name, tuple):
+        return f"{name[0]}:{name[1]}"
+    return f"unix:{name}"
+
+
+def _draining_server(base: type) -> type:
+    """serve_http's uvicorn server, which on SIGTERM stops accepting before anything else when
+    it serves the inherited socket."""
+
+    class DrainingServer(base):  # type: ignore[misc, valid-type]
+        """Stops accepting on SIGTERM, then lets uvicorn finish every open request."""
+
+        _vlaunch_draining = False
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if _inherited is None or not any(s is _inherited for s in sockets or ()):
+                return
+            import asyncio
+
+            # serve_http installed vLLM's handler before this task ran: this one replaces it
+            # for SIGTERM (SIGINT keeps vLLM's).
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._vlaunch_drain)
+
+        def _vlaunch_drain(self) -> None:
+            if self._vlaunch_draining:
+                self.force_exit = True
+                return
+            self._vlaunch_draining = True
+            for server in getattr(self, "servers", ()):
+                server.close()  # this process's copy only; the launcher's stays listening
+            log.info("vlaunch: SIGTERM: stopped accepting on the launcher's socket; finishing "
+                     "%d open connection(s), then vLLM shuts down",
+                     len(self.server_state.connections))
+            self.should_exit = True
+
+    return DrainingServer

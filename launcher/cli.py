@@ -265,11 +265,13 @@ def _exec_rank(args: RankArgs) -> None:
 
 def _add_cache_command() -> None:
     cli.add_command(rank_command("cache", _exec_rank))
+    from .doctor import doctor
     from .swapcmd import swap
     from .verify import verify
 
     cli.add_command(verify)
     cli.add_command(swap)
+    cli.add_command(doctor)
 
 
 _add_cache_command()

@@ -29,6 +29,7 @@ class ExitStatus(enum.IntEnum):
     IO_ERROR = 74
     CACHE_BUSY = 75
     SEED_FAILED = 76
+    HOST_BLOCKED = 77
     BAD_PLAN = 78
     VERIFY_FAILED = 79
     ENGINE_BUDGET = 80
@@ -95,6 +96,9 @@ EXIT_TABLE: tuple[ExitInfo, ...] = (
              "Seeding a cache rank from a running replica failed (unreachable source, wrong "
              "token, fingerprint mismatch, truncated or corrupt stream) and --seed-fallback "
              "was not given.", True),
+    ExitInfo(ExitStatus.HOST_BLOCKED, "doctor",
+             "vlaunch doctor found a blocker: a host setting under which a deployment breaks "
+             "(vlaunch run would exit, or a cache rank could not serve).", False),
     ExitInfo(ExitStatus.BAD_PLAN, "launcher, cache",
              "The shard plan does not fit the checkpoint (a split dimension does not divide "
              "evenly, a bad plan file or hook, more pipeline stages than layers).", False),

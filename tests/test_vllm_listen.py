@@ -112,7 +112,8 @@ def test_vllm_serves_the_passed_socket_and_drains_on_sigterm_without_closing_it(
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
                      body=json.dumps({"model": str(tiny), "prompt": "w5", "max_tokens": 100,
-                                      "ignore_eos": True, "stream": True}))
+                                      "ignore_eos": True, "stream": True,
+                                  "stream_options": {"include_usage": True}}))
         stream = conn.getresponse()
         assert stream.status == 200
         first = stream.readline()  # the first event: the request is in flight
@@ -125,9 +126,9 @@ def test_vllm_serves_the_passed_socket_and_drains_on_sigterm_without_closing_it(
         conn.close()
         events = [json.loads(x[5:]) for x in (first + rest).splitlines()
                   if x.startswith(b"data:") and x.strip() != b"data: [DONE]"]
-        tokens = sum(len(e["choices"][0]["text"].split()) for e in events)
-        assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
-        assert tokens == 100 and b"data: [DONE]" in rest
+        finished = [e["choices"][0]["finish_reason"] for e in events if e["choices"]]
+        assert finished[-1] == "length" and b"data: [DONE]" in rest, events[-2:]
+        assert events[-1]["usage"]["completion_tokens"] == 100, events[-1]
         assert proc.wait(120) == 0, log.read_text()[-3000:]
         lsock.settimeout(5)
         accepted, _ = lsock.accept()  # still listening: the connection vLLM left is here

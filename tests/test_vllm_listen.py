@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,8 +35,52 @@ SHIM = ("import os, sys\n"
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo",
             "VLLM_CPU_OMP_THREADS_BIND": "0"}
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600),
-              pytest.mark.skipif(not Path(PYTHON).exists(), reason=f"no vLLM python at {PYTHON}")]
+
+
+def vllm_test(fn: Callable[..., None]) -> Callable[..., None]:
+    """A test that runs vLLM: opt-in (`-m vllm`), skipped without the vLLM python."""
+    for mark in (pytest.mark.vllm, pytest.mark.timeout(600),
+                 pytest.mark.skipif(not Path(PYTHON).exists(),
+                                    reason=f"no vLLM python at {PYTHON}")):
+        fn = mark(fn)
+    return fn
+
+
+# passed_socket in a child that has `what` on fd 3 (no vLLM needed)
+TAKE = ("import json, os, sys\n"
+        "from vlaunch.cache.integrations.vllm_serve import VllmListenError, passed_socket\n"
+        "os.environ['LISTEN_PID'] = sys.argv[1] or str(os.getpid())\n"
+        "try:\n"
+        "    s = passed_socket()\n"
+        "except VllmListenError as e:\n"
+        "    print(json.dumps({'error': str(e)})); sys.exit()\n"
+        "print(json.dumps({'fd': s and s.fileno(), 'inheritable': s and s.get_inheritable(),\n"
+        "                  'env': sorted(k for k in os.environ if k.startswith('LISTEN_'))}))\n")
+
+
+def _take(what: object, pid: str = "") -> dict:
+    fd = what.fileno()  # type: ignore[attr-defined]
+    env = {**os.environ, "LISTEN_FDS": "1", "LISTEN_FDNAMES": "http"}
+    r = subprocess.run([sys.executable, "-c", SHIM, str(fd), sys.executable, "-c", TAKE, pid],
+                       env=env, pass_fds=(fd,), capture_output=True, text=True, timeout=60,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_passed_socket_takes_a_listening_fd_3_named_for_this_pid_only(tmp_path: Path) -> None:
+    with socket.socket() as lsock:
+        lsock.bind(("127.0.0.1", 0))
+        lsock.listen()
+        # taken: fd 3, not inherited by what vLLM starts, the variables gone
+        assert _take(lsock) == {"fd": 3, "inheritable": False, "env": []}
+        # LISTEN_PID names another process (a child that inherited them): not ours, untouched
+        assert _take(lsock, pid="1") == {"fd": None, "inheritable": None,
+                                          "env": ["LISTEN_FDNAMES", "LISTEN_FDS", "LISTEN_PID"]}
+    with socket.socket() as unbound:
+        assert "not a listening stream socket" in _take(unbound)["error"]
+    with (tmp_path / "f").open("w") as f:
+        assert "the passed socket is missing" in _take(f)["error"]
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +118,7 @@ def _healthy(port: int, proc: subprocess.Popen) -> bool:
         return False
 
 
+@vllm_test
 def test_vllm_serves_the_passed_socket_and_drains_on_sigterm_without_closing_it(
         tiny: Path, tmp_path: Path) -> None:
     """A parent binds and listens; vLLM gets the socket as fd 3 (LISTEN_FDS=1, LISTEN_PID its
@@ -177,6 +223,7 @@ class _Client(threading.Thread):
                 self.failed.append(f"{status} {body[:200]!r}")
 
 
+@vllm_test
 def test_vllm_standby_under_listen_takes_over_a_killed_engine_with_nothing_refused(
         tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`vlaunch run --listen 127.0.0.1:PORT --standby -- vllm serve ...`: the serving vLLM

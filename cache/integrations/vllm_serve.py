@@ -63,9 +63,9 @@ def passed_socket(env: MutableMapping[str, str] | None = None) -> socket.socket 
     try:
         count, pid = int(raw_fds), int(raw_pid)
     except ValueError:
-        raise VllmListenError(f"vlaunch: LISTEN_FDS={raw_fds!r} LISTEN_PID={raw_pid!r} are not "
-                              "numbers; vllm serve cannot take the socket the launcher passed"
-                              ) from None
+        raise VllmListenError(f"vlaunch: the socket-activation variables are not numbers "
+                              f"(LISTEN_FDS={raw_fds!r}, LISTEN_PID={raw_pid!r}); vllm serve "
+                              "cannot take the socket the launcher passed") from None
     if pid != os.getpid():
         return None
     names = env.get("LISTEN_FDNAMES", "").split(":")
@@ -79,19 +79,20 @@ def passed_socket(env: MutableMapping[str, str] | None = None) -> socket.socket 
     except OSError:
         st = None
     if st is None or not stat.S_ISSOCK(st.st_mode):
-        raise VllmListenError(f"vlaunch: LISTEN_FDS={count} but fd {fd} is not a socket; "
-                              "start vllm serve itself as the engine command of vlaunch run "
-                              "--listen (a wrapper must exec it and keep fd 3 open)")
+        raise VllmListenError(f"vlaunch: the passed socket is missing (LISTEN_FDS={count}, "
+                              f"fd {fd} is not a socket): start vllm serve itself as the "
+                              "engine command of vlaunch run --listen (a wrapper must exec it "
+                              "and keep fd 3 open)")
     sock = socket.socket(fileno=fd)
     if sock.type != socket.SOCK_STREAM or \
             not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
         sock.detach()
-        raise VllmListenError(f"vlaunch: fd {fd} (LISTEN_FDS) is not a listening stream "
-                              "socket; vllm serve serves HTTP on the first socket of vlaunch "
-                              "run --listen")
+        raise VllmListenError(f"vlaunch: the passed fd is not a listening stream socket "
+                              f"(fd {fd}); vllm serve serves HTTP on the first socket of "
+                              "vlaunch run --listen, a TCP or unix: address")
     sock.set_inheritable(False)
     if count > 1:
-        log.warning("vlaunch: %d sockets passed (%s); vllm serve serves one, fd %d (%s)",
+        log.warning("vlaunch: vllm serve serves one of the %d sockets passed (%s): fd %d (%s)",
                     count, ", ".join(n for n in names if n) or "unnamed", fd, names[0] or "-")
     return sock
 
@@ -137,8 +138,8 @@ def _launcher_module() -> Any:
     server = getattr(launcher, "NoSignalServer", None)
     if not isinstance(server, type) or not hasattr(server, "startup") or missing:
         missing += [] if isinstance(server, type) else ["NoSignalServer"]
-        raise VllmListenError(f"vlaunch: vLLM {version}'s API server has not the seam vlaunch "
-                              f"run --listen uses (setup_server calling {', '.join(missing)} in "
+        raise VllmListenError(f"vlaunch: no --listen seam in vLLM {version}'s API server "
+                              f"(setup_server calling {', '.join(missing)} in "
                               "vllm/entrypoints/launchers/launcher.py, read in vLLM 0.32): "
                               "serve vLLM on a port of its own, without --listen")
     if not version.startswith(SUPPORTED):

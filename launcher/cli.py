@@ -85,7 +85,7 @@ def _opt(name: str, env: str, **kw: Any) -> Callable[[F], F]:
       help="Directory of the rank sockets, mode 0700 [default: $XDG_RUNTIME_DIR/vlaunch or "
            "/tmp/vlaunch-UID].")
 @_opt("--plan", "PLAN", default=DEFAULT_PLAN,
-      help="Shard plan: llama, replicate, a plan file, or module:callable.")
+      help="Shard plan: llama, llama-ep, gpt-oss, replicate, a plan file, or module:callable.")
 @_opt("--draft-model", "DRAFT_MODEL", default="",
       help="A speculative-decoding draft model's checkpoint: its own cache group beside the "
            "target's; the engine loads it with load(role='draft').")

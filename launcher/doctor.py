@@ -11,24 +11,23 @@ blocks (warnings allowed), HOST_BLOCKED (77) when something does, 64 for a bad c
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from vlaunch.cache.contract.exitcodes import ExitStatus
-
-from . import doctor_checks as dc
-from . import doctor_gpu as dg
+if TYPE_CHECKING:  # imported when the command runs: `vlaunch` itself starts without them
+    from . import doctor_checks as dc
 
 PROBE_TIMEOUT = 120.0
 
 
 def probe(params: dict[str, Any]) -> dict[str, Any]:
     """The cache rank's probes, in a child process (as a rank would run them)."""
+    import subprocess
+
     done = subprocess.run([sys.executable, "-m", "vlaunch.cache.rank.hostprobe",
                            json.dumps(params)], capture_output=True, text=True,
                           timeout=PROBE_TIMEOUT, check=False)
@@ -59,6 +58,8 @@ def nvml_state() -> tuple[list[Any] | None, dict[str, bool], str]:
 
 def docker_info() -> tuple[int, str]:
     """`docker info` as JSON, or its error."""
+    import subprocess
+
     try:
         done = subprocess.run(["docker", "info", "--format", "{{json .}}"], capture_output=True,
                               text=True, timeout=30, check=False)
@@ -74,6 +75,9 @@ def run_checks(o: dict[str, Any], host: dc.Host, directory: Path,
     """Every check, in the order they print."""
     from vlaunch.cache.contract.sockdir import socket_path
 
+    from . import doctor_checks as dc
+    from . import doctor_gpu as dg
+
     world = o["tp"] * o["pp"] * o["dp"]
     device = o["device"]
     return [
@@ -87,8 +91,12 @@ def run_checks(o: dict[str, Any], host: dc.Host, directory: Path,
 
 def report(findings: list[dc.Finding]) -> dict[str, Any]:
     """The JSON document: counts, the exit status, every finding."""
-    blockers = sum(f.severity == dc.BLOCKER for f in findings)
-    return {"blockers": blockers, "warnings": sum(f.severity == dc.WARNING for f in findings),
+    from vlaunch.cache.contract.exitcodes import ExitStatus
+
+    from .doctor_checks import BLOCKER, WARNING
+
+    blockers = sum(f.severity == BLOCKER for f in findings)
+    return {"blockers": blockers, "warnings": sum(f.severity == WARNING for f in findings),
             "status": int(ExitStatus.HOST_BLOCKED) if blockers else 0,
             "checks": [{"check": f.check, "severity": f.severity, "found": f.found,
                         "choice": f.choice, "fix": f.fix, "data": f.data} for f in findings]}
@@ -101,7 +109,7 @@ def format_text(doc: dict[str, Any]) -> str:
         lines.append(f"{c['severity'].upper():<8} {c['check']:<12} {c['found']}")
         if c["choice"]:
             lines.append(f"{'':<21} vlaunch: {c['choice']}")
-        if c["fix"] and c["severity"] in (dc.WARNING, dc.BLOCKER):
+        if c["fix"] and c["severity"] in ("warning", "blocker"):
             lines.append(f"{'':<21} fix: {c['fix']}")
     return "\n".join(lines)
 
@@ -136,6 +144,7 @@ def doctor(as_json: bool, with_docker: bool, **o: Any) -> None:
     from vlaunch.cache.contract.peers import proc_is_ours
     from vlaunch.cache.contract.sockdir import default_socket_dir
 
+    from . import doctor_checks as dc
     from .children import own_cgroup
     from .options import node_ranks, rank_devices
 

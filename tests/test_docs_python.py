@@ -197,3 +197,34 @@ def test_every_top_level_name_the_docs_call_is_exported() -> None:
             if name in submodules or f"{name}.py" in submodules:
                 continue
             assert name in vlaunch.cache.__all__, f"{path.name}: vlaunch.cache.{name}"
+
+
+# ------------------------------------------------ claims the pages make, pinned to the code
+
+
+def test_the_plan_option_names_every_builtin_plan() -> None:
+    """configuration.md's --plan row and formats.md's plan table name each built-in plan."""
+    from vlaunch.cache.store.plan import BUILTIN_PLANS
+
+    row = next(line for line in (DOCS / "configuration.md").read_text().splitlines()
+               if line.startswith("| `--plan` |"))
+    formats = (DOCS / "formats.md").read_text()
+    for name in BUILTIN_PLANS:
+        assert f"`{name}`" in row, name
+        assert f"`{name}`" in formats or name in ("llama", "replicate"), name
+
+
+def test_a_cpu_rank_checksums_its_tensors_by_default(cache_rank: tuple[Path, Path]) -> None:
+    """multi-node.md: seeded bytes are checked against the source's checksums, which a CPU
+    rank computes by default (a CUDA rank does not: --checksum's default)."""
+    from vlaunch.cache.client.connection import CacheClient
+    from vlaunch.cache.contract.sockdir import socket_path
+
+    _, sockdir = cache_rank
+    client = CacheClient(socket_path(sockdir, 0))
+    try:
+        manifest = client.manifest()
+    finally:
+        client.close()
+    assert manifest.tensors and all(t.checksum is not None for t in manifest.tensors)
+

@@ -67,8 +67,10 @@ def slab_pages(host: Host, device: str) -> Finding:
     choice = f"CPU slabs get {'2 MiB' if got['page'] == '2M' else '4 KiB'} pages"
     if got["page"] == "2M" or got["requested"] == "4k":
         return Finding("slab_pages", OK, found, choice, "", data)
-    sev = WARNING if device == "cpu" else OK
-    return Finding("slab_pages", sev, found,
+    if device != "cpu":
+        return Finding("slab_pages", OK, found, choice + " (unused: CUDA slabs are device "
+                       "memory)", "", data)
+    return Finding("slab_pages", WARNING, found,
                    choice + ": a CPU share handoff faults 512 times as many pages (slower)",
                    "as root: echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled "
                    "(or within_size; not kept across reboots: set it in a tmpfiles.d or boot "

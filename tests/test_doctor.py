@@ -192,7 +192,8 @@ def test_cuda_driver_variations(tmp_path: Path) -> None:
                           ).severity == dc.WARNING
     low = host(tmp_path, probe=probe(staging={"reader": "staging", "pinned": 96 << 20,
                                               "memlock": 8 << 20}))
-    assert dg.memlock(low, "cuda").severity == dc.WARNING
+    f = dg.memlock(low, "cuda")  # the NVIDIA driver's pinning is not charged to it
+    assert f.severity == dc.OK and "RDMA" in f.choice
     assert dg.memlock(low, "cpu").severity == dc.SKIPPED
 
 

@@ -74,6 +74,8 @@ def shard(p: dict[str, Any]) -> dict[str, Any]:
     from vlaunch.cache.store.plan import HookPlan, load_plan, plan_rank
     from vlaunch.cache.store.ranks import Position
     from vlaunch.cache.store.shard import MAX_SLAB
+    from vlaunch.cache.store.slabs import CpuBackend
+    from vlaunch.cache.store.slabs_cuda import CudaBackend
 
     out: dict[str, Any] = {"available_host": available_host_bytes(), "ranks": {},
                            "slabs": {}, "error": ""}
@@ -85,7 +87,8 @@ def shard(p: dict[str, Any]) -> dict[str, Any]:
         if isinstance(plan, HookPlan):
             out["error"] = "a hook plan builds its tensors itself: no size before it runs"
             return out
-        backend, align = ("cuda", 2 << 20) if p["device"] == "cuda" else ("cpu", 256)
+        kind = CudaBackend if p["device"] == "cuda" else CpuBackend
+        backend, align = kind.name, kind.alignment
         for rank in p["ranks"]:
             pos = Position.from_global(rank, p["tp"], p["pp"], p["dp"])
             specs = plan_rank(ckpt, plan, pos)

@@ -29,12 +29,18 @@ def cli() -> None:
 
 @cli.command("exit-codes")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def exit_codes(as_json: bool) -> None:
+@click.option("--markdown", is_flag=True, help="The table of docs/exit-codes.md.")
+def exit_codes(as_json: bool, markdown: bool) -> None:
     """Print the exit-status table of vlaunch processes."""
     if as_json:
         click.echo(json.dumps([{"status": int(i.status), "name": i.status.name, "who": i.who,
-                                "meaning": i.meaning, "retry": i.retry} for i in EXIT_TABLE],
-                              indent=2))
+                                "meaning": i.meaning, "retry": i.retry, "todo": i.todo}
+                               for i in EXIT_TABLE], indent=2))
+        return
+    if markdown:
+        from vlaunch.cache.contract.exitcodes import markdown_table
+
+        click.echo(markdown_table())
         return
     for info in EXIT_TABLE:
         click.echo(f"{int(info.status):>3}  {info.status.name:<18} {info.meaning}")

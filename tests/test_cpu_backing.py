@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from tests.conftest import spawn_cache
 from vlaunch.cache import load
 from vlaunch.cache.client.connection import CacheClient
-from vlaunch.cache.contract.errors import DeviceError
+from vlaunch.cache.contract.errors import UsageError
 from vlaunch.cache.contract.sockdir import socket_path
 from vlaunch.cache.store import cpubacking
 from vlaunch.cache.store.slabs import CpuBackend, CpuSlab
@@ -65,12 +65,12 @@ def test_the_probe_answers_on_this_host_and_bad_settings_are_refused(
     assert cpubacking.page_size() in (cpubacking.HUGE, mmap.PAGESIZE)
     cpubacking.page_size.cache_clear()
     monkeypatch.setenv("VLAUNCH_CPU_SLAB_PAGES", "1g")
-    with pytest.raises(DeviceError, match="VLAUNCH_CPU_SLAB_PAGES must be auto or 4k"):
+    with pytest.raises(UsageError, match="VLAUNCH_CPU_SLAB_PAGES must be auto or 4k"):
         cpubacking.page_size()
     cpubacking.page_size.cache_clear()
     monkeypatch.setenv("VLAUNCH_CPU_SLAB_PAGES", "auto")
     monkeypatch.setenv("VLAUNCH_CPU_SLABS", "file")
-    with pytest.raises(DeviceError, match="file-backed CPU slabs are no longer supported"):
+    with pytest.raises(UsageError, match="file-backed CPU slabs are no longer supported"):
         CpuSlab(4096)
 
 

@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from vlaunch.cache.contract.errors import DeviceError, UsageError
+from vlaunch.cache.contract.errors import UsageError
 
 log = logging.getLogger("vlaunch.cache")
 
@@ -81,14 +81,14 @@ def _reader(raw: str) -> str:
 
 def _pages(raw: str) -> str:
     if raw not in ("auto", "4k"):
-        raise DeviceError(f"VLAUNCH_CPU_SLAB_PAGES must be auto or 4k, not {raw!r}; unset "
+        raise UsageError(f"VLAUNCH_CPU_SLAB_PAGES must be auto or 4k, not {raw!r}; unset "
                           "it to let the host's shmem huge-page policy decide")
     return raw
 
 
 def _slabs(raw: str) -> str:
     if raw not in ("auto", "memfd"):
-        raise DeviceError("file-backed CPU slabs are no longer supported "
+        raise UsageError("file-backed CPU slabs are no longer supported "
                           "(VLAUNCH_CPU_SLABS): a file cannot be sealed, so an engine could "
                           "write into the cache's weights; unset VLAUNCH_CPU_SLABS (CPU slabs "
                           "are sealed memfds)")

@@ -67,3 +67,33 @@ def cpu_rank(model: Path, sockdir: Path
     ready, fds = recv_ready(ours)  # progress frames come first, then the ready frame
     wire.close_fds(fds)
     return proc, ready, ours
+
+
+def record_figures(values: dict[str, str], *, machine: str, source: str,
+                   date: str | None = None, path: str | Path | None = None) -> Path | None:
+    """Merge measured figures (id -> value as the docs quote it, "0.714 s") into a summary.
+
+    The summary is `path`, else $RECORD_FIGURES; with neither, nothing is written (a run on a
+    busy laptop does not overwrite a GPU session's figures by accident). On a device machine
+    point RECORD_FIGURES at $OUT/summary.json and merge it back with
+    `python benchmarks/figures.py --merge FILE`, then run `python benchmarks/figures.py`
+    to rewrite the pages that quote them. `source` names the results file and section the
+    run's table goes to (e.g. "standby.md: One H200, 2026-12-01 (gpu_standby.sh), tp1")."""
+    import os
+
+    target = path or os.environ.get("RECORD_FIGURES")
+    if not target:
+        return None
+    target = Path(target)
+    doc: dict[str, Any] = {"figures": {}}
+    if target.exists():
+        doc = json.loads(target.read_text())
+    day = date or time.strftime("%Y-%m-%d", time.gmtime())
+    for fid, value in values.items():
+        doc["figures"][fid] = {"value": value, "machine": machine, "date": day,
+                               "source": source}
+    doc["figures"] = dict(sorted(doc["figures"].items()))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+    print(f"recorded {len(values)} figure(s) in {target}: {', '.join(values)}")
+    return target

@@ -43,11 +43,16 @@ print(w.source == "cache" and all(torch.equal(w[k], disk[k]) for k in disk))
 class Rank:
     """A cache rank whose ready channel this test holds, as a launcher would."""
 
-    def __init__(self, model: Path, sockdir: Path) -> None:
+    def __init__(self, model: Path, sockdir: Path, log: Path | None = None) -> None:
         self.ours, theirs = socket.socketpair()
+        self.log = log
+        err = open(log, "w") if log is not None else None  # noqa: SIM115 (the child's)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vlaunch.cache", "--model", str(model), "--socket-dir",
-             str(sockdir), "--ready-fd", str(theirs.fileno())], pass_fds=[theirs.fileno()])
+             str(sockdir), "--ready-fd", str(theirs.fileno())], pass_fds=[theirs.fileno()],
+            stderr=err)
+        if err is not None:
+            err.close()
         theirs.close()
         self.ours.settimeout(60)
         _, fds = recv_ready(self.ours)

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from vlaunch.cache.contract import protocol
 from vlaunch.cache.contract.errors import VlaunchError
+from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.rank import staging
-from vlaunch.cache.rank.swapstate import Staged, SwapError
+from vlaunch.cache.rank.swapstate import Staged, SwapError, status_of, words
 from vlaunch.cache.store.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -56,15 +57,38 @@ class Publisher:
         self.swap = swap
 
     def request(self, op: str, lease: Lease, f: dict[str, Any]) -> Any:
-        """A trainer's publish_* request (a coroutine for publish_commit)."""
+        """A trainer's publish_* request (a coroutine for publish_commit): every one that
+        fails is answered with its status, never with a closed connection."""
         if op == "published_digests":
             return self._digest_page(f)
         try:
-            return getattr(self, f"_{op}")(lease, f)
-        except SwapError as exc:
+            result = getattr(self, f"_{op}")(lease, f)
+        except Exception as exc:
+            return self._refusal(op, exc)
+        if asyncio.iscoroutine(result):
+            return self._answered(op, result)
+        return result
+
+    async def _answered(self, op: str, commit: Any) -> tuple[dict[str, Any], list[int]]:
+        """The reply of a coroutine request (publish_commit), or its refusal."""
+        try:
+            return await commit
+        except Exception as exc:
+            return self._refusal(op, exc)
+
+    def _refusal(self, op: str, exc: Exception) -> tuple[dict[str, Any], list[int]]:
+        """The error reply of a failed publish request, with its exit status."""
+        if isinstance(exc, SwapError):
             return protocol.error("refused", str(exc), status=int(exc.code)), []
-        except VlaunchError as exc:
+        if isinstance(exc, VlaunchError):
             return protocol.error("refused", str(exc), status=int(exc.status)), []
+        status = status_of(exc)  # the machine (no memory, an I/O error), or a bug
+        if status is ExitStatus.INTERNAL:
+            log.exception("rank %d: %s failed", self.swap.server.rank, op)
+        else:
+            log.error("rank %d: %s failed: %s", self.swap.server.rank, op, words(exc))
+        return protocol.error("refused", f"{op} failed on rank {self.swap.server.rank}: "
+                              f"{words(exc)}", status=int(status)), []
 
     def _publish_begin(self, lease: Lease, f: dict[str, Any]
                        ) -> tuple[dict[str, Any], list[int]]:

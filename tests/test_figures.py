@@ -34,10 +34,11 @@ figures = _module("figures")
 # a number with a unit of time, rate, ratio or memory: what a measurement reads like
 MEASURED = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:\s?[-–]\s?\d+(?:\.\d+)?)?"
                       r"\s?(?:ms|s|GB/s|TB/s|x|×|%|MiB|GiB)(?![\w/])")
-# what the template may type: targets, the settings a run used, the sizes it ran on
+# what a page may type: targets, the settings a run used, the (power-of-two) sizes it ran on
 SETTINGS = re.compile(r"target \d+(?:\.\d+)? ?(?:s|%)|(?:watchdog|unhealthy-after|timeout|of) "
-                      r"\(?\d+ s|\(2 s\)|\d+ s after its last ping|\d+ (?:GiB|MiB|KiB) "
-                      r"(?:rank|model|checkpoint|pages)|a 16 GiB checkpoint")
+                      r"\(?\d+ s|\(2 s\)|\d+ s after its last ping|\d+ s \+ \d+ s|"
+                      r"detection \+ 0\.1 s|"
+                      r"(?<![\d.])(?:1|2|4|8|16|32|64|128|256|512) (?:KiB|MiB|GiB)\b")
 
 
 def test_every_quoted_figure_is_the_summarys() -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from benchlib import free_port, get, launcher_url
+from benchlib import fmt_s, free_port, get, launcher_url, machine_name, record_figures
 
 from vlaunch.cache.contract.waiting import until
 
@@ -214,6 +214,18 @@ def main() -> int:
     print(json.dumps(summary), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"runs": results, "summary": summary}, indent=1))
+    key = (f"hang.{'gpu' if args.device == 'cuda' else 'cpu'}.tp{args.tp}.{args.hang}"
+           + (".kill0" if args.hang_kill_after == 0 else ""))
+    record_figures({f"{key}.detected": fmt_s(standby["hang_detected_median_s"]),
+                    f"{key}.first_token": fmt_s(standby["hang_first_token_median_s"]),
+                    f"{key}.after_gone": fmt_s(standby["hang_after_gone_median_s"]),
+                    f"{key}.kill_first_token": fmt_s(standby["kill_median_s"])},
+                   machine=machine_name(args.device),
+                   source=f"hang.md: bench_hang.py --device {args.device} --tp {args.tp} --hang "
+                          f"{args.hang} --reps {args.reps} (watchdog {args.watchdog:g} s, "
+                          f"unhealthy-after {args.unhealthy_after:g} s, stop timeout "
+                          f"{args.stop_timeout:g} s, hang-kill-after {args.hang_kill_after}), "
+                          f"--standby, medians of {args.reps}")
     return 0 if all(r["same_output"] for r in results) else 1
 
 

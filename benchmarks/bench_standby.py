@@ -38,7 +38,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchlib import get
+from benchlib import fmt_s, get, machine_name, record_figures
 
 from vlaunch.cache.contract.waiting import until
 
@@ -212,6 +212,14 @@ def main() -> int:
     print(table(results), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"runs": results, "summary": summary}, indent=1))
+    key = f"standby.{'gpu' if args.device == 'cuda' else 'cpu'}.tp{args.tp}"
+    figures = {f"{key}.{r['variant'].replace('-', '_')}": fmt_s(r["median_s"]) for r in results}
+    medians = {r["variant"]: r["median_s"] for r in results}
+    if "ordinary" in medians and "warm" in medians:
+        figures[f"{key}.ratio"] = f"{medians['ordinary'] / medians['warm']:.0f}x"
+    record_figures(figures, machine=machine_name(args.device),
+                   source=f"standby.md: bench_standby.py --device {args.device} --tp {args.tp} "
+                          f"--reps {args.reps}, SIGKILL -> first token, median of {args.reps}")
     return 0 if all(r["same_output"] for r in results) else 1
 
 

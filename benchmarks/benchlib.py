@@ -97,3 +97,28 @@ def record_figures(values: dict[str, str], *, machine: str, source: str,
     target.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
     print(f"recorded {len(values)} figure(s) in {target}: {', '.join(values)}")
     return target
+
+
+def machine_name(device: str) -> str:
+    """What summary.json calls the machine a run measured on: the GPU's model for cuda
+    ("H200"; "2 x H200" with two), else "N-core CPU". No torch import (nvidia-smi)."""
+    import os
+
+    if device.startswith("cuda"):
+        try:
+            names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                   capture_output=True, text=True, timeout=30).stdout.split("\n")
+        except (OSError, subprocess.SubprocessError):
+            names = []
+        names = [n.strip().removeprefix("NVIDIA ") for n in names if n.strip()]
+        if names:
+            return names[0] if len(names) == 1 else f"{len(names)} x {names[0]}"
+        return "GPU"
+    return f"{os.cpu_count()}-core CPU"
+
+
+def fmt_s(seconds: float) -> str:
+    """A duration as the docs quote it: three significant figures ("0.160 s", "16.9 s")."""
+    if seconds < 0.1:
+        return f"{seconds * 1000:#.3g} ms".replace(". ms", " ms")
+    return f"{seconds:#.3g} s".replace(". s", " s")

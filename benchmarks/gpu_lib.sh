@@ -10,6 +10,8 @@ LOGS=${LOGS:-$(mktemp -d)}  # one log per stage; $OUT keeps them together in ses
 stage() {  # stage NAME LIMIT_S COMMAND...: run it under a time limit, log it, note its status
     local name=$1 limit=$2 left t rc
     shift 2
+    # benchmarks that record figures write them here; merge back with figures.py --merge
+    export RECORD_FIGURES=${RECORD_FIGURES:-$OUT/summary.json}
     left=$((BUDGET - ($(date +%s) - T0)))
     if ((left < 15)); then
         echo "$name: skipped, ${left}s left of ${BUDGET}s" | tee -a "$OUT/summary.txt"

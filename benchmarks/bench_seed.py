@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from benchlib import machine_name, record_figures
 from safetensors.torch import save_file
 
 from vlaunch.cache import CacheClient
@@ -334,6 +335,15 @@ def main() -> None:
     print(table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    gb, key = result["bytes"] / GB, f"seed.{'cpu' if args.device == 'cpu' else 'gpu'}.tcp"
+    figures = {f"{key}.rate": f"{gb / result['seed_tcp_s']:.1f} GB/s",
+               f"{key}.ratio": f"{result['raw_tcp_s'] / result['seed_tcp_s']:.2f}x"}
+    if result.get("all_ranks"):
+        figures[f"{key}.all_ranks"] = f"{result['all_ranks'] * gb / result['all_seed_s']:.1f} GB/s"
+    record_figures(figures, machine=machine_name(args.device),
+                   source=f"seed_engines.md: bench_seed.py --device {args.device} ({gb:.2f} GB "
+                          f"shard, {args.streams} streams, --ranks {args.ranks}), seed TCP "
+                          f"loopback against a plain {args.streams}-stream socket copy")
 
 
 if __name__ == "__main__":

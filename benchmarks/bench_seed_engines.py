@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import free_port
+from benchlib import free_port, machine_name, record_figures
 
 TOKEN = "bench-token-0123456789abcdef"
 GB = 1e9
@@ -399,6 +399,14 @@ def main() -> None:
     print(table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    rate = {n: 1 / statistics.median(s) for n, s in result["seconds"].items()}
+    base = max(rate["raw sendall"], rate["raw sendfile"])
+    names = {"vlaunch": f"vlaunch {args.streams} streams", "gloo": "gloo", "nixl": "nixl ucx/tcp"}
+    record_figures({f"seed.cpu.engines.{k}": f"{rate[n] / base:.2f}x" for k, n in names.items()
+                    if n in rate}, machine=machine_name("cpu"),
+                   source=f"seed_engines.md: bench_seed_engines.py --size-mb {args.size_mb} "
+                          f"--repeats {args.repeats} --streams {args.streams}, GB/s medians "
+                          f"against the faster plain {args.streams}-stream socket copy")
 
 
 if __name__ == "__main__":

@@ -58,8 +58,9 @@ def test_quoted_ids_exist_and_the_readme_section_is_generated() -> None:
     readme = (ROOT / "README.md").read_text()
     assert figures.BEGIN in readme and figures.END in readme
     # at least the headline figures the issue found contradicted are quoted from the summary
-    for fid in ("standby.gpu.tp1.cold", "seed.gpu.ratio", "seed.cpu.ratio", "hang.gpu.detected",
-                "copy.before_pieces", "standby.cpu.tp2.warm", "layout.engine_mib"):
+    for fid in ("standby.gpu.tp1.cold", "seed.gpu.tcp.ratio", "seed.cpu.engines.vlaunch",
+                "hang.gpu.detected", "copy.before_pieces", "standby.cpu.tp2.warm",
+                "layout.engine_mib"):
         assert fid in figures.quoted_ids(), fid
 
 

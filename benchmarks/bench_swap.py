@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchlib import free_port, get, launcher_url
+from benchlib import fmt_s, free_port, get, launcher_url, machine_name, record_figures
 
 from vlaunch.cache.contract.waiting import until
 from vlaunch.launcher.statusview import query_rank
@@ -281,6 +281,13 @@ def main() -> int:
     print(json.dumps(summary), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
+    key = f"swap.{'gpu' if args.device == 'cuda' else 'cpu'}.tp{args.tp}"
+    record_figures({f"{key}.{m.replace('+', '_').replace('-', '_').replace(' restart', '')}":
+                    fmt_s(r["downtime_s"]) for m, r in by.items() if r["downtime_s"]},
+                   machine=machine_name(args.device),
+                   source=f"swap.md: bench_swap.py --device {args.device} --tp {args.tp} "
+                          f"({shard_gib:.2f} GiB shards), downtime: last A answer -> first B "
+                          f"answer, one run of each mode")
     return 0
 
 

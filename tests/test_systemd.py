@@ -150,6 +150,18 @@ def test_notify_ready_and_status_reach_systemd(machine: Machine) -> None:
     assert state(m, unit)["Result"] == "success"  # SIGTERM: STOPPING=1, engine, ranks, exit 0
 
 
+def test_doctor_under_systemd_as_the_units_user(machine: Machine) -> None:
+    """`vlaunch doctor` run by systemd as the units run (User=vlaunch, a transient service
+    unit): no blocker for the tests' checkpoint; what it chose on this host is printed."""
+    r = machine.sh(f"systemd-run --quiet --wait --pipe -p User=vlaunch "
+                   f"/opt/vlaunch/bin/vlaunch doctor --json --model {MODEL}", check=False)
+    report = json.loads(r.stdout)
+    print("doctor under systemd:", [(c["check"], c["severity"]) for c in report["checks"]])
+    assert r.returncode == report["status"] == 0 and report["blockers"] == 0, r.stdout
+    checks = {c["check"]: c["severity"] for c in report["checks"]}
+    assert {"cgroup", "nofile", "socket_dir", "memory", "memfd_seals"} <= set(checks), checks
+
+
 def test_reload_restarts_the_engine_and_keeps_the_caches(machine: Machine) -> None:
     """`systemctl reload`: SIGHUP, RELOADING=1 (ActiveState reloading, for as long as the
     engine restarts), a new engine against the same cache ranks, READY=1 again."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -68,6 +69,7 @@ def test_one_container_restarts_the_engine_against_the_caches_and_stops_with_0(
         one_container: str) -> None:
     name = one_container
     first = _wait(lambda: _serving(name), "the engine serving", name)
+    _doctor_in(name)
     address = host_port(name, 8000)
     tokens = generate(address)
     ranks = {r: (info["pid"], info["loaded_bytes"]) for r, info in first["ranks"].items()}
@@ -97,6 +99,21 @@ def test_one_container_restarts_the_engine_against_the_caches_and_stops_with_0(
     final = state(name)
     assert final["ExitCode"] == 0 and restarts(name) == 0, final
     assert "exiting with status 0 (OK)" in logs(name)
+
+
+def _doctor_in(name: str) -> None:
+    """`vlaunch doctor` inside the recipe's container, beside the launcher it checks: no
+    blocker for the recipe's own model and TP (the checks this image and host chose are
+    printed; 4 KiB slab pages or no cgroup v2 are warnings, not failures)."""
+    r = subprocess.run(["docker", "exec", name, "vlaunch", "doctor", "--json", "--model",
+                        "/models/llama", "--tensor-parallel-size", "2"],
+                       capture_output=True, text=True, timeout=120)
+    report = json.loads(r.stdout)
+    print("doctor in the container:", [(c["check"], c["severity"]) for c in report["checks"]])
+    assert r.returncode == report["status"] == 0 and report["blockers"] == 0, r.stdout
+    checks = {c["check"]: c for c in report["checks"]}
+    assert {"slab_pages", "memfd_seals", "nofile", "socket_dir", "memory"} <= set(checks)
+    assert checks["memfd_seals"]["severity"] == "ok"  # the product's CPU slabs need them
 
 
 def test_one_container_exits_with_the_launchers_status_when_a_rank_dies(

@@ -32,6 +32,8 @@ SUMMARY = ROOT / "benchmarks" / "results" / "summary.json"
 TEMPLATE = ROOT / "benchmarks" / "measured.md"
 README = ROOT / "README.md"
 FIELDS = ("value", "machine", "date", "source")
+DERIVED = ("range_of", "digits")  # optional: a value made from other entries (`derived`)
+NUMBER = re.compile(r"^(\d+(?:\.\d+)?) ?(\S+)$")
 
 SPAN = re.compile(r"<!-- fig ([A-Za-z0-9_.-]+) -->(.*?)<!-- /fig -->", re.S)
 PLACEHOLDER = re.compile(r"\{\{([A-Za-z0-9_.-]+)\}\}")
@@ -60,8 +62,30 @@ def save(figures: dict[str, dict[str, str]], path: Path = SUMMARY) -> None:
                     "machine, date, source (results file and section). Written by the "
                     "benchmarks (benchlib.record_figures); `python benchmarks/figures.py` "
                     "puts them into the pages.",
-           "figures": {k: {f: figures[k][f] for f in FIELDS} for k in sorted(figures)}}
+           "figures": {k: {f: figures[k][f] for f in (*FIELDS, *DERIVED) if f in figures[k]}
+                       for k in sorted(figures)}}
     path.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+
+
+def derived(figures: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """id -> value for each entry with `range_of` (ids of single runs): their lowest to their
+    highest, at `digits` decimals ("3.7-3.8 s"; one figure where both round the same)."""
+    out = {}
+    for fid, entry in figures.items():
+        if "range_of" not in entry:
+            continue
+        numbers, units = [], set()
+        for one in entry["range_of"]:
+            m = NUMBER.match(_value(figures, one, f"{SUMMARY.name}: {fid}'s range_of"))
+            if not m:
+                raise FigureError(f"{SUMMARY.name}: {fid}: {one} is not a number and a unit")
+            numbers.append(float(m[1]))
+            units.add(m[2])
+        if len(units) != 1:
+            raise FigureError(f"{SUMMARY.name}: {fid}: its range_of has units {sorted(units)}")
+        low, high = (f"{x:.{entry.get('digits', 1)}f}" for x in (min(numbers), max(numbers)))
+        out[fid] = f"{low if low == high else f'{low}-{high}'} {units.pop()}"
+    return out
 
 
 def pages() -> list[Path]:
@@ -135,7 +159,9 @@ def rendered(figures: dict[str, dict[str, str]]) -> dict[Path, str]:
 
 def stale(figures: dict[str, dict[str, str]]) -> list[str]:
     """`file:line: id` for each quoted figure that differs from the summary."""
-    found = []
+    found = [f"{SUMMARY.relative_to(ROOT)}: {fid} reads {figures[fid]['value']!r}, its "
+             f"range_of gives {value!r}" for fid, value in derived(figures).items()
+             if figures[fid]["value"] != value]
     for path, want in rendered(figures).items():
         have = path.read_text()
         if have == want:
@@ -188,6 +214,12 @@ def main(argv: list[str] | None = None) -> int:
             if bad:
                 print("run `python benchmarks/figures.py` to rewrite them", file=sys.stderr)
             return 1 if bad else 0
+        made = derived(figures)
+        if any(figures[fid]["value"] != value for fid, value in made.items()):
+            for fid, value in made.items():
+                figures[fid]["value"] = value
+            save(figures)
+            print(f"rewrote {SUMMARY.relative_to(ROOT)} (derived figures)")
         for path, text in rendered(figures).items():
             if path.read_text() != text:
                 path.write_text(text)

@@ -47,7 +47,7 @@ def test_every_quoted_figure_is_the_summarys() -> None:
 
 def test_every_figure_names_its_machine_date_and_a_results_file() -> None:
     for fid, entry in figures.load().items():
-        assert set(entry) == set(figures.FIELDS), fid
+        assert set(figures.FIELDS) <= set(entry) <= {*figures.FIELDS, *figures.DERIVED}, fid
         name = entry["source"].split(":")[0]
         assert (RESULTS / name).is_file(), f"{fid}: source {name} is not in benchmarks/results/"
 
@@ -101,6 +101,11 @@ def test_a_stale_or_unknown_span_is_caught() -> None:
     with pytest.raises(figures.FigureError, match="unknown figure id 'c'"):
         figures.render_measured(summary, "{{a.b}} and {{c}}")
     assert "1.0 s and" in figures.render_measured(summary, "{{a.b}} and")
+    runs = {**summary, "a.c": {**summary["a.b"], "value": "1.24 s"},
+            "a": {**summary["a.b"], "value": "1.0 s", "range_of": ["a.b", "a.c"], "digits": 1}}
+    assert figures.derived(runs) == {"a": "1.0-1.2 s"}
+    runs["a.c"]["value"] = "1.04 s"
+    assert figures.derived(runs) == {"a": "1.0 s"}
 
 
 def test_record_figures_merges_into_a_summary(tmp_path: Path, monkeypatch) -> None:

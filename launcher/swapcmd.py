@@ -95,6 +95,7 @@ def request_swap(directory: Path, request: dict[str, Any], timeout: float) -> di
                                   "vlaunch run, or pass its --socket-dir") from None
         check_peer(sock)
         wire.send_frame(sock, request)
+        step = ""  # the last step the launcher said the swap reached
         while True:
             sock.settimeout(max(0.1, deadline - time.monotonic()))
             try:
@@ -103,12 +104,27 @@ def request_swap(directory: Path, request: dict[str, Any], timeout: float) -> di
                 raise SwapUnavailable(f"no outcome within --timeout ({timeout:g} s); the swap "
                                       "goes on: see vlaunch status") from None
             except EOFError:
-                raise SwapUnavailable("the launcher closed the control connection before the "
-                                      "swap ended (it stopped?): see its log") from None
+                raise SwapUnavailable(_gone(step)) from None
             wire.close_fds(fds)
             if not isinstance(answer.get("status"), int):
                 raise SwapUnavailable(f"the launcher sent a malformed answer ({str(answer)[:200]})")
             if answer.get("final"):
                 return answer
-            log.info("swap to version %s accepted: %s", answer.get("version"),
-                     answer.get("message"))
+            if step:
+                log.info("swap to version %s: %s (%s)", answer.get("version"),
+                         answer.get("message"), answer.get("mode"))
+            else:
+                log.info("swap to version %s accepted: %s", answer.get("version"),
+                         answer.get("message"))
+            step = str(answer.get("message", ""))
+
+
+def _gone(step: str) -> str:
+    """Why there is no outcome when the launcher closed the connection, and whether the
+    ranks had begun to cut over (the launcher says "cutting over" when it asks them)."""
+    if step == control.CUTTING_OVER:
+        return ("the launcher closed the control connection after the ranks began to cut "
+                "over (it stopped?): they may hold the new weights, or some of them; no engine "
+                "serves them, and a new vlaunch run loads its --model: see the launcher's log")
+    return ("the launcher closed the control connection before the ranks began to cut over "
+            "(it stopped?): the old weights were never touched; see the launcher's log")

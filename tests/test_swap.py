@@ -130,7 +130,7 @@ def test_swap_both_modes_at_tp2_and_refusals_leave_a_serving(
     holder.kill()
     holder.wait()
     assert r.returncode == ExitStatus.SWAP_ROLLED_BACK, r.stderr + la.text()
-    assert f"still mapped by pid {holder.pid}" in r.stderr
+    assert f"still mapped by pid {holder.pid} (share)" in r.stderr  # the pid said once
     assert generate(la) == want["b"]  # never overwritten: B serves again, bit-exact
     # B -> A in place: staged on the host, copied into the served slabs
     fresh_port(la)
@@ -237,6 +237,42 @@ def test_a_new_engine_that_crashes_rolls_back_or_stops(
     r = swap(la, ckpts["b"], "--on-failure", "stop", "--attempts", "1")
     assert r.returncode == ExitStatus.SWAP_FAILED, r.stderr
     assert la.wait_exit() == ExitStatus.SWAP_FAILED
+
+
+HANG_ON_B = r"""
+import os, sys, time
+if os.environ["VLAUNCH_MODEL"].endswith("/b"):
+    time.sleep(600)  # never ready on the new checkpoint
+from vlaunch.cache.reference.engine import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_launcher_dying_mid_swap_says_whether_the_ranks_had_cut_over(
+        launch, ckpts: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
+    script = tmp_path / "engine.py"
+    script.write_text(HANG_ON_B)
+    for cut_over in (False, True):
+        la = launch(ckpts["a"], "--engine-ready", "notify", tp=1, engine=[
+            sys.executable, str(script), "--port-file", str(tmp_path / "port")])
+        snap = served(la)
+        rank = snap["ranks"]["0"]["pid"]
+        if not cut_over:
+            os.kill(rank, signal.SIGSTOP)  # the prepare is never answered
+        proc = swap_later(la, ckpts["b"], "--mode", "double")
+        la.wait_for(lambda s, c=cut_over: s["swap"]["state"] == ("starting" if c else
+                                                                  "preparing"))
+        la.proc.kill()
+        _, err = proc.communicate(timeout=60)
+        if not cut_over:
+            os.kill(rank, signal.SIGKILL)
+        assert proc.returncode == ExitStatus.SWAP_UNAVAILABLE, err
+        if cut_over:
+            assert "swap to version 1: cutting over (double)" in err, err
+            assert "after the ranks began to cut over (it stopped?): they may hold" in err
+        else:
+            assert "before the ranks began to cut over (it stopped?): the old weights" in err
+        la.wait_exit()
 
 
 @pytest.mark.slow

@@ -48,9 +48,14 @@ def manifest(shapes: dict[str, tuple[int, ...]], dtype: str = "BF16"):
 def test_the_new_shard_must_sit_where_the_served_one_does() -> None:
     served = manifest({"a": (4, 8), "b": (8,)})
     assert staging.manifest_difference(served, manifest({"a": (4, 8), "b": (8,)})) == ""
-    assert "tensor 'a' is BF16[4, 8]" in staging.manifest_difference(
-        served, manifest({"a": (4, 8), "b": (8,)}, "F16"))
-    assert "tensors in slabs" in staging.manifest_difference(served, manifest({"a": (4, 8)}))
+    assert "tensor 'a' is BF16[4, 8] in the served weights, F16[4, 8] in the new one" in \
+        staging.manifest_difference(served, manifest({"a": (4, 8), "b": (8,)}, "F16"))
+    assert "tensor 'b' (BF16[8]) is served, the new checkpoint has none" in \
+        staging.manifest_difference(served, manifest({"a": (4, 8)}))
+    assert "the new checkpoint has tensor 'c' (BF16[2])" in staging.manifest_difference(
+        served, manifest({"a": (4, 8), "b": (8,), "c": (2,)}))
+    assert "tensor 'a' is BF16[4, 8] in the served weights, BF16[5, 8]" in \
+        staging.manifest_difference(served, manifest({"a": (5, 8), "b": (8,)}))
 
 
 def test_config_keys_of_the_architecture_must_match(tmp_path: Path) -> None:

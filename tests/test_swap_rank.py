@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from vlaunch.cache.contract import protocol, wire
 from vlaunch.cache.contract.exitcodes import ExitStatus
@@ -126,6 +128,24 @@ def test_a_refused_prepare_names_the_difference(rank: Rank, tmp_path: Path) -> N
     answer = prepare(rank, c)
     assert answer["answer"] == "refused" and answer["status"] == ExitStatus.BAD_PLAN
     assert "cannot replace the weights rank 0 serves" in answer["message"]
+    # each refusal names the first tensor that differs, on both sides
+    vocab = make_checkpoint(tmp_path / "vocab", seed=2, **{**SHAPE, "vocab": 512})
+    assert "tensor 'model.embed_tokens.weight' is BF16[256, 64] in the served weights, " \
+           "BF16[512, 64] in the new one" in prepare(rank, vocab)["message"]
+    wide = make_checkpoint(tmp_path / "f32", seed=2, dtype=torch.float32, **SHAPE)
+    assert "is BF16[256, 64] in the served weights, F32[256, 64] in the new one" in \
+        prepare(rank, wide)["message"]
+    less = make_checkpoint(tmp_path / "less", seed=2, shards=1, **SHAPE)
+    shard, = less.glob("*.safetensors")
+    tensors = load_file(shard)
+    tensors.pop("model.norm.weight")
+    save_file(tensors, shard)
+    for index in less.glob("*.index.json"):
+        index.unlink()
+    answer = prepare(rank, less)
+    assert answer["status"] == ExitStatus.BAD_PLAN, answer
+    assert "tensor 'model.norm.weight' (BF16[64]) is served, the new checkpoint has none" in \
+        answer["message"]
     answer = prepare(rank, tmp_path / "a")
     assert answer["status"] == ExitStatus.SWAP_UNAVAILABLE and "nothing to swap" in \
         answer["message"]

@@ -22,6 +22,9 @@ MAX_BODY = 64 << 10
 """Largest control frame either way."""
 MODES = ("auto", "double", "in-place")
 ON_FAILURE = ("rollback", "stop")
+CUTTING_OVER = "cutting over"
+"""The progress answer's message once the launcher asks the ranks to cut over: from then on
+they may hold the new weights, should the launcher die."""
 REQUEST: dict[str, type] = {"op": str, "model": str, "mode": str, "on_failure": str,
                             "standby": bool, "margin": int, "lease_wait_ms": int,
                             "attempts": int, "ready_timeout_ms": int}

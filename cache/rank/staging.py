@@ -32,17 +32,32 @@ ARCHITECTURE = ("architectures", "model_type", "hidden_size", "intermediate_size
 
 
 def manifest_difference(served: Manifest, new: Manifest) -> str:
-    """The first way `new` does not sit where `served` does (names, dtypes, shapes, offsets,
-    slab sizes; checksums aside), in words; "" when it does."""
-    if new.slab_sizes != served.slab_sizes or len(new.tensors) != len(served.tensors):
-        return (f"its shard has {len(new.tensors)} tensors in slabs of {list(new.slab_sizes)[:4]} "
-                f"bytes, the served one {len(served.tensors)} in "
+    """The first way `new` does not sit where `served` does, in words, naming the first
+    tensor that differs (its name, dtype and shape on both sides): a tensor missing or added,
+    another dtype or shape; then strides, offsets and slab sizes (checksums aside). "" when
+    it does."""
+    theirs = {t.name: t for t in new.tensors}
+    for a in served.tensors:
+        b = theirs.get(a.name)
+        if b is None:
+            return (f"tensor {a.name!r} ({a.dtype}{list(a.shape)}) is served, the new "
+                    "checkpoint has none")
+        if (a.dtype, a.shape) != (b.dtype, b.shape):
+            return (f"tensor {a.name!r} is {a.dtype}{list(a.shape)} in the served weights, "
+                    f"{b.dtype}{list(b.shape)} in the new one")
+    ours = {t.name for t in served.tensors}
+    extra = next((b for b in new.tensors if b.name not in ours), None)
+    if extra is not None:
+        return (f"the new checkpoint has tensor {extra.name!r} ({extra.dtype}"
+                f"{list(extra.shape)}), the served weights have none")
+    for a in served.tensors:
+        b = theirs[a.name]
+        if (a.stride, a.slab, a.offset) != (b.stride, b.slab, b.offset):
+            return (f"tensor {a.name!r} sits at slab {a.slab} offset {a.offset} in the served "
+                    f"weights, at slab {b.slab} offset {b.offset} in the new ones")
+    if new.slab_sizes != served.slab_sizes:
+        return (f"its shard's slabs are {list(new.slab_sizes)[:4]} bytes, the served one's "
                 f"{list(served.slab_sizes)[:4]}")
-    for a, b in zip(served.tensors, new.tensors, strict=True):
-        if (a.name, a.dtype, a.shape, a.stride, a.slab, a.offset) != \
-                (b.name, b.dtype, b.shape, b.stride, b.slab, b.offset):
-            return (f"tensor {a.name!r} is {a.dtype}{list(a.shape)} in the served weights, the "
-                    f"new one has {b.name!r} {b.dtype}{list(b.shape)}")
     return ""
 
 

@@ -548,7 +548,7 @@ class RankSwap:
     def holders(self) -> list[str]:
         """What still maps, or reads, the served slabs (an in-place copy must wait)."""
         server = self.server
-        out = [f"pid {x.pid} ({x.client or 'a client'}, {x.mode})" for x in
+        out = [f"{x.who} ({x.mode}{_named(x.client, x.pid)})" for x in
                server.leases.values() if x.mode]
         if server.raw_readers:
             out.append(f"{server.raw_readers} read(s) of the slabs (vlaunch verify, a seed "
@@ -636,6 +636,11 @@ class RankSwap:
         from vlaunch.cache.rank.copies import RankCopier
 
         return RankCopier(self.backend, fds, manifest.slab_sizes)
+
+
+def _named(client: str, pid: int) -> str:
+    """", what the client calls itself" unless that is only its pid again."""
+    return "" if not client or client == f"pid {pid}" else f", {client[:64]}"
 
 
 def _dup(fd: int) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
+from vlaunch.cache.contract.control import CUTTING_OVER
 from vlaunch.cache.contract.exitcodes import ExitStatus
 
 from .events import (
@@ -177,9 +178,12 @@ class SwapDecisions(SupervisorState):
         if engine is not None and engine.state is EngineState.BACKOFF:  # no start mid-commit
             self._respawn_due = None
             self._engine = replace(engine, state=EngineState.EXITED)
+        # the requester hears it (not final): should the launcher die from now on, the
+        # ranks may hold the new weights (vlaunch swap says so)
         return [Log("INFO", f"swap to version {sw.target_version}: cutting over ({sw.mode})"),
                 SwapRanks("commit", sw.target_version, mode=sw.mode, policy=self._swap_policy),
-                self._swap_notify()]
+                SwapReply(self._swap_request, False, 0, CUTTING_OVER, sw.target_version,
+                          sw.mode), self._swap_notify()]
 
     def _swap_committed_all(self, now: float) -> list[Action]:
         """Every rank serves the new weights (double: the old engine still maps the old

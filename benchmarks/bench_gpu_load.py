@@ -190,6 +190,10 @@ else:
             collections.append((info["generation"], round((started[0] - t2) * 1e3, 3),
                                 round((time.perf_counter() - started[0]) * 1e3, 3)))
     gc.callbacks.append(on_gc)
+    from vlaunch.cache.client.connection import install_trace
+
+    steps: dict[str, float] = {}
+    install_trace(lambda step: steps.__setitem__(step, time.perf_counter()))
     out["gc"] = {"freeze_count": gc.get_freeze_count(), "counts": gc.get_count(),
                  "thresholds": gc.get_threshold()}
     t2 = time.perf_counter()
@@ -200,9 +204,8 @@ else:
     out["gc"]["collections"] = collections  # (generation, at ms, took ms)
     torch.cuda.synchronize(dev)
     t3 = time.perf_counter()
-    from vlaunch.cache.client.connection import TRACE
     out["steps_ms"] = {k: round((v - t2) * 1e3, 3) for k, v in
-                       [*TRACE.items(), ("returned", returned), ("synchronized", t3)]}
+                       [*steps.items(), ("returned", returned), ("synchronized", t3)]}
     out.update(package_import_s=t1 - t0, loader_import_s=t2 - t1, seconds=t3 - t2,
                total_s=t3 - t0, cuda_modules=sorted(m for m in sys.modules
                                                    if m.split(".")[0] == "cuda"))

@@ -597,8 +597,9 @@ def test_a_share_load_leaves_no_collection_due_and_an_engines_frozen_objects_fro
     collection due the moment it re-enables the collector, also where the interpreter froze
     a few objects of its own (Python 3.12: 375); objects an engine froze itself stay frozen,
     and the collector is on again afterwards."""
-    from vlaunch.cache.client.connection import TRACE
+    from vlaunch.cache.client.connection import install_trace
 
+    steps: dict[str, float] = {}
     engine_froze = frozen == "engine"
     if frozen == "interpreter":
         monkeypatch.setattr(gc, "get_freeze_count", lambda: 375)
@@ -616,12 +617,14 @@ def test_a_share_load_leaves_no_collection_due_and_an_engines_frozen_objects_fro
     thresholds = gc.get_threshold()
     gc.set_threshold(50, 10, 10)  # this small shard's handoff makes more objects than that
     gc.callbacks.append(count)
+    install_trace(lambda step: steps.__setitem__(step, time.perf_counter()))
     try:
         weights = load(str(llama_ckpt), socket_dir=str(one_cache.socket_dir), fallback=False,
                        device="cpu", plan="llama")
         returned = time.perf_counter()
         after = gc.get_count()
     finally:
+        install_trace(None)
         gc.callbacks.remove(count)
         gc.set_threshold(*thresholds)
     try:
@@ -635,6 +638,6 @@ def test_a_share_load_leaves_no_collection_due_and_an_engines_frozen_objects_fro
         assert not tracked  # still frozen
     else:
         # none from the end of the handoff (the collector off) to load()'s return
-        assert not [t for t in started if TRACE["done"] < t < returned]
+        assert not [t for t in started if steps["done"] < t < returned]
         assert after[0] < 50 and oldest
     weights.client.close()

@@ -76,7 +76,7 @@ def test_a_target_is_resolved_once_and_refuses_what_it_does_not_know(
 
 def test_every_component_defaults_to_one_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """vlaunch run, vlaunch cache, load() and the vLLM load format, outside vlaunch run."""
-    from vlaunch.cache.integrations.vllm_loader import LoaderOptions
+    from vlaunch.cache.integrations.kit import LoaderOptions
     from vlaunch.launcher.cli import run
 
     monkeypatch.delenv("VLAUNCH_PLAN", raising=False)

@@ -247,7 +247,7 @@ def test_the_launcher_refuses_a_proc_of_another_pid_namespace(tmp_path: Path) ->
 
 HOLDER = ("import os, subprocess, sys\n"
           "from vlaunch.cache.contract.standby import PROMOTE, standby_env\n"
-          "from vlaunch.cache.integrations.vllm_standby import PROMOTE_PIPE_ENV, "
+          "from vlaunch.cache.integrations.standby import PROMOTE_PIPE_ENV, "
           "export_promote_pipe\n"
           "r, w = os.pipe()\n"
           "env = {**os.environ, **standby_env(r)}\n"
@@ -258,7 +258,7 @@ HOLDER = ("import os, subprocess, sys\n"
           "os.close(w)\n"
           "sys.exit(worker.wait())\n")
 WORKER = ("import os, sys\n"
-          "from vlaunch.cache.integrations.vllm_standby import open_pipe\n"
+          "from vlaunch.cache.integrations.standby import open_pipe\n"
           "sys.stdout.write(os.read(open_pipe(), 64).decode())\n")
 
 

@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import eventually, free_port, spawn_cache
 from vlaunch.cache.contract.notify import parse_fields
 from vlaunch.cache.contract.standby import PARKED_FIELD, PROMOTE, standby_env
-from vlaunch.cache.integrations.vllm_standby import PROMOTE_PIPE_ENV, export_promote_pipe
+from vlaunch.cache.integrations.standby import PROMOTE_PIPE_ENV, export_promote_pipe
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = os.environ.get("VLAUNCH_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from vlaunch.cache.contract.standby import PROMOTE, standby_env
-from vlaunch.cache.integrations.vllm_standby import (
+from vlaunch.cache.integrations.standby import (
     PROMOTE_PIPE_ENV,
     PromotePipeError,
     export_promote_pipe,
@@ -20,7 +20,7 @@ from vlaunch.cache.integrations.vllm_standby import (
 
 # a worker started by spawn: opens the pipe it was told about, prints what the launcher wrote
 WORKER = ("import os, sys\n"
-          "from vlaunch.cache.integrations.vllm_standby import open_pipe\n"
+          "from vlaunch.cache.integrations.standby import open_pipe\n"
           "fd = open_pipe()\n"
           "sys.stdout.write(os.read(fd, 64).decode())\n")
 

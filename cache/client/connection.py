@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,10 +42,22 @@ SPIN_FOR_COPY = 0.1
 """Seconds an engine polls for the reply that its copy is done before it sleeps on it: more
 than a GPU rank's copy of the largest shard takes."""
 MANIFEST = columns.REQUEST
-TRACE: dict[str, float] = {}
-"""The last handoff's steps (time.perf_counter() at start, asked (every request sent: in share
-mode, the fingerprint computed), replies, imported, hello, copied, done; then load()'s handed,
-collector, weights and closed), for benchmarks."""
+
+
+def _untraced(step: str) -> None:
+    """No trace installed: nothing recorded."""
+
+
+trace: Callable[[str], None] = _untraced
+"""Called as each step of a handoff ends: start, asked (every request sent: in share mode, the
+fingerprint computed), replies, imported, viewed, hello, copied, done; then load()'s handed,
+collector, weights and closed. A benchmark installs a recorder (`install_trace`)."""
+
+
+def install_trace(callback: Callable[[str], None] | None) -> None:
+    """Call `callback(step)` at each step of the handoffs from now on; None: stop tracing."""
+    global trace
+    trace = callback or _untraced
 
 
 class CacheClient(Connection):
@@ -119,17 +130,16 @@ class CacheClient(Connection):
         mappings and copies are dropped before it is raised.
         """
         with self._lock, self._owing():
-            TRACE.clear()
-            TRACE["start"] = time.perf_counter()
+            trace("start")
             self._ask({"op": "open", "mode": mode})
             self._ask(MANIFEST)
             if mode == "share":
                 self._ask(self.hello_request(fingerprint()))
-            TRACE["asked"] = time.perf_counter()
+            trace("asked")
             _while_the_cache_answers(mode, device)
             orep, ofds = self._answer()
             opened, broken = _opened(orep, ofds, mode)
-            TRACE["replies"] = time.perf_counter()
+            trace("replies")
             own = _own(mode, opened)
             mapped: list[torch.Tensor] = []
             copies: list[torch.Tensor] = []
@@ -137,7 +147,7 @@ class CacheClient(Connection):
             try:
                 if opened is not None:  # our copies start as each slab is mapped
                     mapped = import_slabs(ofds, opened, device, copies if own else None)
-                TRACE["imported"] = time.perf_counter()
+                trace("imported")
                 mrep, mfds = self._answer()
                 if mode != "share":
                     self._ask(self.hello_request(fingerprint()))
@@ -154,19 +164,19 @@ class CacheClient(Connection):
                 # the views first: the replies below may still be on their way (the
                 # cache's copy into our slabs, when it makes one)
                 tensors = columns.views(manifest, copies if own else mapped)
-                TRACE["viewed"] = time.perf_counter()
+                trace("viewed")
                 self.checked(*self._answer())  # the hello
                 if opened.copying:
                     spin_until_readable(self._sock, SPIN_FOR_COPY)
                     self.checked(*self._answer())  # the cache's copy into our slabs is done
-                TRACE["hello"] = time.perf_counter()
+                trace("hello")
             except BaseException:
                 tensors.clear()
                 copies.clear()
                 mapped.clear()
                 raise
             held = list(mapped) if mode == "share" else []
-            TRACE["copied"] = time.perf_counter()
+            trace("copied")
             if own:
                 release_after_copies(mapped, device)
             else:  # our views hold the mappings: the cache's slabs, or our copy of them
@@ -174,7 +184,7 @@ class CacheClient(Connection):
             self._mapped(manifest, mode, held)
             # freed with the client (the weights hold it), not on the engine's start path
             self._received = (manifest, mrep)
-            TRACE["done"] = time.perf_counter()
+            trace("done")
         return tensors
 
     def _ask(self, message: dict[str, Any]) -> None:

@@ -56,7 +56,7 @@ class LayoutMissError(VlaunchError):
 def load_layout(target: Target, fields: Mapping[str, Any], *, mode: str = "share",
                 timeout: float = 0.0) -> Weights:
     """The engine layout with these fields from the rank's cache; the `copy` names private."""
-    from vlaunch.cache.client.weights import Weights
+    from vlaunch.cache.client.weights import Outcome, Weights
 
     if mode not in ("share", "copy"):
         raise ValueError(f"an engine layout is mapped in share or copy mode, not {mode!r}")
@@ -74,6 +74,7 @@ def load_layout(target: Target, fields: Mapping[str, Any], *, mode: str = "share
     weights = Weights(tensors)
     weights.source, weights.client, weights.bytes_outside = "cache", client, client.bytes_mapped
     weights.layout, weights.copied = el.layout_key(checked), frozenset(copy)
+    weights.outcome = Outcome.SERVED
     if mode != "share":  # a share lease lasts while the engine holds the mapped tensors
         client.close()
     return weights

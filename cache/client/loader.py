@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from vlaunch.cache.client.connection import TRACE, CacheClient
+from vlaunch.cache.client import connection
+from vlaunch.cache.client.connection import CacheClient
 from vlaunch.cache.client.rewrites import check_rewrites
-from vlaunch.cache.client.weights import Weights
+from vlaunch.cache.client.weights import Outcome, Weights
 from vlaunch.cache.contract.errors import (
     CacheBrokenError,
     CacheUnavailableError,
@@ -90,7 +90,19 @@ def load(target: Target | str | None = None, *, mode: str = "share", fallback: b
                     target.rank, kind, exc)
         weights = load_from_disk(target)
         weights.reason, weights.layout_miss = f"{kind}: {exc}", miss
+        weights.outcome = outcome_of(exc)
         return weights
+
+
+def outcome_of(exc: CacheUnavailableError | FingerprintMismatchError | CacheBrokenError
+               ) -> Outcome:
+    """What the rank answered, from the error its reply was raised as (its code, not text)."""
+    if isinstance(exc, FingerprintMismatchError):
+        return Outcome.MISMATCH
+    if isinstance(exc, CacheUnavailableError):
+        return Outcome.BUSY if exc.code == "busy" else Outcome.UNAVAILABLE
+    return {"released": Outcome.RELEASED, "changed": Outcome.CHANGED}.get(exc.code,
+                                                                          Outcome.BROKEN)
 
 
 def cached_nbytes(target: Target | str | None = None, **given: Unpack[TargetArgs]) -> int:
@@ -118,17 +130,18 @@ def _from_cache(target: Target, mode: str, timeout: float) -> Weights:
     try:
         with collector.paused():  # a collection pass would cost more than the handoff
             tensors = client.handoff(target.fingerprint, mode=mode, device=target.device)
-            TRACE["handed"] = time.perf_counter()
+            connection.trace("handed")
     except BaseException:
         client.close()
         raise
-    TRACE["collector"] = time.perf_counter()
+    connection.trace("collector")
     weights = Weights(tensors)
-    TRACE["weights"] = time.perf_counter()
+    connection.trace("weights")
     weights.source, weights.client, weights.bytes_outside = "cache", client, client.bytes_mapped
+    weights.outcome = Outcome.SERVED
     if mode != "share":  # a share lease ends when the engine drops the last mapped tensor
         client.close()
-    TRACE["closed"] = time.perf_counter()
+    connection.trace("closed")
     return weights
 
 

@@ -116,12 +116,13 @@ class Connection:
         if reply.get("ok") is True:
             return reply, fds
         wire.close_fds(fds)
-        if reply.get("error") == "busy":  # at its connection bound: like no cache at all
-            raise CacheUnavailableError(f"cache at {self.path}: {reply.get('message')}")
-        if reply.get("error") == "mismatch":
+        code = reply.get("error")
+        if code == "busy":  # at its connection bound, or swapping: like no cache at all
+            raise CacheUnavailableError(f"cache at {self.path}: {reply.get('message')}", code)
+        if code == "mismatch":
             raise FingerprintMismatchError([tuple(m) for m in reply.get("mismatch", [])])
-        raise CacheBrokenError(f"cache at {self.path} answered {reply.get('error')}: "
-                               f"{reply.get('message')}")
+        raise CacheBrokenError(f"cache at {self.path} answered {code}: {reply.get('message')}",
+                               code if isinstance(code, str) else "")
 
     def status(self) -> dict[str, Any]:
         """The cache's status snapshot."""

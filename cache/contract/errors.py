@@ -86,11 +86,21 @@ class ProtocolError(VlaunchError):
 
 
 class CacheUnavailableError(VlaunchError):
-    """No cache answered on the rank's socket in time."""
+    """No cache answered on the rank's socket in time; `code` is "busy" when it answered
+    that it serves no more clients now."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class CacheBrokenError(VlaunchError):
-    """The cache answered, but with an error or with data that failed validation."""
+    """The cache answered, but with an error or with data that failed validation; `code` is
+    the error the rank sent ("released", "changed", ...), empty for data that failed."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class FingerprintMismatchError(VlaunchError):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.client.loader import load
 from vlaunch.cache.contract.errors import UsageError
-from vlaunch.cache.integrations.meta import parameters_on_meta
+from vlaunch.cache.integrations import kit
 from vlaunch.cache.store.target import Target
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def load_hf_model(target: Target | str, *, model_class: Any = None, mode: str = 
     model_dir = target.model if isinstance(target, Target) else target
     config = config or transformers.AutoConfig.from_pretrained(model_dir)
     model_class = model_class or transformers.AutoModelForCausalLM
-    with parameters_on_meta():
+    with kit.parameters_on_meta():
         model = model_class.from_config(config)
     weights = load(target, mode=mode, **load_kwargs)
     assign(model, weights, read_only=mode == "share" and weights.source == "cache")
@@ -67,10 +67,10 @@ def assign(model: torch.nn.Module, tensors: dict[str, torch.Tensor], *,
             raise HFModelError(f"cached tensor {name} has shape {tuple(tensor.shape)} but the "
                                f"model expects {tuple(params[name].shape)}; check that the "
                                "cache serves this model with a tensor-parallel size of 1")
-    model.load_state_dict(tensors, strict=False, assign=True)
+    kit.assign(model, tensors, same_dtype=False)  # the tensors keep the checkpoint's dtype
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    missing = kit.unfilled(model)
     if missing:
         raise HFModelError(f"no cached tensor for {', '.join(missing[:5])}; check that the "
                            "checkpoint has every weight of the model")

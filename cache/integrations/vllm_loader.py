@@ -1,55 +1,34 @@
 """vLLM's `--load-format vlaunch`: each worker rank takes its weights from its vlaunch cache.
 
 Registered through the `vllm.general_plugins` entry point (`pip install 'vlaunch[vllm]'`), so
-it is present in every vLLM process. Each rank builds the model with its parameters on the meta
-device and asks its cache (`vlaunch.cache.load`) for the checkpoint's tensors:
+it is present in every vLLM process. What is not vLLM's is the integration kit's (kit.py,
+docs/add-an-engine.md). A rank builds the model on meta; a parameter equal in name, shape and
+dtype to a cached tensor, in a layer whose post-load processing only reads it (vLLM's
+unquantized linear and embedding methods), *is* that tensor (share mode: the cache's
+read-only mapping); the model's `load_weights` fills the rest (fused qkv_proj and
+gate_up_proj, padding, casts, slices, quantized layers); `process_weights_after_loading`
+then replaces some weights (on CPU it repacks every linear weight) but never writes into
+mapped ones.
 
-- a parameter whose name, shape and dtype equal a cached tensor's, in a layer whose
-  post-load processing only reads it (no quantization method, or vLLM's unquantized linear
-  and embedding methods), *is* the cached tensor: in share mode the cache's read-only mapping
-  (no copy), in the copy modes the engine's own copy;
-- every other parameter (the fused qkv_proj and gate_up_proj, vocabulary padding, a tensor
-  cast to another dtype, tensor-parallel slices, quantized layers) is allocated by vLLM and
-  filled by the model's own `load_weights` from the cached tensors, as from a checkpoint;
-
-then the model finishes its post-load processing (`process_weights_after_loading`), which
-replaces some weights with new tensors (on CPU, every linear weight is repacked for oneDNN)
-but never writes into the mapped ones.
-
-Engine layout (docs/engine-layout.md; `engine_layout`, on by default in share mode): once its
-`load_weights` ran, a rank hands its parameters back to its cache, in vLLM's own per-rank
-layout (fused, sliced, padded, quantized as loaded), and the cache drops its raw layout.
-Later starts map that layout: no checkpoint, no `load_weights`, only the post-load
-processing; every parameter is then the cache's mapping except those of layers whose
-post-load processing may write into them (quantized layers), which are copied. At
-tensor-parallel size > 1 `load_weights` needs whole tensors: with the default sliced plan
-(`llama`) a rank without its engine layout reads the checkpoint with vLLM's own loader
-instead, hands back, and from then on its cache holds 1/N of the model; with `--plan
-replicate` it loads from the cache's whole tensors.
-
-The engine layout's fields include the attention backend vLLM's selector picks. With EPLB
-(`--enable-eplb`, experts rewritten in place) share mode is refused before anything is mapped;
-on a GPU, mapped weights beyond `--gpu-memory-utilization` of the device refuse the start.
-
-A standby engine (`vlaunch run --standby`, docs/standby.md) parks in `load_model` once its
-weights are mapped, before the post-load processing (vllm_standby.py).
-
-Options come from `--model-loader-extra-config` (JSON): mode, fallback, timeout, socket_dir,
-plan, kernel_backends, loader; the rest from the environment `vlaunch run` sets.
+Engine layout (docs/engine-layout.md; on by default in share mode): after the first
+`load_weights` a rank hands its parameters back in vLLM's per-rank layout; later starts map
+it, quantized layers as copies. Its fields include the attention backend vLLM's selector
+picks. At TP > 1 with a sliced plan, a rank without its engine layout reads the checkpoint
+with vLLM's own loader, then hands back. `--enable-eplb` refuses share mode; on a GPU, mapped
+weights beyond `--gpu-memory-utilization` refuse the start. A standby parks in `load_model`
+once its weights are mapped (standby.py). Options: `--model-loader-extra-config` (JSON,
+kit.LoaderOptions); the rest from the environment `vlaunch run` sets.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from vlaunch.cache.contract.errors import UsageError
-from vlaunch.cache.contract.protocol import MODES
 from vlaunch.cache.contract.roles import DRAFT, TARGET
 from vlaunch.cache.contract.standby import is_standby, parks_before_weights
+from vlaunch.cache.integrations import kit
 from vlaunch.cache.store.target import Target
 
 if TYPE_CHECKING:
@@ -64,47 +43,11 @@ LOAD_FORMAT = "vlaunch"
 _READ_ONLY_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 
 
-class VllmLoaderError(UsageError):
-    """The vlaunch load format is misconfigured for this vLLM engine."""
-
-
-@dataclass(frozen=True)
-class LoaderOptions:
-    """The `--model-loader-extra-config` keys the vlaunch load format takes."""
-
-    mode: str = "share"
-    fallback: bool = True
-    timeout: float = 60.0
-    socket_dir: str = ""
-    plan: str = ""  # default: the plan vlaunch run names (EngineEnv), else DEFAULT_PLAN
-    kernel_backends: str = ""
-    loader: str = "vlaunch"
-    engine_layout: bool = True
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise VllmLoaderError(f"vlaunch load format: mode must be one of "
-                                  f"{', '.join(MODES)}, not {self.mode!r}")
-
-    @classmethod
-    def from_extra(cls, extra: Any) -> LoaderOptions:
-        """Options from vLLM's model_loader_extra_config (a dict or a JSON string)."""
-        if isinstance(extra, str):
-            extra = json.loads(extra) if extra.strip() else {}
-        extra = dict(extra or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise VllmLoaderError(f"vlaunch load format: unknown model_loader_extra_config "
-                                  f"keys {unknown}; use {sorted(known)}")
-        return cls(**extra)
-
-
 def register() -> None:
     """The `vllm.general_plugins` entry point: add the `vlaunch` load format."""
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER, register_model_loader
 
-    from vlaunch.cache.integrations.vllm_standby import export_promote_pipe
+    from vlaunch.cache.integrations.standby import export_promote_pipe
 
     export_promote_pipe()  # a standby: name the promote pipe before vLLM starts its children
     from vlaunch.cache.integrations.vllm_serve import install
@@ -123,7 +66,7 @@ def _loader_class() -> type:
 
         def __init__(self, load_config: Any) -> None:
             super().__init__(load_config)
-            self.options = LoaderOptions.from_extra(load_config.model_loader_extra_config)
+            self.options = kit.LoaderOptions.from_extra(load_config.model_loader_extra_config)
 
         def download_model(self, model_config: Any) -> None:
             """Nothing to download: the checkpoint is a local directory the cache read."""
@@ -134,9 +77,12 @@ def _loader_class() -> type:
 
         def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
             """Fill an already built model from the cache (vLLM's reload path): copies."""
-            config = get_vllm_config()
+            from vllm.config import get_current_vllm_config
+
+            config = get_current_vllm_config()
             target = vllm_target(config, model_config, self.options)
-            _fill(model, _cached(target, self.options, config, None), {}, model_config)
+            kit.fill(model, _fetch(target, self.options, config, None), {},
+                     complete=getattr(model_config, "quantization", None) is None)
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> Any:
             """Build on meta, take the cache's tensors, let the model finish its loading."""
@@ -145,44 +91,35 @@ def _loader_class() -> type:
     return VlaunchModelLoader
 
 
-def vllm_target(vllm_config: Any, model_config: Any, options: LoaderOptions) -> Target:
-    """What this vLLM worker wants of its cache: its rank and sizes from vLLM's parallel
-    config, its device, the load format's options, the rest from vlaunch run's environment;
-    a speculative draft model's load asks the draft group (its plan: VLAUNCH_DRAFT_PLAN)."""
+def vllm_target(vllm_config: Any, model_config: Any, options: kit.LoaderOptions) -> Target:
+    """What this vLLM worker wants of its cache: where vLLM's parallel config puts it, its
+    device, the load format's options; a speculative draft model's load asks the draft group
+    (its plan: VLAUNCH_DRAFT_PLAN)."""
     import torch
     from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 
     par = vllm_config.parallel_config
-    tp, pp, dp = par.tensor_parallel_size, par.pipeline_parallel_size, par.data_parallel_size
-    dp_rank = par.data_parallel_rank if dp > 1 else 0
-    rank = (dp_rank * pp + get_pp_group().rank_in_group) * tp + get_tensor_model_parallel_rank()
+    dp = par.data_parallel_size
+    position = kit.Position(par.tensor_parallel_size, get_tensor_model_parallel_rank(),
+                            par.pipeline_parallel_size, get_pp_group().rank_in_group,
+                            dp, par.data_parallel_rank if dp > 1 else 0)
     device = str(vllm_config.device_config.device)
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
-    role = draft_role(vllm_config, model_config)
-    return Target.resolve(model_config.model, rank=rank, tensor_parallel_size=tp,
-                          pipeline_parallel_size=pp, data_parallel_size=dp,
-                          socket_dir=options.socket_dir or None, device=device,
-                          plan=(options.plan or None) if role == TARGET else None,
-                          kernel_backends=options.kernel_backends or None,
-                          loader=options.loader, role=role)
+    return kit.engine_target(model_config.model, position, device, options,
+                             draft_role(vllm_config, model_config))
 
 
-def external_bytes(vllm_config: Any, options: LoaderOptions) -> int:
-    """Bytes the rank will map from its cache in share mode (its engine layout's, else the
-    raw layout's); refuses a start whose mapped weights exceed the GPU memory budget."""
+def external_bytes(vllm_config: Any, options: kit.LoaderOptions) -> int:
+    """Bytes the rank will map from its cache in share mode; refuses a start whose mapped
+    weights exceed --gpu-memory-utilization of the device."""
     if options.mode != "share":
         return 0
-    from vlaunch.cache.client.layout import layout_nbytes
-    from vlaunch.cache.client.loader import cached_nbytes
-
     target = vllm_target(vllm_config, vllm_config.model_config, options)
-    held = 0
-    if options.engine_layout:  # the engine layout, when the rank holds it
-        held = layout_nbytes(target, layout_fields(vllm_config, vllm_config.model_config))
-    held = held or cached_nbytes(target)
-    _check_budget(held, vllm_config, target.device)
-    return held
+    fields = layout_fields(vllm_config, vllm_config.model_config) if options.engine_layout \
+        else None
+    return kit.external_bytes(target, options, fields,
+                              vllm_config.cache_config.gpu_memory_utilization)
 
 
 def load_model(loader: Any, vllm_config: Any, model_config: Any, prefix: str) -> Any:
@@ -192,74 +129,66 @@ def load_model(loader: Any, vllm_config: Any, model_config: Any, prefix: str) ->
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from vlaunch.cache.integrations.meta import parameters_on_meta
-
     start = time.perf_counter()
     options = loader.options
     device = torch.device(vllm_config.load_config.device or vllm_config.device_config.device)
     target = vllm_target(vllm_config, model_config, options)
-    fields = (layout_fields(vllm_config, model_config) if options.engine_layout
-              and options.mode in ("share", "copy") and target.role != DRAFT else None)
+    fields = layout_fields(vllm_config, model_config) if options.layout(target.role) else None
     early = parks_before_weights()  # an in-place swap's standby (docs/swap.md)
     if early:  # devices and groups up, no weight mapped: park before the cache's
-        from vlaunch.cache.integrations.vllm_standby import park
-
-        start += park(options.mode)
-    weights = _cached(target, options, vllm_config, fields)
+        start += _park(options.mode)
+    weights = _fetch(target, options, vllm_config, fields)
     with set_default_torch_dtype(model_config.dtype):
-        with device, parameters_on_meta():
+        with device, kit.parameters_on_meta():
             model = loader.create_model(vllm_config=vllm_config, model_config=model_config,
                                         prefix=prefix)
         if weights.layout:  # vLLM's own per-rank parameters: no load_weights
-            _adopt_layout(model, weights)
+            kit.adopt(model, weights)
             assigned = dict(weights)
         else:
             assigned = _fill_raw(loader, model, weights, model_config, device, target)
-            if fields is not None and options.mode == "share" and (
-                    weights.source == "cache" or "released" in weights.reason):
-                weights = _hand_back(model, fields, target) or weights
+            if kit.may_hand_back(weights, options, fields):
+                weights = kit.hand_back_model(model, fields, target, _rewritten, log) or weights
         if is_standby() and not early:  # weights mapped, nothing exclusive taken: park here
-            from vlaunch.cache.integrations.vllm_standby import park
-
-            start += park(options.mode)  # the log line times the load only
+            start += _park(options.mode)  # the log line times the load only
         process_weights_after_loading(model, model_config, device)
-    _log_loaded(target, weights, assigned, time.perf_counter() - start)
+    kit.log_loaded(log, target, weights, assigned, time.perf_counter() - start, "vLLM")
     return model.eval()
 
 
-def _log_loaded(target: Target, weights: Weights, assigned: dict[str, Any], seconds: float
-                ) -> None:
-    if weights.layout:
-        log.info("vlaunch load format: rank %d: engine layout %s: %d parameters shared, %d "
-                 "copied (%s), in %.3f s", target.rank, weights.layout,
-                 len(weights) - len(weights.copied), len(weights.copied),
-                 ", ".join(sorted(weights.copied)[:8]) or "none", seconds)
-    else:
-        log.info("vlaunch load format: %d of %d tensors mapped from the %s, the rest loaded by "
-                 "vLLM, in %.3f s", len(assigned), len(weights), weights.source, seconds)
+def _park(mode: str) -> float:
+    """Park this standby's ranks (vLLM's world group) until promoted; the seconds parked."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    return kit.park(get_world_group(), mode, log)
 
 
 def _fill_raw(loader: Any, model: Any, weights: Weights, model_config: Any, device: Any,
               target: Target) -> dict[str, Any]:
     """Fill the model from the raw layout (whole tensors) or, sliced, the checkpoint."""
+    complete = getattr(model_config, "quantization", None) is None
     whole = target.position.tp_size == 1 or target.plan == "replicate"
     if not whole and weights.source == "cache":  # sliced: vLLM slices from the files
-        _fill(model, _disk_weights(loader.load_config, model_config, model), {}, model_config,
-              device)
+        kit.fill(model, _disk_weights(loader.load_config, model_config, model), {}, device,
+                 complete=complete)
         return {}
     share = loader.options.mode == "share" and weights.source == "cache"
-    assigned = _assign(model, weights) if share else {}
-    _fill(model, weights, assigned, model_config, device)
+    assigned = kit.assign(model, weights, _rewritten) if share else {}
+    kit.fill(model, weights, assigned, device, complete=complete)
     return assigned
 
 
-def _cached(target: Target, options: LoaderOptions, vllm_config: Any, layout: Any) -> Weights:
-    """The rank's weights from its cache (or, with fallback, from disk)."""
-    from vlaunch.cache.client.loader import load
-
+def _fetch(target: Target, options: kit.LoaderOptions, vllm_config: Any,
+           fields: dict[str, str] | None) -> Weights:
+    """The rank's weights from its cache (or, with fallback, from disk); EPLB rewrites them."""
     eplb = getattr(vllm_config.parallel_config, "enable_eplb", False)
-    return load(target, mode=options.mode, fallback=options.fallback, timeout=options.timeout,
-                layout=layout, rewrites="EPLB" if eplb else None)
+    return kit.fetch(target, options, fields, rewrites="EPLB" if eplb else None)
+
+
+def _rewritten(module: torch.nn.Module) -> bool:
+    """True for a layer whose post-load processing may write into its parameters."""
+    method = getattr(module, "quant_method", None)
+    return method is not None and type(method).__name__ not in _READ_ONLY_METHODS
 
 
 def draft_role(vllm_config: Any, model_config: Any) -> str:
@@ -268,17 +197,9 @@ def draft_role(vllm_config: Any, model_config: Any) -> str:
     spec = getattr(vllm_config, "speculative_config", None)
     draft = getattr(spec, "draft_model_config", None)
     if draft is None or model_config is vllm_config.model_config:
-        return "target"
+        return TARGET
     same = getattr(draft, "model", None) == getattr(model_config, "model", None)
-    return "draft" if same and model_config.model != vllm_config.model_config.model \
-        else "target"
-
-
-def get_vllm_config() -> Any:
-    """The vLLM config of the running engine."""
-    from vllm.config import get_current_vllm_config
-
-    return get_current_vllm_config()
+    return DRAFT if same and model_config.model != vllm_config.model_config.model else TARGET
 
 
 def layout_fields(vllm_config: Any, model_config: Any) -> dict[str, str]:
@@ -316,68 +237,6 @@ def attention_backend(vllm_config: Any, model_config: Any) -> str:
     return str(backend.get_name())
 
 
-def _check_budget(nbytes: int, vllm_config: Any, device: str) -> None:
-    """Refuse to start when the mapped weights alone exceed the GPU memory budget."""
-    if not nbytes or not device.startswith("cuda"):
-        return  # vLLM's CPU budget is VLLM_CPU_KVCACHE_SPACE, not a share of device memory
-    import torch
-
-    from vlaunch.cache.client.budget import check_external_weights
-
-    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-    check_external_weights(nbytes, total, vllm_config.cache_config.gpu_memory_utilization,
-                           device)
-
-
-def _adopt_layout(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Make each parameter its tensor of the engine layout (shape and dtype must match)."""
-    from vlaunch.cache.integrations.meta import set_data
-
-    params = dict(model.named_parameters())
-    if params.keys() != weights.keys():
-        missing = sorted(params.keys() - weights.keys())[:5]
-        raise VllmLoaderError(f"vlaunch load format: the engine layout does not fit this model "
-                              f"(missing {missing}); bump engine_version or restart the caches")
-    for name, param in params.items():
-        t = weights[name]
-        if t.shape != param.shape or t.dtype != param.dtype:
-            raise VllmLoaderError(f"vlaunch load format: engine layout tensor {name} is "
-                                  f"{t.dtype} {list(t.shape)}, the model wants {param.dtype} "
-                                  f"{list(param.shape)}; restart the caches")
-        set_data(param, t)
-
-
-def _hand_back(model: torch.nn.Module, fields: dict[str, str], target: Target) -> Any:
-    """Hand the loaded parameters back as the rank's engine layout and rebind them to it;
-    None (with a warning) when the cache refuses."""
-    from vlaunch.cache.client.layout import hand_back, release_cached
-    from vlaunch.cache.contract.errors import VlaunchError
-    from vlaunch.cache.integrations.meta import set_data
-
-    params = dict(model.named_parameters())
-    copy = [name for name in params if _rewritten(model, name)]
-    try:
-        back = hand_back({n: p.data for n, p in params.items()}, target, fields=fields,
-                         copy=copy)
-    except (VlaunchError, ValueError) as exc:
-        log.warning("vlaunch load format: could not hand the engine layout back to the cache "
-                    "(%s); vLLM keeps its own copy", exc)
-        return None
-    for name, param in params.items():
-        set_data(param, back[name])
-    # vLLM's own copies went with the dict handed back; on CUDA give their memory back to the
-    # driver before the post-load processing allocates (one copy, docs/engine-layout.md)
-    release_cached(target.device)
-    return back
-
-
-def _rewritten(model: torch.nn.Module, name: str) -> bool:
-    """True for a parameter of a layer whose post-load processing may write into it."""
-    module = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-    method = getattr(module, "quant_method", None)
-    return method is not None and type(method).__name__ not in _READ_ONLY_METHODS
-
-
 def _disk_weights(load_config: Any, model_config: Any, model: Any) -> dict[str, Any]:
     """The checkpoint's whole tensors through vLLM's default loader (a sliced raw layout
     cannot feed vLLM's weight loaders)."""
@@ -389,43 +248,3 @@ def _disk_weights(load_config: Any, model_config: Any, model: Any) -> dict[str, 
     plain.load_format, plain.model_loader_extra_config = "safetensors", {}
     source = DefaultModelLoader(plain)
     return dict(source.get_all_weights(model_config, model))
-
-
-def _assign(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Make each cached tensor that fits a read-only-processed parameter that parameter."""
-    from vlaunch.cache.integrations.meta import set_data
-
-    assigned = {}
-    for module_name, module in model.named_modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None and type(method).__name__ not in _READ_ONLY_METHODS:
-            continue
-        for name, param in module.named_parameters(recurse=False):
-            full = f"{module_name}.{name}" if module_name else name
-            tensor = weights.get(full)
-            if (tensor is not None and param.is_meta and tensor.shape == param.shape
-                    and tensor.dtype == param.dtype):
-                set_data(param, tensor)
-                assigned[full] = tensor
-    return assigned
-
-
-def _fill(model: torch.nn.Module, weights: dict[str, torch.Tensor],
-          assigned: dict[str, torch.Tensor], model_config: Any,
-          target: torch.device | None = None) -> None:
-    """Allocate the other parameters and let the model's load_weights fill them."""
-    import torch
-
-    from vlaunch.cache.integrations.meta import set_data
-
-    for param in model.parameters():
-        if param.is_meta:
-            set_data(param, torch.empty(param.shape, dtype=param.dtype, device=target))
-    expected = {name for name, _ in model.named_parameters()} - set(assigned)
-    loaded = model.load_weights((n, t) for n, t in weights.items() if n not in assigned)
-    if loaded is not None and getattr(model_config, "quantization", None) is None:
-        missing = sorted(expected - set(loaded))
-        if missing:
-            raise VllmLoaderError(f"vlaunch load format: the cache has no tensor for "
-                                  f"{', '.join(missing[:5])}; check that the cache serves "
-                                  "this checkpoint with whole tensors")

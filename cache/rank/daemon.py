@@ -198,7 +198,9 @@ class CacheServer:
         if f.get("layout"):
             return self._layout_request(op, self.leases[cid], f)
         if self.raw_released and op in ("hello", "manifest", "open"):
-            return protocol.error("released", self._raw_released_message()), []
+            changed = self.integrity is not None and bool(self.integrity.changed)
+            return protocol.error("changed" if changed else "released",
+                                  self._raw_released_message()), []
         return getattr(self, f"handle_{op}")(self.leases[cid], f)
 
     def _raw_released_message(self) -> str:

@@ -7,13 +7,12 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-# imported with this module (before the engine times its load), not inside load_weights
-from vlaunch.cache.client.layout import hand_back, release_cached
-from vlaunch.cache.client.loader import load
-from vlaunch.cache.contract.errors import VlaunchError
+# the kit imports the client with this module (before the engine times its load)
+from vlaunch.cache.integrations import kit
 from vlaunch.cache.reference.config import ModelConfig
 from vlaunch.cache.reference.layout import engine_layout, layout_fields
 from vlaunch.cache.reference.options import EngineOptions
+from vlaunch.cache.store.target import Target
 
 if TYPE_CHECKING:
     import torch
@@ -31,30 +30,23 @@ class Loaded:
 
 
 def load_weights(opts: EngineOptions, rank: int, device: str, cfg: ModelConfig) -> Loaded:
-    """Map the engine layout; else load the raw shard, fuse and pad it, and hand it back."""
-    fields = layout_fields(cfg, "as-checkpoint")
-    use_layout = opts.engine_layout and opts.mode in ("share", "copy")
-    where = {"rank": rank, "tensor_parallel_size": opts.tp_size, "device": device,
-             "socket_dir": opts.socket_dir or None}
-    weights = load(opts.model, mode=opts.mode, fallback=opts.fallback, timeout=opts.timeout,
-                   layout=fields if use_layout else None, **where)
+    """Map the engine layout; else load the raw shard, fuse and pad it, and hand it back (the
+    integration kit's steps, docs/add-an-engine.md)."""
+    options = kit.LoaderOptions(mode=opts.mode, fallback=opts.fallback, timeout=opts.timeout,
+                                socket_dir=opts.socket_dir, engine_layout=opts.engine_layout)
+    fields = layout_fields(cfg, "as-checkpoint") if options.layout() else None
+    target = Target.resolve(opts.model, rank=rank, tensor_parallel_size=opts.tp_size,
+                            device=device, socket_dir=opts.socket_dir or None)
+    weights = kit.fetch(target, options, fields)
     if weights.layout:
         return Loaded(dict(weights), weights.source, "engine")
     params = engine_layout(weights, cfg, opts.tp_size)  # the post-processing, once
-    cached = weights.source == "cache" or "released" in weights.reason
-    if not (use_layout and opts.mode == "share" and cached):
-        return Loaded(params, weights.source, "own")
     source = weights.source
-    del weights  # the raw mapping goes with the last view of it
-    try:
-        back = hand_back(params, model=opts.model, fields=fields, **where)
-    except (VlaunchError, ValueError) as exc:
-        log.warning("rank %d: could not hand the engine layout back to the cache (%s); "
-                    "serving from the engine's own copy", rank, exc)
+    if fields is None or not kit.may_hand_back(weights, options, fields):
         return Loaded(params, source, "own")
-    # one copy: the engine's fused, padded tensors go, and on CUDA torch's allocator gives
-    # their memory back instead of keeping it reserved (docs/engine-layout.md)
-    params.clear()
-    del params
-    release_cached(device)
+    del weights  # the raw mapping goes with the last view of it
+    # one copy: the engine's fused, padded tensors go once the cache holds them
+    back = kit.hand_back_tensors(params, fields, target, logger=log)
+    if back is None:
+        return Loaded(params, source, "own")
     return Loaded(dict(back), source, "handed-back")

@@ -164,6 +164,15 @@ def _opt(name: str, env: str, **kw: Any) -> Callable[[F], F]:
       type=click.FloatRange(0.1),
       help="Seconds a standby engine may take to park; past it standbys are given up (a "
            "warning) and restarts are ordinary.")
+@_opt("--listen", "LISTEN", multiple=True, default=(),
+      help="Bind the engine's socket here, before any rank starts, and hand it to every "
+           "engine and standby by socket activation (LISTEN_FDS, fds from 3), so that clients "
+           "wait in the backlog while engines change: [NAME=]HOST:PORT, [NAME=][IPV6]:PORT or "
+           "[NAME=]unix:PATH; repeatable (NAME: LISTEN_FDNAMES, default http). Under systemd's "
+           "vlaunch@.socket its sockets are taken instead.")
+@_opt("--drain-timeout", "DRAIN_TIMEOUT", default=None, type=click.FloatRange(0),
+      help="Seconds an engine replaced on purpose (a swap, SIGHUP, a standby taking over) has "
+           "to finish its requests after its SIGTERM, before SIGKILL [default: --stop-timeout].")
 @_opt("--stop-on-engine-success", "STOP_ON_ENGINE_SUCCESS", is_flag=True, default=False,
       help="An engine that exits 0 ends the launcher with 0 instead of being restarted.")
 @_opt("--kernel-backends", "KERNEL_BACKENDS", default="",
@@ -216,11 +225,13 @@ def run(engine: tuple[str, ...], **options: Any) -> None:
 def _supervise(spec: Any) -> int:
     """Run the launcher in its socket directory; every failure becomes its exit status."""
     from .executor import run as run_executor
+    from .listen import open_listeners
     from .preflight import owned_socket_dir
 
     try:
+        listeners = open_listeners(spec.listen) if spec.engine else None  # before any rank
         with owned_socket_dir(spec.socket_dir, spec.ranks, spec.health_host, spec.health_port):
-            return run_executor(spec)
+            return run_executor(spec, listeners)
     except VlaunchError as exc:
         log.error("%s", exc)
         return int(exc.status)

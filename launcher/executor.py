@@ -35,6 +35,8 @@ from .core import events
 from .escrow import Escrow
 from .health import HealthServer
 from .hooks import Child, OsHooks, ProcessHooks
+from .keeper import NAMES_ENV, PASS_ENV
+from .listen import Listeners
 from .memory import MEMORY_EVERY, Key, MemorySampler
 from .notify import EngineNotifySocket, Notifier
 from .probes import HttpProbe
@@ -65,8 +67,10 @@ class Executor:
     """Runs a `RunSpec` until the core says exit; returns the exit status."""
 
     def __init__(self, spec: RunSpec, env: Mapping[str, str] | None = None,
-                 hooks: ProcessHooks | None = None) -> None:
+                 hooks: ProcessHooks | None = None, listeners: Listeners | None = None) -> None:
         self.spec = spec
+        self.listeners = listeners  # the engine's sockets (--listen): every engine gets them
+        self.draining: dict[int, _Running] = {}  # engines retired for their standby, by pid
         self.env = dict(os.environ if env is None else env)
         self.hooks: ProcessHooks = hooks or OsHooks()
         assert spec.supervisor is not None
@@ -99,6 +103,7 @@ class Executor:
             events.Log: self._log, events.Exit: self._exit,
             events.SpawnStandby: self._spawn_standby, events.PromoteStandby: self._promote_standby,
             events.SwapRanks: self.swapper.send, events.SwapReply: self.swapper.reply,
+            events.RetireEngine: self._retire_engine, events.SignalDraining: self._signal_draining,
         }
         self._channel_handlers: dict[str, Callable[[int, dict[str, Any], list[int]], None]] = {
             "ready": self._rank_ready, "layout": self._rank_layout,
@@ -171,6 +176,21 @@ class Executor:
         if running is not None:
             self.hooks.signal(running.child.pid, action.sig)
 
+    async def _retire_engine(self, action: events.RetireEngine) -> None:
+        """The engine gives way to its standby: it drains now (its exit is a draining one)."""
+        running = self.engine
+        if running is not None and running.child.pid == action.pid:
+            self.engine = None
+            running.role = "draining"
+            self.draining[action.pid] = running
+            self._drop_channel("engine_channel")
+
+    async def _signal_draining(self, action: events.SignalDraining) -> None:
+        """Signal a draining engine's process group."""
+        running = self.draining.get(action.pid)
+        if running is not None and not running.exited:
+            self.hooks.signal(action.pid, action.sig)
+
     async def _kill_all(self, action: events.KillAll) -> None:
         """SIGKILL every child's process group."""
         for running in self._children():
@@ -191,7 +211,7 @@ class Executor:
     def _children(self) -> list[_Running]:
         return [*self.ranks.values(), *([self.engine] if self.engine else []),
                 *([self.preload] if self.preload else []),
-                *([self.standby] if self.standby else [])]
+                *([self.standby] if self.standby else []), *self.draining.values()]
 
     async def _spawn(self, argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...],
                      role: events.Role, rank: int | None) -> _Running | None:
@@ -215,6 +235,7 @@ class Executor:
         self.hooks.signal(running.child.pid, signal.SIGKILL)  # no orphaned workers
         if running.role != "cache":  # the keeper is gone; what ran under it must be too
             await self.hooks.settle(running.child.pid)
+        self.draining.pop(running.child.pid, None)
         if running.role == "cache" and running.rank is not None:
             _clear_stale(self.spec, running.rank)
         self.post(events.ChildExited(running.role, running.rank, running.child.pid, status,
@@ -318,8 +339,10 @@ class Executor:
     async def _spawn_engine(self, action: events.SpawnEngine) -> None:
         """Start the engine command with the contract's environment."""
         notify = str(self.engine_notify.path) if self.engine_notify else None
-        env = child_env(self.env, self._engine_env(action.attempt), notify)
-        self.engine = await self._spawn(list(self.spec.engine), env, (), "engine", None)
+        env = child_env(self.env, {**self._engine_env(action.attempt), **self._listen_env()},
+                        notify)
+        self.engine = await self._spawn(list(self.spec.engine), env, self._listen_fds(),
+                                        "engine", None)
         self._watch_engine()
 
     async def _spawn_standby(self, action: events.SpawnStandby) -> None:
@@ -332,10 +355,12 @@ class Executor:
         attempt = (engine.attempt if engine else 0) + 1
         env = child_env(self.env, {**self._engine_env(attempt),
                                    **self.swapper.engine_env(action.next_weights),
-                                   **channel.env()}, str(channel.notify.path))
+                                   **channel.env(), **self._listen_env()},
+                        str(channel.notify.path))
         try:
-            self.standby = await self._spawn(list(self.spec.engine), env, (channel.read_fd,),
-                                             "standby", None)
+            self.standby = await self._spawn(list(self.spec.engine), env,
+                                             (channel.read_fd, *self._listen_fds()), "standby",
+                                             None)
         finally:
             channel.spawned()
 
@@ -371,6 +396,17 @@ class Executor:
             asyncio.get_running_loop().remove_reader(channel.notify.sock.fileno())
             channel.close()
             setattr(self, name, None)
+
+    def _listen_fds(self) -> tuple[int, ...]:
+        """The engine's listening sockets, for pass_fds (none without --listen)."""
+        return self.listeners.fds() if self.listeners else ()
+
+    def _listen_env(self) -> dict[str, str]:
+        """What tells the keeper to place them at fds 3.. with LISTEN_* (keeper.py)."""
+        if not self.listeners:
+            return {}
+        return {PASS_ENV: ",".join(map(str, self.listeners.fds())),
+                NAMES_ENV: ":".join(self.listeners.names)}
 
     def _engine_env(self, attempt: int, preload: bool = False) -> dict[str, str]:
         env = {**self.spec.engine_env(attempt, self.engine_devices, preload).to_env(),
@@ -495,7 +531,8 @@ class Executor:
             snapshot, socket_dir=self.spec.socket_dir, devices=self.spec.slot_devices,
             details=self.rank_detail, world=self.spec.world if self.spec.draft_group else 0,
             launcher={"pid": os.getpid(), "model": self.spec.model,
-                      "engine_command": list(self.spec.engine)})
+                      "engine_command": list(self.spec.engine),
+                      **({"listen": self.listeners.describe()} if self.listeners else {})})
         self.health.publish({**status, "memory": self.memory})
 
     # ----------------------------------------------------------------------- shutdown
@@ -510,6 +547,8 @@ class Executor:
             _clear_stale(self.spec, rank)
         self.swapper.close()
         self.escrow.close()
+        if self.listeners is not None:
+            self.listeners.close()
         self._memory_pool.shutdown(wait=False)
         self._drop_channel("standby_channel")
         self._drop_channel("engine_channel")
@@ -531,8 +570,8 @@ def _clear_stale(spec: RunSpec, slot: int) -> None:
         lock.release()
 
 
-def run(spec: RunSpec) -> int:
+def run(spec: RunSpec, listeners: Listeners | None = None) -> int:
     """Run the launcher on uvloop; returns its exit status."""
     import uvloop
 
-    return uvloop.run(Executor(spec).run())
+    return uvloop.run(Executor(spec, listeners=listeners).run())

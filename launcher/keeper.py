@@ -8,7 +8,9 @@
 - runs COMMAND as its only child, in the keeper's process group (the launcher signals that
   group, so the engine gets each signal first-hand; one that reaches the keeper alone is
   passed on to an engine that left the group), dying with the keeper (parent-death signal),
-  with `WATCHDOG_PID` set to the engine's pid when `WATCHDOG_USEC` is set;
+  with `WATCHDOG_PID` set to the engine's pid when `WATCHDOG_USEC` is set, and the sockets
+  of `vlaunch run --listen` (named in PASS_ENV) placed at fds 3.. with `LISTEN_FDS`,
+  `LISTEN_FDNAMES` and `LISTEN_PID` (the engine's own pid, as sd_listen_fds(3) checks);
 - once COMMAND has exited, SIGKILLs every descendant left and exits with COMMAND's status (a
   death by signal is re-raised, so the launcher sees the same status as without a keeper);
 - when the launcher dies, even by SIGKILL (its parent-death signal, SIGTERM, arrives with the
@@ -24,6 +26,7 @@ teardown only, psutil: nothing that would slow an engine's start.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import resource
 import signal
@@ -37,6 +40,11 @@ PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
              signal.SIGUSR2)
 """Signals the keeper handles: passed on to an engine outside its group, else left to it."""
 TEARDOWN_ROUNDS = 50
+PASS_ENV = "VLAUNCH_LISTEN_PASS"
+"""The keeper's fd numbers of the engine's listening sockets, comma-separated (launcher)."""
+NAMES_ENV = "VLAUNCH_LISTEN_NAMES"
+"""Their names, ':'-separated: the engine's LISTEN_FDNAMES."""
+PROMOTE_ENV = "VLAUNCH_PROMOTE_FD"  # cache/contract/standby.py's: moved clear of fds 3..
 
 
 class Keeper:
@@ -74,6 +82,7 @@ class Keeper:
             env = dict(os.environ)
             if "WATCHDOG_USEC" in env:
                 env["WATCHDOG_PID"] = str(os.getpid())
+            place_listen_fds(env)
             os.execvpe(self.argv[0], self.argv, env)
         except OSError as exc:
             sys.stderr.write(f"vlaunch keeper: cannot start {self.argv[0]}: {exc.strerror}; "
@@ -130,6 +139,32 @@ class Keeper:
             _reap_all()
             time.sleep(0.01)
         _reap_all()
+
+
+def place_listen_fds(env: dict[str, str]) -> None:
+    """In the engine, just before its exec: the passed listening sockets at fds 3, 4, ...
+    (inheritable), the socket-activation variables naming this process, every other copy of
+    them closed; a standby's promote fd in that range is moved above it (env says where)."""
+    raw, names = env.pop(PASS_ENV, ""), env.pop(NAMES_ENV, "")
+    if not raw:
+        return
+    fds = [int(fd) for fd in raw.split(",")]
+    first, end = 3, 3 + len(fds)
+    promote = env.get(PROMOTE_ENV, "")
+    if promote.isdigit() and first <= int(promote) < end:
+        env[PROMOTE_ENV] = str(fcntl.fcntl(int(promote), fcntl.F_DUPFD, end))
+        os.close(int(promote))
+    # copies above the range first (close-on-exec), so that no dup2 overwrites a socket
+    # still to be placed
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, end) for fd in fds]
+    for fd in fds:
+        if not first <= fd < end:
+            os.close(fd)
+    for i, fd in enumerate(high):
+        os.dup2(fd, first + i)  # inheritable
+        os.close(fd)
+    env.update({"LISTEN_FDS": str(len(fds)), "LISTEN_PID": str(os.getpid()),
+                "LISTEN_FDNAMES": names})
 
 
 def _has_children() -> bool:

@@ -16,6 +16,7 @@ from vlaunch.cache.contract.sockdir import default_socket_dir, socket_path
 
 from .core.events import SupervisorConfig
 from .executor import RunSpec
+from .listen import ListenAddress, activated
 from .notify import watchdog_interval
 from .preflight import check_command
 from .probes import HttpProbe
@@ -80,6 +81,12 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
     preload = _preload(o["preload_autotune"])
     check_command(preload, "preload command", "--preload-autotune")
     draft = _draft(o, model, ranks)
+    listen = tuple(o.get("listen") or ())
+    for value in listen:
+        ListenAddress.parse(value)  # bad syntax, a path too long: 64 now; binding comes later
+    if listen and not engine:
+        raise UsageError("--listen needs an engine command (after --): the launcher holds "
+                         "the engine's sockets")
     try:
         config = SupervisorConfig(
             ranks=ranks + draft, has_engine=bool(engine), restart_max=o["restart_max"],
@@ -97,7 +104,9 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
             start_timeout=o.get("start_timeout") or None, model=model, swap_ranks=ranks,
             unhealthy_after=o.get("engine_unhealthy_after") or None,
             engine_watchdog=o.get("engine_watchdog") or None,
-            hang_kill_after=o.get("engine_hang_kill_after"))
+            hang_kill_after=o.get("engine_hang_kill_after"),
+            listening=bool(engine) and (bool(listen) or activated(os.environ)),
+            drain_timeout=o.get("drain_timeout"))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     port = o["health_port"]
@@ -117,7 +126,8 @@ def build_spec(o: dict[str, Any], engine: tuple[str, ...], model: str) -> RunSpe
                    preload_timeout=o["preload_timeout"], verify=o["verify"],
                    draft_model=o.get("draft_model") or "",
                    draft_plan=o.get("draft_plan") or "replicate",
-                   liveness=liveness, liveness_interval=o.get("engine_liveness_interval", 10.0))
+                   liveness=liveness, liveness_interval=o.get("engine_liveness_interval", 10.0),
+                   listen=listen)
 
 
 def _draft(o: dict[str, Any], model: str, ranks: tuple[int, ...]) -> tuple[int, ...]:

@@ -48,6 +48,7 @@ class RunSpec:
     draft_plan: str = "replicate"
     liveness: HttpProbe | None = None  # --engine-liveness-request, sent once the engine is ready
     liveness_interval: float = 10.0  # seconds between two liveness requests
+    listen: tuple[str, ...] = ()  # --listen: the engine's sockets, bound by the launcher
 
     @property
     def world(self) -> int:

@@ -10,10 +10,13 @@ socket by calling the module's `create_server_socket(addr, reuse_port=...)` (or
 `create_server_unix_socket(path)` with `--uds`), looked up in that module when it runs, and
 `serve_http` hands that socket to uvicorn (`server.serve(sockets=[sock])`). Both `vllm serve`
 and `python -m vllm.entrypoints.openai.api_server` reach it (`run_server`, and the parent of
-several API servers in `run_multi_api_server`). `install()` replaces those two module
-attributes with functions that return the inherited socket instead of binding, after checking
-the version and that `setup_server` still calls them; anything else fails the start with an
-error naming the vLLM version. vLLM's other sockets (`--grpc`'s) are untouched.
+several API servers in `run_multi_api_server`). In that process only (LISTEN_PID its pid, and
+vLLM's launcher module imported: a front of one's own that builds `LLM` is left alone),
+`install()` replaces those two module attributes, after checking the version and that
+`setup_server` still calls them (else the start fails with an error naming the vLLM version),
+with functions that take the passed socket when vLLM would bind (unsetting the LISTEN_*
+variables before vLLM starts its children) and return it; without one they bind as vLLM does.
+vLLM's other sockets (`--grpc`'s) are untouched.
 
 The drain: on SIGTERM vLLM 0.32 first shuts its engine down (aborting what is in flight, unless
 `--shutdown-timeout`), while uvicorn still accepts, and only then stops accepting. On a socket
@@ -28,12 +31,14 @@ vLLM's.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import logging
 import os
 import signal
 import socket
 import stat
+import sys
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -44,7 +49,8 @@ log = logging.getLogger("vllm.vlaunch")
 SD_LISTEN_FDS_START = 3
 SUPPORTED = ("0.32.",)  # vLLM versions whose launcher module this seam was read in
 _ENV = ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
-_inherited: socket.socket | None = None  # the socket this process serves, once install() took it
+_LAUNCHER = "vllm.entrypoints.launchers.launcher"
+_inherited: socket.socket | None = None  # the passed socket, once vLLM's setup_server took it
 
 
 class VllmListenError(UsageError):
@@ -98,24 +104,38 @@ def passed_socket(env: MutableMapping[str, str] | None = None) -> socket.socket 
 
 
 def install(env: MutableMapping[str, str] | None = None) -> bool:
-    """In the process the launcher passed a socket to, make vLLM's API server serve from it
-    (and drain on SIGTERM); False when no socket was passed to this process."""
-    global _inherited
-    if _inherited is not None:
-        return True
-    sock = passed_socket(env)
-    if sock is None:
+    """In vLLM's API server process, when the launcher passed it a socket, make the server
+    serve from it and drain on SIGTERM; False (nothing changed) anywhere else: no socket for
+    this pid, or a process that is not vLLM's API server (vLLM's children; a front of one's
+    own that builds `LLM` keeps the variables for its own socket)."""
+    env = os.environ if env is None else env
+    if not env.get("LISTEN_FDS") or env.get("LISTEN_PID") != str(os.getpid()) or \
+            _LAUNCHER not in sys.modules:  # vllm serve imports it before it loads plugins
         return False
     launcher = _launcher_module()
-    _inherited = sock
+    if getattr(launcher.create_server_socket, "_vlaunch", False):
+        return True
+    bind_tcp, bind_unix = launcher.create_server_socket, launcher.create_server_unix_socket
 
-    def inherited_socket(*args: Any, **kwargs: Any) -> socket.socket:
-        log.info("vlaunch: serving HTTP on the socket vlaunch run passed (fd %d, %s), not "
-                 "binding %s", sock.fileno(), _where(sock), args[0] if args else kwargs)
-        return sock
+    def take(what: object) -> socket.socket | None:
+        global _inherited
+        if _inherited is None:
+            _inherited = passed_socket(env)
+            if _inherited is not None:
+                log.info("vlaunch: serving HTTP on the socket vlaunch run passed (fd %d, %s), "
+                         "not binding %s", _inherited.fileno(), _where(_inherited), what)
+        return _inherited
 
-    launcher.create_server_socket = inherited_socket
-    launcher.create_server_unix_socket = inherited_socket
+    def create_server_socket(addr: Any, *args: Any, **kwargs: Any) -> socket.socket:
+        return take(addr) or bind_tcp(addr, *args, **kwargs)
+
+    def create_server_unix_socket(path: Any, *args: Any, **kwargs: Any) -> socket.socket:
+        return take(f"unix:{path}") or bind_unix(path, *args, **kwargs)
+
+    for fn in (create_server_socket, create_server_unix_socket):
+        fn._vlaunch = True  # type: ignore[attr-defined]
+    launcher.create_server_socket = create_server_socket
+    launcher.create_server_unix_socket = create_server_unix_socket
     launcher.NoSignalServer = _draining_server(launcher.NoSignalServer)
     return True
 
@@ -126,7 +146,7 @@ def _launcher_module() -> Any:
 
     version = getattr(vllm, "__version__", "?")
     try:
-        from vllm.entrypoints.launchers import launcher
+        launcher = importlib.import_module(_LAUNCHER)
     except ImportError as exc:
         raise VllmListenError(f"vlaunch: vllm serve under vlaunch run --listen needs vLLM "
                               f"{'/'.join(v + 'x' for v in SUPPORTED)}; vLLM {version} has no "

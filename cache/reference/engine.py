@@ -52,7 +52,7 @@ from vlaunch.cache.contract.standby import (
     wait_for_promotion,
 )
 from vlaunch.cache.reference import faults
-from vlaunch.cache.reference.http import EngineStopping, parse_generate, start_http
+from vlaunch.cache.reference.http import EngineStopping, drain, parse_generate, start_http
 from vlaunch.cache.reference.options import EX_CONFIG, ConfigError, EngineOptions, parse_args
 from vlaunch.cache.reference.state import RankState
 from vlaunch.cache.reference.workers import (
@@ -219,6 +219,18 @@ class Engine:
             if self._interruptible:
                 raise _StopRequested
             return
+        if self.http is not None and getattr(self.http, "passed", False):
+            # the launcher's socket: the next engine accepts from it while this one drains
+            threading.Thread(target=self.drain_then_stop, name="vlaunch-drain",
+                             daemon=True).start()
+            return
+        self.jobs.put(STOP)
+
+    def drain_then_stop(self) -> None:
+        """Stop accepting, answer every request this engine holds, then stop (SIGTERM on
+        the launcher's socket)."""
+        assert self.http is not None
+        drain(self.http)
         self.jobs.put(STOP)
 
     def start_workers(self) -> socket.socket:
@@ -295,7 +307,10 @@ class Engine:
     def http_address(self) -> tuple[str, int]:
         """The host and port the HTTP server listens on."""
         assert self.http is not None
-        host, port = self.http.server_address[:2]
+        address = self.http.server_address
+        if isinstance(address, (str, bytes)):  # a Unix socket passed by the launcher
+            return f"unix:{address!s}", 0
+        host, port = address[:2]
         return str(host), int(port)
 
     def submit(self, tokens: list[int], max_new: int) -> Future[list[int]] | None:

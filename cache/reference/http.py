@@ -7,14 +7,22 @@
     POST /generate  {"tokens": [int, ...], "max_new_tokens": int} -> {"tokens": [int, ...]}
 
 Requests are served from threads; each generation is queued for the engine's main thread.
+
+Under `vlaunch run --listen` the engine serves the socket the launcher passed (socket
+activation: `LISTEN_FDS` with `LISTEN_PID` this process, fd 3) instead of binding --port, and
+drains on SIGTERM (`drain`): it stops accepting and closes its copy of the socket (never
+`shutdown()`, which would end the launcher's socket for every engine), closes idle keep-alive
+connections, finishes the requests it holds, then stops; the next engine accepts meanwhile.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -55,6 +63,10 @@ MAX_PROMPT_TOKENS = 256
 MAX_NEW_TOKENS = 64
 MAX_BODY_BYTES = 64 << 10
 BIND_PATIENCE = 5.0
+DRAIN_LIMIT = 300.0
+"""Seconds a drain waits for the connections it holds (the launcher's --drain-timeout kills
+sooner)."""
+SD_LISTEN_FDS_START = 3
 
 
 class EngineStopping(Exception):
@@ -66,13 +78,21 @@ class EngineStopping(Exception):
 
 def start_http(engine: Engine) -> ThreadingHTTPServer:
     """Bind the HTTP server, serve it from a daemon thread, log and publish its port."""
-    server = _bind((engine.opts.host, engine.opts.port))
+    passed = passed_socket()
+    server = _bind((engine.opts.host, engine.opts.port)) if passed is None else \
+        _Server.on_socket(passed)
     server.engine = engine
+    server.passed = passed is not None
     # polled every 50 ms: the stop's shutdown() waits for the next poll (0.5 s by default)
     threading.Thread(target=server.serve_forever, args=(0.05,), name="vlaunch-http",
                      daemon=True).start()
-    port = int(server.server_address[1])
-    log.info("listening on http://%s:%d", engine.opts.host, port)
+    port = int(server.server_address[1]) if passed is None or \
+        passed.family != socket.AF_UNIX else 0
+    if passed is not None:
+        log.info("serving on the socket vlaunch run passed (fd %d, %s), not binding port %d",
+                 passed.fileno(), passed.getsockname(), engine.opts.port)
+    else:
+        log.info("listening on http://%s:%d", engine.opts.host, port)
     if engine.opts.port_file:
         write_port_file(Path(engine.opts.port_file), port)
     return server
@@ -97,6 +117,41 @@ def _bind(address: tuple[str, int], patience: float = BIND_PATIENCE) -> _Server:
             time.sleep(0.05)
 
 
+def passed_socket(env: dict[str, str] | None = None) -> socket.socket | None:
+    """The first socket passed to this process by socket activation (sd_listen_fds(3)), or
+    None; the variables are unset, so that the engine's children do not take them."""
+    env = os.environ if env is None else env  # type: ignore[assignment]
+    assert env is not None
+    count, pid = env.get("LISTEN_FDS", ""), env.get("LISTEN_PID", "")
+    if not count or pid != str(os.getpid()):
+        return None
+    for name in ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"):
+        env.pop(name, None)
+    if not count.isdigit() or int(count) < 1:
+        return None
+    sock = socket.socket(fileno=SD_LISTEN_FDS_START)
+    sock.set_inheritable(False)  # the workers and anything they start do not hold it
+    return sock
+
+
+def drain(server: ThreadingHTTPServer, limit: float = DRAIN_LIMIT) -> int:
+    """Stop accepting, close this process's copy of the listening socket, close idle
+    keep-alive connections and wait (at most `limit` s) until every connection held has had
+    its reply; returns how many were still open after the limit."""
+    assert isinstance(server, _Server)
+    server.draining = True
+    server.shutdown()  # the accept loop ends (socketserver's shutdown: no socket shutdown())
+    server.socket.close()  # our copy only: the launcher's socket keeps listening
+    server.close_idle()
+    deadline = time.monotonic() + limit
+    while server.open_connections() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    left = server.open_connections()
+    log.info("drained: stopped accepting, %s", f"{left} connection(s) still open after "
+             f"{limit:g} s" if left else "every request it held answered")
+    return left
+
+
 def write_port_file(path: Path, port: int) -> None:
     """Write the port atomically: a reader sees no file or the whole number."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -107,6 +162,59 @@ def write_port_file(path: Path, port: int) -> None:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     engine: Engine
+    draining = False
+    passed = False  # serves the launcher's socket: drains on SIGTERM
+
+    @classmethod
+    def on_socket(cls, sock: socket.socket) -> _Server:
+        """A server on an already listening socket (passed by the launcher)."""
+        server = cls(sock.getsockname() if sock.family != socket.AF_UNIX else ("", 0),
+                     _Handler, bind_and_activate=False)
+        server.socket.close()
+        server.socket, server.address_family = sock, sock.family
+        server.server_address = sock.getsockname()
+        return server
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._table: dict[socket.socket, bool] = {}  # open connections: a request in hand?
+        self._lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def _conns(self) -> dict[socket.socket, bool]:
+        """Each open connection, and whether a request on it is being handled."""
+        return self._table
+
+    def mark(self, conn: socket.socket, busy: bool | None) -> None:
+        """Record a connection busy or idle; None: it closed."""
+        table = self._conns()
+        with self._lock:
+            if busy is None:
+                table.pop(conn, None)
+            else:
+                table[conn] = busy
+
+    def open_connections(self) -> int:
+        """Connections not yet closed."""
+        return len(self._conns())
+
+    def close_idle(self) -> None:
+        """End keep-alive connections that wait for a next request (their reads see EOF)."""
+        table = self._conns()
+        with self._lock:
+            idle = [c for c, busy in table.items() if not busy]
+        for conn in idle:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RD)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Count the connection from its accept, then serve it in a thread."""
+        self.mark(request, False)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        """The connection is done."""
+        self.mark(request, None)
+        super().shutdown_request(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """Log a failed request (socketserver would print the traceback to stderr)."""
@@ -129,6 +237,19 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
     timeout = 30  # a client that stalls mid-request loses its connection, not a thread forever
     protocol_version = "HTTP/1.1"
+
+    def parse_request(self) -> bool:
+        self.server.mark(self.connection, True)  # a request arrived: a drain waits for it
+        return super().parse_request()
+
+    def handle_one_request(self) -> None:
+        try:
+            super().handle_one_request()
+        finally:
+            if self.server.draining:
+                self.close_connection = True  # replied: the next request goes to the next engine
+            if not self.close_connection:
+                self.server.mark(self.connection, False)
 
     def do_GET(self) -> None:
         engine = self.server.engine

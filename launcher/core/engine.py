@@ -160,18 +160,23 @@ class EngineDecisions(SupervisorState):
                     *self._spawn_engine()]
         if engine.state not in (EngineState.STARTING, EngineState.READY):
             return [Log("INFO", f"SIGHUP ignored: the engine is {engine.state.value}")]
+        if self._can_overlap():
+            return [Log("INFO", f"SIGHUP: restarting the engine (pid {engine.pid})"),
+                    Notify({**self._reloading_field(), "STATUS": "restarting engine (SIGHUP)"}),
+                    *self._promote_then_drain(e.now, "SIGHUP")]
         self._engine = replace(engine, state=EngineState.STOPPING)
-        self._reload_deadline = e.now + self.config.stop_timeout
+        self._reload_deadline = e.now + self._drain_grace()
         return [Log("INFO", f"SIGHUP: restarting the engine (pid {engine.pid})"),
                 Notify({**self._reloading_field(), "STATUS": "restarting engine (SIGHUP)"}),
                 SignalChild("engine", None, signal.SIGTERM)]
 
     def _reload_timeout(self, now: float) -> list[Action]:
-        """SIGKILL an engine that ignored a SIGHUP restart's SIGTERM for stop_timeout."""
+        """SIGKILL an engine that ignored a planned stop's SIGTERM (SIGHUP, a swap) for
+        drain_timeout."""
         if self._reload_deadline is None or now < self._reload_deadline:
             return []
         self._reload_deadline = math.inf  # still a reload, killed once
         pid = self._require_engine().pid
         return [Log("WARNING", f"the engine (pid {pid}) ignored SIGTERM for "
-                               f"{self.config.stop_timeout:g} s: killing it"),
+                               f"{self._drain_grace():g} s: killing it"),
                 SignalChild("engine", None, signal.SIGKILL)]

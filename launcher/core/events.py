@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-Role = Literal["cache", "engine", "standby"]
+Role = Literal["cache", "engine", "standby", "draining"]
 RankPolicy = Literal["shutdown", "respawn"]
 Readiness = Literal["notify", "http", "none"]
 Probe = Literal["health", "liveness"]
@@ -55,6 +55,8 @@ class SupervisorConfig:
     hang_kill_after: float | None = None  # a hung engine's SIGTERM -> SIGKILL; None: stop_timeout
     model: str = ""  # the checkpoint the ranks load first (/status until a swap replaces it)
     swap_ranks: tuple[int, ...] = ()  # the ranks a swap changes (the target group); (): all
+    listening: bool = False  # the launcher holds the engine's sockets (--listen, activation)
+    drain_timeout: float | None = None  # an engine replaced on purpose: SIGTERM -> SIGKILL
 
     def __post_init__(self) -> None:
         """Normalise the collections and raise ValueError naming every invalid field."""
@@ -103,6 +105,8 @@ def _config_problems(c: SupervisorConfig) -> Iterator[str]:
     if c.hang_kill_after is not None and not (_finite(c.hang_kill_after)
                                               and c.hang_kill_after >= 0):
         yield f"hang_kill_after must be None or a finite number >= 0 (got {c.hang_kill_after!r})"
+    if c.drain_timeout is not None and not (_finite(c.drain_timeout) and c.drain_timeout >= 0):
+        yield f"drain_timeout must be None or a finite number >= 0 (got {c.drain_timeout!r})"
     if c.standby and not c.has_engine:
         yield "standby needs an engine command (there is nothing to keep a standby of)"
     if not set(c.swap_ranks) <= set(c.ranks):
@@ -368,6 +372,23 @@ class PromoteStandby:
 
 
 @dataclass(frozen=True)
+class RetireEngine:
+    """The serving engine `pid` is being replaced on purpose while it may still finish what
+    it holds: from now on it is a draining engine (its exit arrives with role "draining"),
+    no longer the engine; the next action promotes the standby."""
+
+    pid: int
+
+
+@dataclass(frozen=True)
+class SignalDraining:
+    """Send `sig` to the process group of the draining engine `pid`."""
+
+    pid: int
+    sig: int
+
+
+@dataclass(frozen=True)
 class SwapRanks:
     """Send swap `step` of `version` to every swapped rank (`ranks`: only these), which
     answers with a SwapStep (finish and abort are not answered). `model`, `mode` and `policy`
@@ -398,4 +419,5 @@ class SwapReply:
 
 
 Action = (SpawnCache | SpawnEngine | SignalChild | KillAll | Notify | Log | Exit | RunPreload
-          | SpawnStandby | PromoteStandby | SwapRanks | SwapReply)
+          | SpawnStandby | PromoteStandby | SwapRanks | SwapReply | RetireEngine
+          | SignalDraining)

@@ -175,6 +175,16 @@ class StandbyStatus:
 
 
 @dataclass(frozen=True)
+class DrainStatus:
+    """Engines replaced on purpose (drain.py): how many drained and exited on their own, how
+    many were killed past --drain-timeout, and how many drain now."""
+
+    drained: int = 0
+    killed: int = 0
+    draining: int = 0
+
+
+@dataclass(frozen=True)
 class SwapStatus:
     """The weights the ranks serve (`version`, `model`, a published `label`), and the swap in
     progress (`state`, `target_*`, `mode`), as the status surface shows them."""

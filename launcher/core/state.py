@@ -13,6 +13,7 @@ from .budget import RestartBudget
 from .events import Exit, SupervisorConfig, SwapPolicy
 from .model import (
     ENGINE_ALIVE,
+    DrainStatus,
     EngineState,
     EngineStatus,
     Failure,
@@ -76,6 +77,8 @@ class SupervisorState:
         self._standby_paused = False  # no standby starts while a swap cuts over without one
         self._standby_next_weights = False  # standbys started now park before their weights
         self._standby_retired = 0  # the standby number retired for a swap (not a failure)
+        self._draining: dict[int, float] = {}  # retired engines' pids: their SIGKILL is due then
+        self._drains = DrainStatus()
 
     @property
     def phase(self) -> Phase:
@@ -119,6 +122,7 @@ class SupervisorState:
         """Names of the children not yet reaped, for log lines."""
         names = ["the engine"] if self._engine_alive() else []
         names += ["the standby engine"] if self._standby_alive() else []
+        names += [f"the draining engine (pid {pid})" for pid in self._draining]
         return names + [f"cache rank {r.rank}" for r in self._ranks.values()
                         if r.state is not RankState.EXITED]
 

@@ -68,7 +68,8 @@ class StopDecisions(SupervisorState):
 
     def _finish_if_done(self) -> list[Action]:
         """Exit with the stop's cause once no child is left."""
-        if self._stop is None or self._engine_alive() or self._standby_alive() or any(
+        if self._stop is None or self._engine_alive() or self._standby_alive() or \
+                self._draining or any(
                 r.state is not RankState.EXITED for r in self._ranks.values()):
             return []
         return self._halt(self._stop.cause, self._stop.reason)

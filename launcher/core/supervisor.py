@@ -54,6 +54,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from .drain import DrainDecisions
 from .engine import EngineDecisions
 from .events import (
     Action,
@@ -89,7 +90,7 @@ from .view import StatusView
 
 
 class Supervisor(RankDecisions, EngineDecisions, HangDecisions, StandbyDecisions, SwapDecisions,
-                 StopDecisions, Timers, StatusView):
+                 DrainDecisions, StopDecisions, Timers, StatusView):
     """The launcher's decisions: `handle(event)` returns the actions to execute, in order."""
 
     def __init__(self, config: SupervisorConfig) -> None:
@@ -163,10 +164,14 @@ class Supervisor(RankDecisions, EngineDecisions, HangDecisions, StandbyDecisions
                 *self._respawn_if_due(e.now),
                 *self._reload_timeout(e.now), *self._stop_timeout(e.now),
                 *self._start_timeout(e.now), *self._park_timeout(e.now),
-                *self._hang_checks(e.now), *self._swap_tick(e.now)]
+                *self._hang_checks(e.now), *self._swap_tick(e.now),
+                *self._drain_timeouts(e.now)]
 
     def _on_child_exited(self, e: ChildExited) -> list[Action]:
-        """Dispatch a reaped child to the engine, the standby or the rank handler."""
+        """Dispatch a reaped child to the engine, the standby, a draining engine or the rank
+        handler."""
+        if e.role == "draining" or e.pid in self._draining:  # it may exit before its retiral
+            return self._on_drained(e)
         if e.role == "standby" and not self._is_promoted(e.pid):
             return self._on_standby_exited(e)
         if e.role in ("engine", "standby"):

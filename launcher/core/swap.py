@@ -234,16 +234,29 @@ class SwapDecisions(SupervisorState):
         """A standby for the new weights parked (one started for the old ones was retired,
         and a retired one's PARKED=1 is never heard): the old engine may go."""
         if self._swap.state is S.PARKING:
+            if self._swap.mode == "double" and self._can_overlap():
+                return self._swap_overlap(now)
             return self._swap_stop_engine(now)
         return []
 
+    def _swap_overlap(self, now: float) -> list[Action]:
+        """Double buffering on the launcher's sockets (drain.py): the standby parked on the
+        new weights is promoted while the old engine drains."""
+        sw = self._swap
+        self._swap = replace(sw, state=S.STARTING)
+        self._swap_deadline = now + self._swap_policy.ready_timeout
+        self._swap_new_engine, self._standby_next_weights = True, False
+        self._respawn_due = None
+        return [Notify({**self._reloading_field(), "STATUS": self._status_line()}),
+                *self._promote_then_drain(now, f"swap to version {sw.target_version}")]
+
     def _swap_stop_engine(self, now: float) -> list[Action]:
-        """SIGTERM the serving engine (SIGKILL after stop_timeout); go on once it is gone."""
+        """SIGTERM the serving engine (SIGKILL after drain_timeout); go on once it is gone."""
         sw, engine = self._swap, self._require_engine()
         self._swap = replace(sw, state=S.STOPPING)
         if engine.state in (EngineState.STARTING, EngineState.READY):
             self._engine = replace(engine, state=EngineState.STOPPING)
-            self._reload_deadline = now + self.config.stop_timeout
+            self._reload_deadline = now + self._drain_grace()
             self._settle_due = None
             return [Log("INFO", f"swap to version {sw.target_version}: stopping the engine "
                                 f"(pid {engine.pid})"),

@@ -12,6 +12,7 @@ from vlaunch.cache.contract.exitcodes import ExitStatus
 from .exits import describe_exit
 from .hang import PROBE_WORDS
 from .model import (
+    DrainStatus,
     EngineState,
     EngineStatus,
     Failure,
@@ -87,6 +88,8 @@ class StatusView(SupervisorState):
                 "description": describe_exit(self._first_failure.status)},
             **({} if self._standby is None else {"standby": jsonable(self._standby)}),
             "swap": jsonable(self._swap),
+            **({"drain": {**jsonable(self._drains), "draining": len(self._draining)}}
+               if self.config.listening else {}),
             "stop": None if stop is None else {"cause": int(stop.cause), "reason": stop.reason},
             "exit_status": self.exit_status,
         }
@@ -117,7 +120,7 @@ class StatusView(SupervisorState):
 
 
 def jsonable(record: RankStatus | EngineStatus | StandbyStatus | SwapStatus | Failure
-             ) -> dict[str, Any]:
+             | DrainStatus) -> dict[str, Any]:
     """A status record as a flat JSON-able dict (enums by value)."""
     return {k: v.value if isinstance(v, enum.Enum) else list(v) if isinstance(v, tuple) else v
             for k, v in vars(record).items()}

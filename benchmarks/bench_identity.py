@@ -32,6 +32,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from benchlib import fmt_s, machine_name, record_figures
+
 from vlaunch.cache.store import identity
 from vlaunch.cache.store.checkpoint import checkpoint_identity, open_checkpoint
 from vlaunch.cache.store.plan import Position
@@ -178,6 +180,15 @@ def main() -> int:
               f"{warm / read_warm:>10.5f} {cold / read_cold:>10.5f}")
     print(f"full read: {total / 1e9 / read_warm:.2f} GB/s warm, {total / 1e9 / read_cold:.2f} "
           "GB/s cold")
+    ms = {name: (f"{warm * 1e3:.2f} ms", f"{cold * 1e3:.2f} ms")
+          for name, (warm, cold) in results.items()}
+    record_figures({"identity.cpu.memo_hit": ms["memo hit"][0],
+                    "identity.cpu.sampled": ms["sampled identity"][0],
+                    "identity.cpu.sampled_cold": ms["sampled identity"][1],
+                    "identity.cpu.full_read": fmt_s(read_warm)},
+                   machine=machine_name("cpu"),
+                   source=f"identity.md: bench_identity.py (a {total / 1e9:.2f} GB checkpoint, "
+                          f"--repeat {args.repeat} --threads {args.threads}), medians")
     return 0
 
 

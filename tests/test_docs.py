@@ -381,7 +381,8 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
         pytest.skip("systemd-analyze is not installed (.ci/run installs systemd)")
     binary = shutil.which("vlaunch") or str(Path(sys.executable).with_name("vlaunch"))
     assert os.access(binary, os.X_OK), binary
-    units = [*UNITS.glob("*.service"), *(DOCS / "examples").glob("*.service")]
+    units = [*UNITS.glob("*.service"), *UNITS.glob("*.socket"),
+             *(DOCS / "examples").glob("*.service")]
     for unit in units:
         (tmp_path / unit.name).write_text(re.sub(r"/\S+/bin/vlaunch\b", binary, unit.read_text()))
     (tmp_path / "vlaunch@.service.d").mkdir()

@@ -35,6 +35,7 @@ from .core import events
 from .escrow import Escrow
 from .health import HealthServer
 from .hooks import Child, OsHooks, ProcessHooks
+from .inflight import held_connections, tcp_ports
 from .keeper import NAMES_ENV, PASS_ENV
 from .listen import Listeners
 from .memory import MEMORY_EVERY, Key, MemorySampler
@@ -50,6 +51,7 @@ __all__ = ["Executor", "RunSpec", "run"]
 log = logging.getLogger("vlaunch.launcher")
 TICK = 0.1
 STATUS_EVERY = 2.0
+HELD_EVERY = 0.5
 PROBE_EVERY = 1.0
 
 
@@ -70,7 +72,10 @@ class Executor:
                  hooks: ProcessHooks | None = None, listeners: Listeners | None = None) -> None:
         self.spec = spec
         self.listeners = listeners  # the engine's sockets (--listen): every engine gets them
+        self._ports = tcp_ports(listeners) if listeners else {}
         self.draining: dict[int, _Running] = {}  # engines retired for their standby, by pid
+        self.held: dict[int, int] = {}  # accepted connections each engine held, last sampled
+        self.lost = 0  # connections engines held when they died (their requests failed)
         self.env = dict(os.environ if env is None else env)
         self.hooks: ProcessHooks = hooks or OsHooks()
         assert spec.supervisor is not None
@@ -108,6 +113,7 @@ class Executor:
         self._channel_handlers: dict[str, Callable[[int, dict[str, Any], list[int]], None]] = {
             "ready": self._rank_ready, "layout": self._rank_layout,
             "release": self._rank_release, "artifact": self._rank_artifact,
+            "openers": self._rank_openers,
             "swap_answer": self.swapper.on_answer,
         }
 
@@ -123,6 +129,8 @@ class Executor:
         self._spawn_task(self._ticker())
         self._spawn_task(self._poll_ranks())
         self._spawn_task(self._poll_memory())
+        if self.listeners is not None:
+            self._spawn_task(self._poll_held())
         status = int(ExitStatus.INTERNAL)
         try:
             status = await self._loop()
@@ -174,6 +182,8 @@ class Executor:
         running = {"engine": self.engine, "standby": self.standby}.get(
             action.role, self.ranks.get(action.rank or 0))
         if running is not None:
+            if action.sig == signal.SIGKILL and action.role != "cache":
+                self._sample_held(running)  # what the kill takes, counted at its exit
             self.hooks.signal(running.child.pid, action.sig)
 
     async def _retire_engine(self, action: events.RetireEngine) -> None:
@@ -189,6 +199,8 @@ class Executor:
         """Signal a draining engine's process group."""
         running = self.draining.get(action.pid)
         if running is not None and not running.exited:
+            if action.sig == signal.SIGKILL:
+                self._sample_held(running)
             self.hooks.signal(action.pid, action.sig)
 
     async def _kill_all(self, action: events.KillAll) -> None:
@@ -232,6 +244,11 @@ class Executor:
     async def _reap(self, running: _Running) -> None:
         status = await running.child.wait()
         running.exited = True
+        held = self.held.pop(running.child.pid, 0)
+        if status != 0 and held:  # a clean exit answered what it held (it drained)
+            self.lost += held
+            log.warning("engine (pid %d) exited holding %d connection(s) of the launcher's "
+                        "socket: their requests are lost", running.child.pid, held)
         self.hooks.signal(running.child.pid, signal.SIGKILL)  # no orphaned workers
         if running.role != "cache":  # the keeper is gone; what ran under it must be too
             await self.hooks.settle(running.child.pid)
@@ -297,7 +314,7 @@ class Executor:
                     self._bad_report(running, str(exc))
                     return
                 self._channel_handlers[msg["event"]](rank, msg, fds)
-                expect = ("layout", "release", "artifact", "swap_answer")
+                expect = ("layout", "release", "artifact", "swap_answer", "openers")
 
     def _bad_report(self, running: _Running, why: str) -> None:
         log.error("cache rank %s sent a bad report (%s): killing it", running.rank, why)
@@ -321,6 +338,11 @@ class Executor:
         """The rank holds an artifact: escrow it, so that a respawn gets it back."""
         wire.close_fds(fds)
         self.escrow.keep_artifact(rank, msg)
+
+    def _rank_openers(self, rank: int, msg: dict[str, Any], fds: list[int]) -> None:
+        """A process in another PID namespace opened the rank's slabs: a respawn is told."""
+        wire.close_fds(fds)
+        self.escrow.mark_foreign(rank)
 
     def _rank_release(self, rank: int, msg: dict[str, Any], fds: list[int]) -> None:
         """The rank dropped its raw copy (copy-release, or an engine layout replaced it): drop
@@ -501,6 +523,23 @@ class Executor:
                         self.rank_detail[rank] = await self.hooks.rank_status(path)
             await asyncio.sleep(STATUS_EVERY)
 
+    async def _poll_held(self) -> None:
+        """Sample the connections each engine holds on the launcher's sockets (inflight.py):
+        what an engine that dies loses."""
+        loop = asyncio.get_running_loop()
+        while True:
+            for running in [r for r in (self.engine, *self.draining.values()) if r]:
+                if not running.exited:
+                    pid = running.child.pid
+                    self.held[pid] = await loop.run_in_executor(None, held_connections, pid,
+                                                                self._ports)
+            await asyncio.sleep(HELD_EVERY)
+
+    def _sample_held(self, running: _Running) -> None:
+        """Count what `running` holds now (before a SIGKILL)."""
+        if self.listeners is not None and not running.exited:
+            self.held[running.child.pid] = held_connections(running.child.pid, self._ports)
+
     async def _poll_memory(self) -> None:
         """Sample every child's host and device memory (memory.py) for the status surface."""
         loop = asyncio.get_running_loop()
@@ -533,6 +572,8 @@ class Executor:
             launcher={"pid": os.getpid(), "model": self.spec.model,
                       "engine_command": list(self.spec.engine),
                       **({"listen": self.listeners.describe()} if self.listeners else {})})
+        if "drain" in status:
+            status["drain"] = {**status["drain"], "lost_connections": self.lost}
         self.health.publish({**status, "memory": self.memory})
 
     # ----------------------------------------------------------------------- shutdown

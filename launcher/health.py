@@ -85,7 +85,24 @@ class MetricsCollector:
                                 "way.", value=float(swap.get("state", "none") != "none"))
         yield GaugeMetricFamily("vlaunch_swap_rollbacks", "Swaps rolled back so far.",
                                 value=float(swap.get("rollbacks", 0)))
+        yield from _drain_metrics(s.get("drain"))
         yield from memory_metrics(s)
+
+
+def _drain_metrics(drain: dict[str, Any] | None) -> Iterator[GaugeMetricFamily]:
+    """Engines replaced on purpose, and what dying engines lost (--listen only)."""
+    if drain is None:
+        return
+    yield GaugeMetricFamily("vlaunch_engines_drained", "Engines replaced on purpose that "
+                            "answered what they held and exited so far.",
+                            value=float(drain.get("drained", 0)))
+    yield GaugeMetricFamily("vlaunch_engines_drain_killed", "Engines replaced on purpose that "
+                            "were SIGKILLed past --drain-timeout so far.",
+                            value=float(drain.get("killed", 0)))
+    yield GaugeMetricFamily("vlaunch_lost_connections", "Connections of the launcher's "
+                            "sockets that engines held when they died (killed, crashed, "
+                            "hung): their requests failed.",
+                            value=float(drain.get("lost_connections", 0)))
 
 
 def _hang_metrics(engine: dict[str, Any], standby: dict[str, Any]) -> Iterator[GaugeMetricFamily]:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -272,14 +273,19 @@ def test_nothing_refused_across_a_kill_a_hang_and_both_swaps(
         snap = la.wait_for(lambda s: _parked(s) and s["standby"]["promotions"] == 1)
         clients.more()
         assert clients.refused == 0 and len(clients.failed) - before <= held, clients.failed
-        lines.append(f"kill: {clients.figures()}")
+        lost = snap["drain"]["lost_connections"]  # sampled every 0.5 s: an estimate
+        assert lost <= held
+        lines.append(f"kill: {clients.figures()}, lost_connections {lost}")
         # 2. a hang: SIGSTOP, found by the liveness request, SIGKILLed, the standby serves
         before = len(clients.failed)
         os.killpg(snap["engine"]["pid"], signal.SIGSTOP)
         snap = la.wait_for(lambda s: _parked(s) and s["standby"]["promotions"] == 2)
         clients.more()
         assert clients.refused == 0 and len(clients.failed) - before <= held, clients.failed
-        lines.append(f"hang: {clients.figures()}")
+        # counted right before its SIGKILL: exactly what the hung engine held
+        hang_lost = snap["drain"]["lost_connections"] - lost
+        assert hang_lost == len(clients.failed) - before, (hang_lost, clients.failed)
+        lines.append(f"hang: {clients.figures()}, lost_connections {hang_lost}")
         # 3. double swap: overlap, nothing fails
         before = len(clients.failed)
         r = swap(la, ckpts["b"], "--mode", "double")
@@ -302,6 +308,9 @@ def test_nothing_refused_across_a_kill_a_hang_and_both_swaps(
         assert clients.refused == 0 and len(clients.failed) == before, clients.failed
         lines.append(f"SIGHUP: {clients.figures()}")
     assert snap["drain"]["killed"] == 0
+    assert snap["drain"]["lost_connections"] == lost + hang_lost  # the drains lost nothing
+    metrics = urllib.request.urlopen(la.url + "/metrics", timeout=5).read().decode()
+    assert "vlaunch_engines_drained 2.0" in metrics, metrics
     text = la.text()
     assert "the standby takes over first" in text and "drained: stopped accepting" in text
     la.proc.send_signal(signal.SIGTERM)

@@ -224,7 +224,8 @@ def main() -> int:
                    source=f"hang.md: bench_hang.py --device {args.device} --tp {args.tp} --hang "
                           f"{args.hang} --reps {args.reps} (watchdog {args.watchdog:g} s, "
                           f"unhealthy-after {args.unhealthy_after:g} s, stop timeout "
-                          f"{args.stop_timeout:g} s, hang-kill-after {args.hang_kill_after}), "
+                          f"{args.stop_timeout:g} s, hang-kill-after {args.hang_kill_after}; "
+                          f"{args.model or 'its small random model'}), "
                           f"--standby, medians of {args.reps}")
     return 0 if all(r["same_output"] for r in results) else 1
 

@@ -219,7 +219,8 @@ def main() -> int:
         figures[f"{key}.ratio"] = f"{medians['ordinary'] / medians['warm']:.0f}x"
     record_figures(figures, machine=machine_name(args.device),
                    source=f"standby.md: bench_standby.py --device {args.device} --tp {args.tp} "
-                          f"--reps {args.reps}, SIGKILL -> first token, median of {args.reps}")
+                          f"--reps {args.reps} ({args.model or 'its small random model'}), "
+                          f"SIGKILL -> first token, median of {args.reps}")
     return 0 if all(r["same_output"] for r in results) else 1
 
 

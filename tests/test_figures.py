@@ -33,7 +33,7 @@ figures = _module("figures")
 
 # a number with a unit of time, rate, ratio or memory: what a measurement reads like
 MEASURED = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:\s?[-–]\s?\d+(?:\.\d+)?)?"
-                      r"\s?(?:ms|s|GB/s|TB/s|x|×|%|MiB|GiB)(?![\w/])")
+                      r"\s?(?:ms|µs|s|GB/s|TB/s|x|×|%|MiB|GiB)(?![\w/])")
 # what a page may type: targets, the settings a run used, the (power-of-two) sizes it ran on
 SETTINGS = re.compile(r"target \d+(?:\.\d+)? ?(?:s|%)|(?:watchdog|unhealthy-after|timeout|of) "
                       r"\(?\d+ s|\(2 s\)|\d+ s after its last ping|\d+ s \+ \d+ s|"

@@ -179,8 +179,8 @@ class Clients:
     """`n` threads sending one-token /generate requests back to back, each on a new
     connection; counts answers, refused connections and failed requests."""
 
-    def __init__(self, port: int, n: int = 4) -> None:
-        self.port = port
+    def __init__(self, port: int | str, n: int = 4) -> None:
+        self.port = port  # a TCP port on 127.0.0.1, or a Unix socket's path
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.ok = self.refused = 0
@@ -202,7 +202,7 @@ class Clients:
         body = json.dumps({"tokens": PROMPT, "max_new_tokens": 1})
         while not self.stop.is_set():
             start = time.monotonic()
-            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+            conn = _connection(self.port)
             try:
                 conn.request("POST", "/generate", body=body,
                              headers={"Content-Type": "application/json"})
@@ -237,6 +237,23 @@ class Clients:
                 f"answer {self.gap * 1000:.0f} ms")
 
 
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=60)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(60)
+        self.sock.connect(self.path)
+
+
+def _connection(where: int | str) -> http.client.HTTPConnection:
+    if isinstance(where, str):
+        return _UnixConnection(where)
+    return http.client.HTTPConnection("127.0.0.1", where, timeout=60)
+
+
 def _engine(tmp_path: Path) -> list[str]:
     return [sys.executable, "-m", "vlaunch.cache.reference.engine", "--port",
             str(free_port()), "--warmup-tokens", "0"]
@@ -246,6 +263,7 @@ def _parked(s: dict) -> bool:
     return serving(s) and s["standby"]["state"] == "parked" and s["swap"]["state"] == "none"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_nothing_refused_across_a_kill_a_hang_and_both_swaps(
         launch, ckpts: dict[str, Path], tmp_path: Path, capsys) -> None:  # noqa: F811
@@ -319,3 +337,31 @@ def test_nothing_refused_across_a_kill_a_hang_and_both_swaps(
         assert probe.connect_ex(("127.0.0.1", port)) != 0
     with capsys.disabled():
         print("\n" + "\n".join(lines))
+
+
+@pytest.mark.timeout(300)
+def test_a_unix_socket_across_a_kill_and_a_sighup_with_a_standby(
+        launch, ckpts: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
+    """--listen unix:PATH --standby, four clients: the engine SIGKILLed (only what it held
+    may fail), then SIGHUP (the standby is promoted first, the old engine drains: nothing
+    fails); never a refused connection; the socket file goes with the launcher."""
+    path = str(tmp_path / "engine.sock")
+    la = launch(ckpts["a"], "--listen", f"unix:{path}", "--standby", "--engine-ready",
+                "notify", tp=1, engine=_engine(tmp_path))
+    snap = la.wait_for(_parked, timeout=240)
+    assert snap["launcher"]["listen"] == f"http=unix:{path}"
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    with Clients(path) as clients:
+        clients.more()
+        os.killpg(snap["engine"]["pid"], signal.SIGKILL)
+        snap = la.wait_for(lambda s: _parked(s) and s["standby"]["promotions"] == 1)
+        clients.more()
+        killed = len(clients.failed)
+        assert clients.refused == 0 and killed <= len(clients.threads), clients.failed
+        la.proc.send_signal(signal.SIGHUP)
+        snap = la.wait_for(lambda s: _parked(s) and s["drain"]["drained"] == 1)
+        clients.more()
+        assert clients.refused == 0 and len(clients.failed) == killed, clients.failed
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.wait_exit() == 0
+    assert not os.path.exists(path)

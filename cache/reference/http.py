@@ -206,6 +206,11 @@ class _Server(ThreadingHTTPServer):
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RD)
 
+    def get_request(self) -> tuple[socket.socket, Any]:
+        """Accept; a Unix socket's peer is named "unix" (its address is an empty string)."""
+        conn, address = self.socket.accept()
+        return conn, address if self.socket.family != socket.AF_UNIX else ("unix", 0)
+
     def process_request(self, request: Any, client_address: Any) -> None:
         """Count the connection from its accept, then serve it in a thread."""
         self.mark(request, False)

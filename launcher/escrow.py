@@ -34,6 +34,7 @@ class Held:
     ready: dict[str, Any]
     fds: list[int]
     released: bool = False
+    foreign: bool = False  # a process in another PID namespace opened the raw slabs
     layouts: list[tuple[dict[str, Any], list[int]]] = field(default_factory=list)
     artifacts: OrderedDict[tuple[str, str], dict[str, Any]] = field(
         default_factory=OrderedDict)
@@ -82,6 +83,13 @@ class Escrow:
                 len(f["data"]) for f in held.artifacts.values()) > MAX_ARTIFACT_BYTES):
             held.artifacts.popitem(last=False)
 
+    def mark_foreign(self, rank: int) -> None:
+        """A process in another PID namespace opened the rank's raw slabs: a respawn that
+        adopts them is told so (it cannot list who maps them)."""
+        held = self._held.get(rank)
+        if held is not None:
+            held.foreign = True
+
     def release_raw(self, rank: int) -> int:
         """The rank dropped its raw slabs: close ours; returns how many fds were closed. With
         no engine layout left either, nothing is held: a respawn reads the disk."""
@@ -108,6 +116,8 @@ class Escrow:
                                  if k in held.ready}  # what a swap made the rank serve
         if held.released:
             extra["released"] = True
+        if held.foreign:
+            extra["foreign"] = True
         wire.send_frame(sock, protocol.event("escrow", manifest=held.ready["manifest"],
                                              fingerprint=held.ready["fingerprint"], **extra),
                         held.fds)

@@ -164,7 +164,8 @@ class Swapper:
                                      status=int(msg.get("status", 0)),
                                      message=str(msg.get("message", "")),
                                      label=str(msg.get("label", "")),
-                                     mode=str(msg.get("mode", ""))))
+                                     mode=str(msg.get("mode", "")),
+                                     in_place=str(msg.get("in_place", ""))))
 
     async def _refresh(self, slot: int) -> None:
         """The rank's own report at once (its checkpoint and bytes changed), not in 2 s."""

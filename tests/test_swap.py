@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from vlaunch.cache.contract.exitcodes import ExitStatus
@@ -207,6 +208,123 @@ print("held", flush=True)
 time.sleep(600)
 """
 """A second engine outside the launcher: it maps both ranks' weights and keeps them."""
+
+OUTSIDE = r"""
+import sys, time
+import vlaunch.cache as vc
+model, sockdir, mode = sys.argv[1:4]
+w = vc.load(model, socket_dir=sockdir, fallback=False, device="cpu", mode=mode)
+assert w.source == "cache", w.source
+if mode == "share":
+    w.client.close()  # the lease ends; the tensors, and their mappings, stay
+print("held", flush=True)
+time.sleep(600)
+"""
+"""An engine outside the launcher at TP 1 that keeps its weights: a copy-mode one (its own
+memory), or a share one whose lease ended."""
+
+
+def outside(la: Launcher, model: Path, mode: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", OUTSIDE, str(model), str(la.sockdir), mode],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_in_place_swaps_wait_only_for_what_maps_the_slabs(
+        launch, ckpts: dict[str, Path], want: dict[str, list[int]], tmp_path: Path) -> None:  # noqa: F811
+    la = launch(ckpts["a"], "--stop-timeout", "30", "--engine-ready", "notify", tp=1,
+                engine=reference(tmp_path / "l0", "--no-engine-layout"))
+    served(la)
+    copier = outside(la, ckpts["a"], "copy")  # holds its own copy, nothing of the slabs
+    try:
+        fresh_port(la)
+        r = swap(la, ckpts["b"], "--mode", "in-place", "--lease-wait", "2")
+        assert r.returncode == 0, r.stderr + la.text()
+        assert generate(la) == want["b"]
+        keeper = outside(la, ckpts["b"], "share")  # its lease ended, its mappings did not
+        try:
+            fresh_port(la)
+            r = swap(la, ckpts["a"], "--mode", "in-place", "--lease-wait", "1")
+            assert r.returncode == ExitStatus.SWAP_ROLLED_BACK, r.stderr + la.text()
+            assert f"still mapped by pid {keeper.pid}, which opened them before and still " \
+                   "runs" in r.stderr, r.stderr
+            assert generate(la) == want["b"]
+        finally:
+            keeper.kill()
+            keeper.wait()
+    finally:
+        copier.kill()
+        copier.wait()
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.wait_exit() == 0
+
+
+def respawned(la: Launcher, kill: int) -> dict[str, Any]:
+    """SIGKILL rank 0 (`kill`: its pid as this process sees it): its slabs are adopted from
+    the escrow (--on-rank-exit respawn); the status once it serves again."""
+    os.kill(kill, signal.SIGKILL)
+    return la.wait_for(lambda s: serving(s) and s["ranks"]["0"]["respawns"] == 1
+                       and s["caches_ready"])
+
+
+def test_an_adopted_rank_follows_who_maps_its_slabs_and_swaps_in_place(
+        launch, ckpts: dict[str, Path], want: dict[str, list[int]], tmp_path: Path) -> None:  # noqa: F811
+    la = launch(ckpts["a"], "--stop-timeout", "30", "--engine-ready", "notify",
+                "--on-rank-exit", "respawn", tp=1,
+                engine=reference(tmp_path / "l0", "--no-engine-layout"))
+    snap = served(la)
+    respawned(la, snap["ranks"]["0"]["pid"])
+    assert "adopted slabs mapped by 1 process(es) now" in la.text()  # the engine's
+    fresh_port(la)
+    r = swap(la, ckpts["b"], "--mode", "in-place", "--lease-wait", "10")
+    assert r.returncode == 0, r.stderr + la.text()  # the engine is gone: nothing maps them
+    assert generate(la) == want["b"]
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.wait_exit() == 0
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="PID namespaces need unshare(1) and root here")
+def test_an_in_place_swap_the_rank_cannot_make_is_refused_before_the_engine_stops(
+        launch, ckpts: dict[str, Path], want: dict[str, list[int]], tmp_path: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = reference(tmp_path / "l0", "--no-engine-layout")
+    wrapper = tmp_path / "python-in-a-namespace"  # the launcher in a PID namespace of its own
+    wrapper.write_text(f"#!/bin/sh\nexec unshare --pid --fork --mount-proc "
+                       f"--kill-child=SIGTERM {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    with monkeypatch.context() as m:
+        m.setattr(sys, "executable", str(wrapper))
+        la = launch(ckpts["a"], "--stop-timeout", "30", "--engine-ready", "notify",
+                    "--on-rank-exit", "respawn", tp=1, engine=engine)
+    served(la)
+    # a second engine out here: to the rank, a process of another PID namespace (pid 0)
+    holder = outside(la, ckpts["a"], "share")
+    holder.kill()
+    holder.wait()
+    [rank] = [p for p in psutil.Process(la.proc.pid).children(recursive=True)
+              if "vlaunch.cache" in p.cmdline()]
+    snap = respawned(la, rank.pid)
+    engine_pid = snap["engine"]["pid"]
+    r = swap(la, ckpts["b"], "--mode", "in-place")
+    assert r.returncode == ExitStatus.SWAP_UNAVAILABLE, r.stderr + la.text()
+    assert "rank 0 cannot swap in place: it cannot tell which processes still map its slabs " \
+           "(it adopted its slabs from a rank that exited, and a process in another PID " \
+           "namespace had opened them" in r.stderr, r.stderr
+    assert "version 0 keeps serving" in r.stderr
+    snap = served(la)
+    assert snap["engine"]["pid"] == engine_pid  # never stopped
+    assert generate(la) == want["a"]
+    r = swap(la, ckpts["b"])  # auto: double fits on this host, and double needs no wait
+    assert r.returncode == 0 and "(double)" in r.stdout, r.stderr + la.text()
+    assert generate(la) == want["b"]
+    inside = psutil.Process(la.proc.pid).children(recursive=True)
+    la.proc.kill()  # unshare ignores SIGTERM; its death SIGTERMs the launcher (--kill-child)
+    la.wait_exit()
+    _, alive = psutil.wait_procs(inside, timeout=60)
+    assert not alive, alive
+
 
 CRASH_ON_B = r"""
 import os, sys

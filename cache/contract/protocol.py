@@ -238,7 +238,10 @@ EVENTS: dict[str, dict[str, tuple[type, bool]] | None] = {
               "version": (_INT, False), "model": (_STR, False), "label": (_STR, False)},
     "escrow": {"manifest": (_DICT, True), "fingerprint": (_DICT, True),
                "released": (_BOOL, False), "version": (_INT, False), "model": (_STR, False),
-               "label": (_STR, False)},
+               "label": (_STR, False), "foreign": (_BOOL, False)},
+    # the rank's raw slabs were opened from another PID namespace: a respawn that adopts them
+    # cannot list who maps them (rank/openers.py)
+    "openers": {"foreign": (_BOOL, True)},
     "layout": None,
     "release": {"layout": (_STR, True)},
     "progress": {"rank": (_INT, True), "loaded": (_INT, True), "total": (_INT, True)},
@@ -258,7 +261,8 @@ EVENTS: dict[str, dict[str, tuple[type, bool]] | None] = {
     "swap_answer": {"answer": (_STR, True), "version": (_INT, True), "fits": (_BOOL, False),
                     "status": (_INT, False), "message": (_STR, False), "label": (_STR, False),
                     "mode": (_STR, False), "model": (_STR, False),
-                    "manifest": (_DICT, False), "fingerprint": (_DICT, False)},
+                    "manifest": (_DICT, False), "fingerprint": (_DICT, False),
+                    "in_place": (_STR, False)},
 }
 SWAP_STEPS = ("swap_prepare", "swap_stage", "swap_commit", "swap_finish", "swap_rollback",
               "swap_abort")

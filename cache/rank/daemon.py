@@ -267,8 +267,14 @@ class CacheServer:
                 return self._hand_over(lease, sizes)
             log.info("rank %d: copy-release by %s: a copy, not the slabs themselves: %s",
                      self.rank, lease.who, why)
-        if not self.openers.note(lease.conn, lease.pid):  # /proc: off the reply's path
+        # a share engine may keep its tensors past its lease: followed until it exits. A copy
+        # mode's drops its mapping of the slabs (or, on a GPU, gets only its copy) before its
+        # connection ends, so its lease, not its process, is what holds them
+        foreign = self.openers.foreign
+        if f["mode"] == "share" and not self.openers.note(lease.conn, lease.pid):
             asyncio.get_running_loop().call_soon(self.openers.note_by_pid, lease.pid)
+        if self.openers.foreign and not foreign:
+            self.tell_openers()
         copy = self.copier.start(f"rank {self.rank}: {lease.who}") \
             if self.copier and f["mode"] != "share" else None
         if copy is None:
@@ -293,8 +299,8 @@ class CacheServer:
         if self.raw_released:
             return "they were released"
         if self.openers.alive():
-            return self.openers.unknown or ("a process that opened them before still runs "
-                                            "(its lease ended; its tensors may not have)")
+            return self.openers.unknown or self.openers.describe() or \
+                "a process that opened them before may still run"
         return ""
 
     @contextlib.contextmanager
@@ -463,6 +469,12 @@ class CacheServer:
             self.copier.close()
         if self.swap is not None:
             self.swap.raw_closed()
+
+    def tell_openers(self) -> None:
+        """Tell the launcher that a process in another PID namespace opened the raw slabs
+        (its escrow passes that on to a respawn, which cannot list such processes)."""
+        if self.openers.foreign:
+            self.send_escrow(protocol.event("openers", foreign=True), [])
 
     def send_escrow(self, frame: dict[str, Any], fds: list[int]) -> None:
         """Tell the launcher (if it listens) what to escrow or drop (docs/engine-layout.md),

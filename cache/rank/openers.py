@@ -54,6 +54,7 @@ class Openers:
         self._by_pid: dict[int, _Opener] = {}  # the latest opener of each known pid
         self._proc_ours = peers.proc_is_ours()  # /proc names the pids SO_PEERCRED gives
         self.unknown = ""
+        self.foreign = False  # a process in another PID namespace opened them
 
     def __len__(self) -> int:
         return len(self._openers)
@@ -65,6 +66,7 @@ class Openers:
             return True
         if pid != peers.UNKNOWN_PID and self._proc_ours:
             return False
+        self.foreign = True  # followed by a pidfd, if at all: a respawn cannot list it
         try:
             pidfd = peers.peer_pidfd(conn)
         except peers.PeerGone:
@@ -97,6 +99,44 @@ class Openers:
             return True
         self._prune()
         return bool(self._openers)
+
+    def describe(self, leased: frozenset[int] = frozenset()) -> str:
+        """The openers that may still map the slabs, by pid (those in `leased`, which hold a
+        lease now, left out), in words; "" when none is left."""
+        self._prune()
+        names = sorted({peers.describe(o.pid) for o in self._openers if o.pid not in leased})
+        if not names:
+            return ""
+        more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+        if len(names) == 1:
+            return (f"{names[0]}, which opened them before and still runs (its lease ended; "
+                    "its tensors may not have)")
+        return (f"{', '.join(names[:4])}{more}, which opened them before and still run (their "
+                "leases ended; their tensors may not have)")
+
+    def adopt(self, fds: list[int], backend: str, *, foreign: bool = False) -> None:
+        """Slabs adopted from a rank that exited: follow every process that maps them now
+        (what that rank noted died with it). A CPU slab is a memfd, and each process that maps
+        it has a line of /proc/PID/maps with its inode; nothing else can map it later but
+        through this rank. A GPU slab's importers are not listed anywhere, nor are processes
+        of another PID namespace (`foreign`: one opened them): unknown for good."""
+        if foreign:
+            self.foreign = True
+            self.give_up("it adopted its slabs from a rank that exited, and a process in another "
+                         "PID namespace had opened them, which it cannot list")
+            return
+        if backend != "cpu":
+            self.give_up("it adopted its slabs from a rank that exited, and a GPU slab's "
+                         "importers cannot be listed")
+            return
+        if not self._proc_ours:
+            self.give_up("it adopted its slabs from a rank that exited, and /proc here is not "
+                         "of its PID namespace: the processes that map them cannot be listed")
+            return
+        for pid in mapping_pids(fds):
+            self.note_by_pid(pid)
+        log.info("rank %d: adopted slabs mapped by %d process(es) now: %s", self.rank,
+                 len(self._openers), ", ".join(str(o.pid) for o in self._openers) or "none")
 
     def give_up(self, why: str) -> None:
         """Stop following openers: from now on one may always be alive."""
@@ -159,3 +199,29 @@ def start_time(pid: int) -> float:
         return float(psutil.Process(pid).create_time())
     except psutil.Error:
         return 0.0
+
+
+def mapping_pids(fds: list[int]) -> list[int]:
+    """The processes of this user, this one aside, that map any of the files `fds` are open on
+    (memfds), by their /proc/PID/maps; a process that exits meanwhile maps nothing."""
+    wanted = set()
+    for fd in fds:
+        st = os.fstat(fd)
+        wanted.add((f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", str(st.st_ino)))
+    me, uid, out = os.getpid(), os.getuid(), []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+            with open(f"/proc/{name}/maps", "rb") as f:
+                for line in f:
+                    parts = line.split(None, 5)
+                    if len(parts) > 4 and parts[4] != b"0" and \
+                            (parts[3].decode(), parts[4].decode()) in wanted:
+                        out.append(int(name))
+                        break
+        except OSError:  # it exited, or is not ours to read
+            continue
+    return out

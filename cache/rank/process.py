@@ -125,9 +125,8 @@ def _run(opts: RankArgs, rank: int) -> int:
             copier = RankCopier(backend, served.fds, served.manifest.slab_sizes)
         server = CacheServer(rank, served, device=backend.device, artifacts=store,
                              layouts=layouts, copier=copier)
-        if opts.adopt_fd >= 0:
-            server.openers.give_up("its slabs were adopted from a rank that exited, and the "
-                                   "engines that mapped them then may still")
+        if opts.adopt_fd >= 0:  # who maps them now: what the rank that exited had noted
+            server.openers.adopt(served.fds, backend.name, foreign=served.foreign)
         from vlaunch.cache.rank.integrity import Integrity
         from vlaunch.cache.rank.swap import RankSwap
 
@@ -287,7 +286,7 @@ def _adopt(fd: int, store: ArtifactStore) -> Served:
              " (raw layout released)" if released else "", len(layouts))
     return Served(manifest, fds, {str(k): str(v) for k, v in msg["fingerprint"].items()},
                   layouts=layouts, raw_released=released, version=int(msg.get("version", 0)),
-                  label=str(msg.get("label", "")))
+                  label=str(msg.get("label", "")), foreign=msg.get("foreign") is True)
 
 
 def _adopt_artifact(frame: dict[str, Any], fds: list[int], store: ArtifactStore) -> None:
@@ -377,6 +376,7 @@ def _report_ready(server: CacheServer, lock: RankLock, opts: RankArgs) -> None:
             server.send_escrow(layout.escrow(), layout.fds)
         if server.raw_released:
             server.send_escrow({"event": "release", "layout": "raw"}, [])
+        server.tell_openers()
         server.escrow_artifacts()  # from --artifact-dir, a seed or the escrow: kept there too
     notify = SdNotify()  # `vlaunch cache` under its own unit; never blocks, never raises
     notify.send({"READY": "1", "STATUS": f"rank {rank} serving"})

@@ -114,6 +114,12 @@ class Publisher:
             staged.slabs = self.swap.allocate(manifest.slab_sizes,
                                           "on the device beside the served one")
         else:
+            blocked = self.swap.server.openers.unknown
+            if blocked:
+                raise SwapError(f"rank {self.swap.server.rank} cannot take a version in place: "
+                                f"it cannot tell which processes still map its slabs "
+                                f"({blocked}); publish with mode=\"double\" (room for both "
+                                "shards on the device), or restart the launcher")
             self.swap.room_on_host(Staged(0, "", keep=True, margin=margin, manifest=manifest))
             from vlaunch.cache.store.slabs import CpuSlab
 

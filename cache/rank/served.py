@@ -26,3 +26,4 @@ class Served:
     raw_released: bool = False
     version: int = 0
     label: str = ""
+    foreign: bool = False  # adopted slabs that a process in another PID namespace opened

@@ -151,6 +151,7 @@ class RankSwap:
                     fingerprint=server.fingerprint, model=self.model, label=self.label)
         for layout in server.layouts.layouts.values():
             server.send_escrow(layout.escrow(), layout.fds)
+        server.tell_openers()  # the launcher holds these slabs anew
 
     # ------------------------------------------------------------------------ steps
 
@@ -168,7 +169,14 @@ class RankSwap:
             return
         self.staged = staged
         self.answer("prepared", staged.version, fits=fits, model=staged.model,
-                    fingerprint=staged.fingerprint)
+                    fingerprint=staged.fingerprint, in_place=self.in_place_blocker())
+
+    def in_place_blocker(self) -> str:
+        """Why an in-place cutover would be refused whatever happens until then ("" when it
+        would not): the rank cannot tell who maps its slabs, for its life."""
+        unknown = self.server.openers.unknown
+        return f"it cannot tell which processes still map its slabs ({unknown})" if unknown \
+            else ""
 
     def _check(self, staged: Staged) -> bool:
         """Every check of the new checkpoint (in a thread); whether the device has room."""
@@ -553,9 +561,12 @@ class RankSwap:
         if server.raw_readers:
             out.append(f"{server.raw_readers} read(s) of the slabs (vlaunch verify, a seed "
                        "stream)")
-        if server.openers.alive() and not any(x.mode for x in server.leases.values()):
-            out.append(server.openers.unknown or "a process that opened them before and still "
-                       "runs (its lease ended; its tensors may not have)")
+        if server.openers.unknown:
+            out.append(f"processes it cannot name ({server.openers.unknown})")
+        elif server.openers.alive():  # those that hold a lease now are named above
+            opened = server.openers.describe(frozenset(x.pid for x in server.leases.values()
+                                                       if x.mode))
+            out += [opened] if opened else []
         copier = server.copier
         if copier is not None and copier.status()["in_flight"]:
             out.append("a copy for a copy-mode engine")

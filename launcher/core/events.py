@@ -276,7 +276,8 @@ class SwapStep:
     committed a published version (`published`, with its `label` and staging `mode`).
 
     prepared: every check passed; `fits`: the device has room for the new shard beside the
-    old one. refused: `status` (an exit status) and `message` say why."""
+    old one; `in_place`: why the rank would refuse an in-place cutover ("" when it would
+    not). refused: `status` (an exit status) and `message` say why."""
 
     rank: int
     answer: SwapAnswer
@@ -287,6 +288,7 @@ class SwapStep:
     message: str = ""
     label: str = ""
     mode: str = ""
+    in_place: str = ""
 
 
 Event = (Started | CacheReady | ChildExited | EngineReady | EngineHealth | SignalReceived

@@ -69,6 +69,7 @@ class SupervisorState:
         self._swap_waiting: set[int] = set()  # ranks whose answer to the last step is due
         self._swap_answered: set[int] = set()  # committed ranks (a refusal rolls them back)
         self._swap_fits = True  # every prepared rank has room for both shards
+        self._swap_no_in_place: dict[int, str] = {}  # rank -> why it cannot cut over in place
         self._swap_refusal: tuple[int, str] | None = None  # the commit's (status, why)
         self._swap_deadline: float | None = None
         self._swap_engine_gone = False  # the old engine exited during the commit

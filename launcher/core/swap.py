@@ -83,6 +83,7 @@ class SwapDecisions(SupervisorState):
         self._swap_request, self._swap_policy = request, policy
         self._swap_waiting = set(self._swap_ranks())
         self._swap_answered, self._swap_fits, self._swap_refusal = set(), True, None
+        self._swap_no_in_place = {}
         self._swap_deadline, self._swap_engine_gone = None, False
         self._swap_rollback_sent = self._swap_new_engine = False
         self._swap = replace(self._swap, state=state, target_version=version,
@@ -104,6 +105,8 @@ class SwapDecisions(SupervisorState):
             return []
         self._swap_waiting.discard(e.rank)
         self._swap_fits = self._swap_fits and (e.fits or e.answer != "prepared")
+        if e.answer == "prepared" and e.in_place:
+            self._swap_no_in_place[e.rank] = e.in_place
         if e.answer == "committed":
             self._swap_answered.add(e.rank)
         if self._swap_waiting:
@@ -147,6 +150,8 @@ class SwapDecisions(SupervisorState):
         sw, policy = self._swap, self._swap_policy
         fits = self._swap_fits
         mode = policy.mode if policy.mode != "auto" else "double" if fits else "in-place"
+        if mode == "in-place" and self._swap_no_in_place:
+            return self._swap_abort(ExitStatus.SWAP_UNAVAILABLE, self._swap_in_place_refused())
         why = "" if policy.mode != "auto" else \
             " (every device has room for both)" if fits else " (a device has no room for both)"
         self._swap = replace(sw, state=S.STAGING, mode=mode)
@@ -154,6 +159,18 @@ class SwapDecisions(SupervisorState):
         return [Log("INFO", f"swap to version {sw.target_version}: staging the new weights, "
                             f"{mode}{why}"),
                 SwapRanks("stage", sw.target_version, mode=mode), self._swap_notify()]
+
+    def _swap_in_place_refused(self) -> str:
+        """Why an in-place swap is refused before anything stops: a rank said it could not
+        cut over in place (its commit would wait --lease-wait with the engine gone, then roll
+        back)."""
+        rank, why = min(self._swap_no_in_place.items())
+        room = "" if self._swap_policy.mode == "in-place" else \
+            " (every device needs room for both shards)"
+        return (f"rank {rank} cannot swap in place: {why}; an in-place swap would stop the "
+                "engine, then find the slabs held and roll back: swap double-buffered "
+                f"(--mode double{room}), or restart the launcher (a fresh load follows who "
+                "maps its slabs)")
 
     def _swap_if_staged(self, now: float) -> list[Action]:
         """A published version: go on once every rank has staged it."""

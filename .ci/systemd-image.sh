@@ -12,7 +12,8 @@ python3 -m venv /opt/vlaunch
     "$(ls /wheels/vlaunch-*.whl)"
 /opt/vlaunch/bin/vlaunch --help >/dev/null
 useradd --system --home-dir /var/lib/vlaunch --create-home vlaunch
-install -m 0644 /src/units/vlaunch@.service /src/units/vlaunch-cache@.service \
+install -m 0644 /src/units/vlaunch@.service /src/units/vlaunch@.socket \
+    /src/units/vlaunch-cache@.service \
     /src/docs/examples/vlaunch-engine@.service /etc/systemd/system/
 install -d -m 0755 /etc/vlaunch /models
 # A container has no network to wait for, no getty and no udev to settle.

@@ -191,6 +191,45 @@ def test_reload_restarts_the_engine_and_keeps_the_caches(machine: Machine) -> No
         stop(m, unit)
 
 
+def test_socket_activation_hands_systemds_socket_to_every_engine(machine: Machine) -> None:
+    """vlaunch@NAME.socket: systemd binds the engine's socket; the launcher takes it (its
+    LISTEN_PID), every engine serves it and binds no port of its own; across a reload (a new
+    engine) it stays bound, and with the service stopped a connection starts the service
+    (socket activation) and is answered once the new launcher's engine serves."""
+    m = machine
+    service, sock = "vlaunch@sock.service", "vlaunch@sock.socket"
+    m.write(f"/etc/systemd/system/{sock}.d/listen.conf",
+            "[Socket]\nListenStream=\nListenStream=127.0.0.1:8010\n")
+    configure(m, service, f'model = "{MODEL}"\ntensor-parallel-size = 1\n'
+                          'engine-ready = "notify"\nstandby = true\n',
+              f"ENGINE_COMMAND={ENGINE} --port 8999\n")
+    try:
+        m.systemctl("start", sock)
+        assert state(m, service)["ActiveState"] == "inactive"  # nothing started yet
+        m.systemctl("start", service)
+        m.wait(lambda: serving(m, service), 120, f"{service} serving")
+        code, body = m.http("http://127.0.0.1:8010/stats")
+        assert code == 200, body
+        first = json.loads(body)["pid"]
+        assert m.http("http://127.0.0.1:8999/stats", timeout=5)[0] == 0  # nothing bound there
+        journal = m.journal(service)
+        assert "socket activation: took http=127.0.0.1:8010 from the service manager" in \
+            journal, journal[-3000:]
+        m.wait(lambda: (m.status("sock").get("standby") or {}).get("state") == "parked",
+               120, "a parked standby")
+        m.systemctl("reload", service)
+        m.wait(lambda: serving(m, service), 120, f"{service} serving again")
+        code, body = m.http("http://127.0.0.1:8010/stats")
+        assert code == 200 and json.loads(body)["pid"] != first, body
+        assert "the standby takes over first" in m.journal(service)
+        m.systemctl("stop", service)  # the socket unit keeps listening
+        code, body = m.http("http://127.0.0.1:8010/stats", timeout=200)  # starts the service
+        assert code == 200, body
+        m.wait(lambda: serving(m, service), 120, f"{service} started by the connection")
+    finally:
+        stop(m, service, sock)
+
+
 def test_watchdog_kills_a_stopped_launcher_and_restarts_the_unit(machine: Machine) -> None:
     """A SIGSTOPped launcher sends no WATCHDOG=1: after WatchdogSec systemd sends its
     WatchdogSignal (SIGABRT) to the launcher, then restarts the unit (Restart=on-failure)."""
@@ -353,7 +392,7 @@ def test_two_unit_layout(machine: Machine) -> None:
 
 def test_units_are_the_checkouts(machine: Machine) -> None:
     """The image runs the unit files of this checkout, unchanged."""
-    for path in ("units/vlaunch@.service", "units/vlaunch-cache@.service",
+    for path in ("units/vlaunch@.service", "units/vlaunch@.socket", "units/vlaunch-cache@.service",
                  "docs/examples/vlaunch-engine@.service"):
         there = machine.sh(f"cat /etc/systemd/system/{shlex.quote(Path(path).name)}").stdout
         assert there == (ROOT / path).read_text(), path

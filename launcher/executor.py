@@ -113,7 +113,7 @@ class Executor:
         self._channel_handlers: dict[str, Callable[[int, dict[str, Any], list[int]], None]] = {
             "ready": self._rank_ready, "layout": self._rank_layout,
             "release": self._rank_release, "artifact": self._rank_artifact,
-            "openers": self._rank_openers,
+            "openers": self._rank_openers, "hello": self._rank_hello,
             "swap_answer": self.swapper.on_answer,
         }
 
@@ -314,7 +314,7 @@ class Executor:
                     self._bad_report(running, str(exc))
                     return
                 self._channel_handlers[msg["event"]](rank, msg, fds)
-                expect = ("layout", "release", "artifact", "swap_answer", "openers")
+                expect = ("layout", "release", "artifact", "swap_answer", "openers", "hello")
 
     def _bad_report(self, running: _Running, why: str) -> None:
         log.error("cache rank %s sent a bad report (%s): killing it", running.rank, why)
@@ -338,6 +338,27 @@ class Executor:
         """The rank holds an artifact: escrow it, so that a respawn gets it back."""
         wire.close_fds(fds)
         self.escrow.keep_artifact(rank, msg)
+
+    def _rank_hello(self, rank: int, msg: dict[str, Any], fds: list[int]) -> None:
+        """A client's hello and the rank's answer: the core hears it when the client is one
+        of the engine's or the standby's processes (whether it maps its weights from the
+        caches)."""
+        wire.close_fds(fds)
+        owner = self._engine_process(msg["pid"])
+        if owner is not None:
+            self.post(events.EngineWeights(rank, owner, msg["ok"], msg["why"], 0.0))
+
+    def _engine_process(self, pid: int) -> int | None:
+        """The pid of the engine or standby (as started: its keeper) that `pid` is, or runs
+        under; None for any other process."""
+        import psutil
+
+        ours = {r.child.pid for r in (self.engine, self.standby) if r is not None}
+        try:
+            chain = [pid, *(p.pid for p in psutil.Process(pid).parents())]
+        except psutil.Error:
+            return None
+        return next((p for p in chain if p in ours), None)
 
     def _rank_openers(self, rank: int, msg: dict[str, Any], fds: list[int]) -> None:
         """A process in another PID namespace opened the rank's slabs: a respawn is told."""

@@ -560,7 +560,7 @@ def test_snapshot_is_json_and_names_the_first_failure() -> None:
         "loaded_bytes": 0, "total_bytes": 0,
         "engine": {"state": "stopping", "pid": 202, "attempt": 2, "restarts": 1,
                    "last_exit": 1, "healthy": True, "failing": [], "hangs": 0,
-                   "recent_restarts": 1, "unhealthy_for": 0.0},
+                   "recent_restarts": 1, "weights": {}, "unhealthy_for": 0.0},
         "first_failure": {"rank": 1, "pid": 101, "status": -9,
                           "description": "killed by signal 9 (SIGKILL: the OOM killer?)"},
         "swap": {"state": "none", "version": 0, "model": "", "label": "", "target_version": 0,

@@ -326,6 +326,44 @@ def test_an_in_place_swap_the_rank_cannot_make_is_refused_before_the_engine_stop
     assert not alive, alive
 
 
+STALE_ON_B = r"""
+import os, sys
+from vlaunch.cache.store import identity
+if os.environ["VLAUNCH_MODEL"].endswith("/b"):
+    # what files rewritten with their mtimes restored look like to an engine that took their
+    # identity before (the file check's blind spot): its fingerprint is not the cache's
+    real = identity.identities
+    identity.identities = lambda *a, **k: identity.CheckpointIdentity(real(*a, **k)[0], "old")
+from vlaunch.cache.reference.engine import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_new_engine_that_loads_from_disk_is_no_finished_swap(
+        launch, ckpts: dict[str, Path], want: dict[str, list[int]], tmp_path: Path) -> None:  # noqa: F811
+    script = tmp_path / "engine.py"
+    script.write_text(STALE_ON_B)
+    engine = [sys.executable, str(script), "--port-file", str(tmp_path / "l0" / "port")]
+    la = launch(ckpts["a"], "--stop-timeout", "30", "--engine-ready", "notify", tp=1,
+                engine=engine)
+    snap = la.wait_for(lambda s: serving(s) and s["engine"]["weights"] == {"0": "cache"})
+    assert generate(la) == want["a"]
+    for mode in ("double", "in-place"):
+        fresh_port(la)
+        r = swap(la, ckpts["b"], "--mode", mode)
+        assert r.returncode == ExitStatus.SWAP_ROLLED_BACK, r.stderr + la.text()
+        assert "the new engine is ready, but not on the new weights from the caches: cache " \
+               "rank 0 refused them (fingerprint mismatch: checkpoint_data is 'old' for it" \
+               in r.stderr, r.stderr
+        assert "cache rank 0 refused its weights to the engine" in la.text()
+        snap = la.wait_for(lambda s: serving(s) and s["swap"]["state"] == "none" and
+                           s["engine"]["weights"] == {"0": "cache"})
+        assert snap["swap"]["version"] == 0 and "rolled back" in snap["swap"]["last"]
+        assert generate(la) == want["a"]  # the old engine's weights, from the caches again
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.wait_exit() == 0
+
+
 CRASH_ON_B = r"""
 import os, sys
 if os.environ["VLAUNCH_MODEL"].endswith("/b"):

@@ -35,6 +35,12 @@ def test_a_swap_request_is_checked_field_by_field() -> None:
     assert len(json.dumps(answer)) < control.MAX_BODY
 
 
+def test_the_core_and_the_client_name_the_cutover_alike() -> None:
+    from vlaunch.launcher.core import swap
+
+    assert swap.CUTTING_OVER == control.CUTTING_OVER  # vlaunch swap tells a cutover by it
+
+
 def test_a_swap_policy_names_every_bad_field() -> None:
     with pytest.raises(ValueError, match=r"mode must be one of.*on_failure.*attempts"):
         SwapPolicy(mode="x", on_failure="retry", attempts=0)

@@ -24,7 +24,8 @@ MODES = ("auto", "double", "in-place")
 ON_FAILURE = ("rollback", "stop")
 CUTTING_OVER = "cutting over"
 """The progress answer's message once the launcher asks the ranks to cut over: from then on
-they may hold the new weights, should the launcher die."""
+they may hold the new weights, should the launcher die (the core's own copy, core/swap.py,
+is checked equal by tests/test_swap_parts.py)."""
 REQUEST: dict[str, type] = {"op": str, "model": str, "mode": str, "on_failure": str,
                             "standby": bool, "margin": int, "lease_wait_ms": int,
                             "attempts": int, "ready_timeout_ms": int}

@@ -242,6 +242,9 @@ EVENTS: dict[str, dict[str, tuple[type, bool]] | None] = {
     # the rank's raw slabs were opened from another PID namespace: a respawn that adopts them
     # cannot list who maps them (rank/openers.py)
     "openers": {"foreign": (_BOOL, True)},
+    # a client's raw hello and how the rank answered it ("" why: its fingerprint matched):
+    # the launcher tells from it whether its engine maps the weights from the caches
+    "hello": {"pid": (_INT, True), "ok": (_BOOL, True), "why": (_STR, True)},
     "layout": None,
     "release": {"layout": (_STR, True)},
     "progress": {"rank": (_INT, True), "loaded": (_INT, True), "total": (_INT, True)},

@@ -156,6 +156,8 @@ class CacheServer:
                     raise ProtocolError(f"{op} is only served on the seeding TCP port")
                 result = self._dispatch(cid, op, fields)
                 reply, fds = await result if asyncio.iscoroutine(result) else result
+                if op == "hello":
+                    self._tell_hello(self.leases[cid], reply, bool(fields.get("layout")))
                 # a client that stops reading its replies loses its connection, not a task
                 await wire.write_frame(loop, conn, reply, fds, timeout=FRAME_TIMEOUT)
         except (EOFError, ConnectionError, asyncio.CancelledError):
@@ -469,6 +471,26 @@ class CacheServer:
             self.copier.close()
         if self.swap is not None:
             self.swap.raw_closed()
+
+    def _tell_hello(self, lease: Lease, reply: dict[str, Any] | bytes, layout: bool) -> None:
+        """Tell the launcher how a client's hello was answered: whether that process maps
+        the weights from this cache, or why not (a swap's new engine that falls back to the
+        disk is no finished swap: core/swap.py). A refused engine-layout hello is none: the
+        client asks for the raw layout next."""
+        if self.escrow is None or lease.pid == peers.UNKNOWN_PID or not isinstance(reply, dict):
+            return
+        ok = reply.get("ok") is True
+        if layout and not ok:
+            return
+        if ok:
+            why = ""
+        elif reply.get("error") == "mismatch" and reply.get("mismatch"):
+            field, ours, theirs = reply["mismatch"][0]
+            why = (f"fingerprint mismatch: {field} is {str(theirs)[:120]!r} for it, "
+                   f"{str(ours)[:120]!r} here")
+        else:
+            why = f"{reply.get('error')}: {str(reply.get('message', ''))[:200]}"
+        self.send_escrow(protocol.event("hello", pid=lease.pid, ok=ok, why=why), [])
 
     def tell_openers(self) -> None:
         """Tell the launcher that a process in another PID namespace opened the raw slabs

@@ -261,6 +261,20 @@ class StandbyParked:
 
 
 @dataclass(frozen=True)
+class EngineWeights:
+    """Cache rank `rank` answered a hello of a process of the engine's or the standby's (`pid`:
+    the one the launcher started, as Spawned named it): `ok`, it maps its weights from that
+    cache; else `why` the rank refused them (the engine then loads them from elsewhere, the
+    disk, or exits)."""
+
+    rank: int
+    pid: int
+    ok: bool
+    why: str
+    now: float
+
+
+@dataclass(frozen=True)
 class SwapRequested:
     """`vlaunch swap` asked (on the control socket, as `request`) for new weights: `model`."""
 
@@ -293,7 +307,7 @@ class SwapStep:
 
 Event = (Started | CacheReady | ChildExited | EngineReady | EngineHealth | SignalReceived
          | Tick | Spawned | PreloadDone | CacheProgress | StandbyParked | EngineWatchdog
-         | SwapRequested | SwapStep)
+         | SwapRequested | SwapStep | EngineWeights)
 
 
 # -------------------------------------------------------------------------------- actions

@@ -70,6 +70,8 @@ class SupervisorState:
         self._swap_answered: set[int] = set()  # committed ranks (a refusal rolls them back)
         self._swap_fits = True  # every prepared rank has room for both shards
         self._swap_no_in_place: dict[int, str] = {}  # rank -> why it cannot cut over in place
+        # engine or standby pid -> rank -> why that rank refused its weights ("": it maps them)
+        self._weights_seen: dict[int, dict[int, str]] = {}
         self._swap_refusal: tuple[int, str] | None = None  # the commit's (status, why)
         self._swap_deadline: float | None = None
         self._swap_engine_gone = False  # the old engine exited during the commit

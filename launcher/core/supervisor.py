@@ -64,6 +64,7 @@ from .events import (
     EngineHealth,
     EngineReady,
     EngineWatchdog,
+    EngineWeights,
     Event,
     Log,
     Notify,
@@ -104,6 +105,7 @@ class Supervisor(RankDecisions, EngineDecisions, HangDecisions, StandbyDecisions
             CacheProgress: self._on_cache_progress, StandbyParked: self._on_standby_parked,
             EngineWatchdog: self._on_engine_watchdog,
             SwapRequested: self._on_swap_requested, SwapStep: self._on_swap_step,
+            EngineWeights: self._on_engine_weights,
         }
 
     def handle(self, event: Event) -> list[Action]:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import signal
 from dataclasses import replace
 
-from vlaunch.cache.contract.control import CUTTING_OVER
 from vlaunch.cache.contract.exitcodes import ExitStatus
 
 from .events import (
     Action,
     ChildExited,
+    EngineWeights,
     Log,
     Notify,
     SignalChild,
@@ -33,6 +33,9 @@ from .model import ENGINE_ALIVE, EngineState, Phase, RankState, StandbyState, Sw
 from .state import SupervisorState
 
 S = SwapState
+CUTTING_OVER = "cutting over"
+"""The progress answer's message once the ranks are asked to cut over (control.CUTTING_OVER:
+the core imports nothing of the wire's)."""
 PUBLISH_WAIT = 120.0
 """Seconds every swapped rank has to commit a published version once the first one did."""
 _ANSWERS = {S.PREPARING: "prepared", S.STAGING: "staged", S.COMMITTING: "committed",
@@ -305,8 +308,40 @@ class SwapDecisions(SupervisorState):
                             "new weights"), *self._spawn_engine()]
 
     def _swap_engine_ready(self, now: float) -> list[Action]:
-        """The engine is ready: in the starting step, the swap is done."""
-        return self._swap_finish(now) if self._swap.state is S.STARTING else []
+        """The engine is ready: in the starting step, the swap is done, unless a rank refused
+        it the new weights (it serves what it loaded elsewhere: the disk)."""
+        if self._swap.state is not S.STARTING:
+            return []
+        refused = self._weights_refused()
+        if refused:
+            rank, why = refused
+            return self._swap_give_up(now, (
+                f"the new engine is ready, but not on the new weights from the caches: cache "
+                f"rank {rank} refused them ({why}), so it serves what it loaded elsewhere (the "
+                "disk)"))
+        return self._swap_finish(now)
+
+    def _weights_refused(self) -> tuple[int, str] | None:
+        """The first rank that refused the engine its weights, and why (None: none did)."""
+        engine = self._engine
+        seen = self._weights_seen.get(engine.pid or 0, {}) if engine is not None else {}
+        return next(((r, why) for r, why in sorted(seen.items()) if why), None)
+
+    def _on_engine_weights(self, e: EngineWeights) -> list[Action]:
+        """A rank answered a hello of the engine's or the standby's: note whether it maps the
+        weights from the caches (`/status` engine.weights; a swap's check above)."""
+        engine, sb = self._engine, self._standby
+        ours = {p for p in (engine.pid if engine else None, sb.pid if sb else None) if p}
+        self._weights_seen = {p: v for p, v in self._weights_seen.items() if p in ours}
+        if e.pid not in ours:
+            return []
+        self._weights_seen.setdefault(e.pid, {})[e.rank] = "" if e.ok else e.why[:400]
+        if e.ok:
+            return []
+        who = "the standby" if sb is not None and e.pid == sb.pid else "the engine"
+        return [Log("WARNING", f"cache rank {e.rank} refused its weights to {who} (pid "
+                               f"{e.pid}): {e.why[:400]}; it loads them from elsewhere (the "
+                               "disk) or exits")]
 
     def _swap_finish(self, now: float) -> list[Action]:
         """The new weights serve: the ranks drop the old ones."""

@@ -81,6 +81,7 @@ class StatusView(SupervisorState):
             "total_bytes": sum(r.total_bytes for r in self._ranks.values()),
             "engine": None if self._engine is None else {
                 **jsonable(self._engine), "recent_restarts": len(self._budget),
+                "weights": self._engine_weights(),
                 "unhealthy_for": (0.0 if self._unhealthy_since is None
                                   else round(self._now - self._unhealthy_since, 3))},
             "first_failure": None if self._first_failure is None else {
@@ -93,6 +94,14 @@ class StatusView(SupervisorState):
             "stop": None if stop is None else {"cause": int(stop.cause), "reason": stop.reason},
             "exit_status": self.exit_status,
         }
+
+    def _engine_weights(self) -> dict[str, str]:
+        """Where the engine's processes took each rank's weights from, as far as the ranks
+        saw: "cache", or why the rank refused them (`/status` engine.weights)."""
+        engine = self._engine
+        seen = self._weights_seen.get(engine.pid or 0, {}) if engine is not None else {}
+        return {str(r): f"not the cache: {why}" if why else "cache"
+                for r, why in sorted(seen.items())}
 
     def _status_line(self) -> str:
         """The STATUS= text for the current phase, naming respawning ranks."""

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vlaunch.cache")
 FRAME_TIMEOUT = 10.0
+MAX_HELLOS_TOLD = 256
+"""Client pids whose last hello answer the rank remembers (it tells the launcher only news)."""
 
 
 _COPIED = protocol.encode({"ok": True})  # the reply to `copied`, which a thread may send
@@ -85,6 +87,7 @@ class CacheServer:
         self._handed_to: int | None = None  # the lease the raw slabs went to (copy-release)
         self.raw_readers = 0  # reads of the raw slabs in flight: seed streams, digests
         self.openers = Openers(rank)  # the processes that opened the raw layout
+        self._hellos_told: dict[int, tuple[bool, str]] = {}  # pid -> its last hello's answer
         self.leases: dict[int, Lease] = {}
         self.started = time.time()
         self._release = served.release
@@ -490,6 +493,13 @@ class CacheServer:
                    f"{str(ours)[:120]!r} here")
         else:
             why = f"{reply.get('error')}: {str(reply.get('message', ''))[:200]}"
+        told = self._hellos_told  # a process's repeats are not news (a loop of loads)
+        if told.get(lease.pid) == (ok, why):
+            return
+        told.pop(lease.pid, None)
+        told[lease.pid] = (ok, why)
+        while len(told) > MAX_HELLOS_TOLD:
+            told.pop(next(iter(told)))
         self.send_escrow(protocol.event("hello", pid=lease.pid, ok=ok, why=why), [])
 
     def tell_openers(self) -> None:

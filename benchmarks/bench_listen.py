@@ -64,7 +64,7 @@ class Clients:
                     self.refused += 1
                 time.sleep(0.001)  # a client's immediate retry
                 continue
-            except OSError:
+            except (OSError, http.client.HTTPException):  # reset, truncated
                 ok = False
             finally:
                 conn.close()

@@ -214,7 +214,7 @@ class Clients:
                     self.refused += 1
                 time.sleep(0.01)
                 continue
-            except OSError as exc:
+            except (OSError, http.client.HTTPException) as exc:  # reset, truncated
                 with self.lock:
                     self.failed.append(repr(exc))
                 continue
@@ -365,3 +365,24 @@ def test_a_unix_socket_across_a_kill_and_a_sighup_with_a_standby(
     la.proc.send_signal(signal.SIGTERM)
     assert la.wait_exit() == 0
     assert not os.path.exists(path)
+
+
+@pytest.mark.timeout(300)
+def test_an_ordinary_restart_queues_clients_until_the_new_engine_is_ready(
+        launch, ckpts: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
+    """--listen without a standby: the engine SIGKILLed and started again (weights mapped,
+    a fresh process): the new engine accepts only once it is ready, so the clients that
+    connected meanwhile wait and are answered; only what the killed engine held fails."""
+    port = free_port()
+    la = launch(ckpts["a"], "--listen", f"127.0.0.1:{port}", "--engine-ready", "notify",
+                "--backoff-initial", "0", tp=1, engine=_engine(tmp_path))
+    snap = la.wait_for(serving, timeout=240)
+    with Clients(port) as clients:
+        clients.more()
+        os.killpg(snap["engine"]["pid"], signal.SIGKILL)
+        la.wait_for(lambda s: serving(s) and s["engine"]["restarts"] == 1)
+        clients.more()
+    assert clients.refused == 0 and len(clients.failed) <= len(clients.threads), clients.failed
+    assert clients.gap > 0.2  # some waited through the engine's start, and were answered
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.wait_exit() == 0

@@ -52,7 +52,13 @@ from vlaunch.cache.contract.standby import (
     wait_for_promotion,
 )
 from vlaunch.cache.reference import faults
-from vlaunch.cache.reference.http import EngineStopping, drain, parse_generate, start_http
+from vlaunch.cache.reference.http import (
+    EngineStopping,
+    drain,
+    parse_generate,
+    socket_passed,
+    start_http,
+)
 from vlaunch.cache.reference.options import EX_CONFIG, ConfigError, EngineOptions, parse_args
 from vlaunch.cache.reference.state import RankState
 from vlaunch.cache.reference.workers import (
@@ -168,7 +174,10 @@ class Engine:
         standby = is_standby()
         try:
             fd = promote_fd() if standby else -1
-            self.http = None if standby else start_http(self)
+            # on the launcher's socket, accept only once ready: until then connections wait
+            # in its backlog (a 503 from a loading engine would fail them)
+            late = standby or socket_passed()
+            self.http = None if late else start_http(self)
             listener = self.start_workers() if self.opts.tp_size > 1 else None
             store = open_store(self.opts, listener) if listener is not None else None
             import torch  # noqa: F401  (before any interruptible wait: see __init__)
@@ -191,7 +200,9 @@ class Engine:
             self.warm_up(state, free=standby and not early and not self.opts.standby_keep_memory)
             if standby and not early:  # weights mapped and warm on every rank: park until promoted
                 self.park(fd)
-            if standby:
+            if late:  # what it accepts from now on is served: no 503 while it gets ready
+                with self._accept_lock:
+                    self.accepting = True
                 self.http = start_http(self)
             self.became_ready(*stats)
             self.serve(state)

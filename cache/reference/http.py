@@ -10,9 +10,11 @@ Requests are served from threads; each generation is queued for the engine's mai
 
 Under `vlaunch run --listen` the engine serves the socket the launcher passed (socket
 activation: `LISTEN_FDS` with `LISTEN_PID` this process, fd 3) instead of binding --port, and
-drains on SIGTERM (`drain`): it stops accepting and closes its copy of the socket (never
-`shutdown()`, which would end the launcher's socket for every engine), closes idle keep-alive
-connections, finishes the requests it holds, then stops; the next engine accepts meanwhile.
+accepts only once it is ready (connections wait in the launcher's backlog meanwhile, where a
+loading engine's 503 would fail them); it drains on SIGTERM (`drain`): it stops accepting and
+closes its copy of the socket (never `shutdown()`, which would end the launcher's socket for
+every engine), closes idle keep-alive connections, finishes the requests it holds, then stops;
+the next engine accepts meanwhile.
 """
 
 from __future__ import annotations
@@ -115,6 +117,12 @@ def _bind(address: tuple[str, int], patience: float = BIND_PATIENCE) -> _Server:
             log.debug("port %d still in use (the engine before this one closing?); retrying",
                       address[1])
             time.sleep(0.05)
+
+
+def socket_passed() -> bool:
+    """Whether socket activation passed this process a socket (LISTEN_PID is ours)."""
+    return bool(os.environ.get("LISTEN_FDS")) and \
+        os.environ.get("LISTEN_PID") == str(os.getpid())
 
 
 def passed_socket(env: dict[str, str] | None = None) -> socket.socket | None:

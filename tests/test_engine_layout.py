@@ -65,8 +65,12 @@ class Rank:
     fds: list[int] = field(default_factory=list)
 
     def frame(self) -> tuple[dict, list[int]]:
-        """The next frame on the ready channel that is not a progress report."""
-        return progress.recv_ready(self.channel)
+        """The next frame on the ready channel that is not a progress report, nor a client's
+        hello the rank tells the launcher of."""
+        while True:
+            msg, fds = progress.recv_ready(self.channel)
+            if msg.get("event") != "hello":
+                return msg, fds
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -129,6 +129,7 @@ def _bind_tcp(address: ListenAddress) -> socket.socket:
 
 def _bind_unix(address: ListenAddress) -> socket.socket:
     path = address.path
+    _check_directory(address)
     _clear_stale_unix(address)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)  # the socket is created 0600: the launcher's user only
@@ -141,6 +142,21 @@ def _bind_unix(address: ListenAddress) -> socket.socket:
     finally:
         os.umask(old)
     return sock
+
+
+def _check_directory(address: ListenAddress) -> None:
+    """Warn when another user could replace the socket file: its directory is writable by
+    group or others without the sticky bit, or owned by another user than us or root."""
+    directory = os.path.dirname(os.path.abspath(address.path))
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return  # the bind says why
+    shared = st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX
+    if shared or st.st_uid not in (0, os.geteuid()):
+        log.warning("--listen %s: its directory %s may be written by other users, who could "
+                    "replace the socket; put it in a directory of this user's (mode 0700 or "
+                    "0755)", address, directory)
 
 
 def _clear_stale_unix(address: ListenAddress) -> None:

@@ -386,3 +386,18 @@ def test_an_ordinary_restart_queues_clients_until_the_new_engine_is_ready(
     assert clients.gap > 0.2  # some waited through the engine's start, and were answered
     la.proc.send_signal(signal.SIGTERM)
     assert la.wait_exit() == 0
+
+
+def test_a_unix_socket_in_a_directory_others_may_write_is_warned_about(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with bind(ListenAddress.parse(f"unix:{shared}/e.sock")):
+        pass
+    assert "may be written by other users" in caplog.text
+    caplog.clear()
+    (tmp_path / "own").mkdir(mode=0o700)
+    with bind(ListenAddress.parse(f"unix:{tmp_path}/own/e.sock")):
+        pass
+    assert "may be written" not in caplog.text

@@ -339,27 +339,28 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.parametrize("mode", ["double", pytest.param("in-place", marks=pytest.mark.slow)])
 def test_a_new_engine_that_loads_from_disk_is_no_finished_swap(
-        launch, ckpts: dict[str, Path], want: dict[str, list[int]], tmp_path: Path) -> None:  # noqa: F811
+        launch, ckpts: dict[str, Path], want: dict[str, list[int]], tmp_path: Path,  # noqa: F811
+        mode: str) -> None:
     script = tmp_path / "engine.py"
     script.write_text(STALE_ON_B)
     engine = [sys.executable, str(script), "--port-file", str(tmp_path / "l0" / "port")]
     la = launch(ckpts["a"], "--stop-timeout", "30", "--engine-ready", "notify", tp=1,
                 engine=engine)
-    snap = la.wait_for(lambda s: serving(s) and s["engine"]["weights"] == {"0": "cache"})
+    la.wait_for(lambda s: serving(s) and s["engine"]["weights"] == {"0": "cache"})
     assert generate(la) == want["a"]
-    for mode in ("double", "in-place"):
-        fresh_port(la)
-        r = swap(la, ckpts["b"], "--mode", mode)
-        assert r.returncode == ExitStatus.SWAP_ROLLED_BACK, r.stderr + la.text()
-        assert "the new engine is ready, but not on the new weights from the caches: cache " \
-               "rank 0 refused them (fingerprint mismatch: checkpoint_data is 'old' for it" \
-               in r.stderr, r.stderr
-        assert "cache rank 0 refused its weights to the engine" in la.text()
-        snap = la.wait_for(lambda s: serving(s) and s["swap"]["state"] == "none" and
-                           s["engine"]["weights"] == {"0": "cache"})
-        assert snap["swap"]["version"] == 0 and "rolled back" in snap["swap"]["last"]
-        assert generate(la) == want["a"]  # the old engine's weights, from the caches again
+    fresh_port(la)
+    r = swap(la, ckpts["b"], "--mode", mode)
+    assert r.returncode == ExitStatus.SWAP_ROLLED_BACK, r.stderr + la.text()
+    assert "the new engine is ready, but not on the new weights from the caches: cache " \
+           "rank 0 refused them (fingerprint mismatch: checkpoint_data is 'old' for it" \
+           in r.stderr, r.stderr
+    assert "cache rank 0 refused its weights to the engine" in la.text()
+    snap = la.wait_for(lambda s: serving(s) and s["swap"]["state"] == "none" and
+                       s["engine"]["weights"] == {"0": "cache"})
+    assert snap["swap"]["version"] == 0 and "rolled back" in snap["swap"]["last"]
+    assert generate(la) == want["a"]  # the old engine's weights, from the caches again
     la.proc.send_signal(signal.SIGTERM)
     assert la.wait_exit() == 0
 

@@ -309,3 +309,46 @@ def test_status_line_and_snapshot_show_the_swap() -> None:
     assert "swapping to version 1 (preparing)" in sup._status_line()
     sup, _ = history([CacheReady(0, 11)], sup)  # unrelated events do not disturb it
     assert sup.snapshot()["swap"]["target_version"] == 1
+
+
+def test_an_in_place_swap_a_rank_cannot_make_is_refused_before_the_engine_stops() -> None:
+    why = "it cannot tell which processes still map its slabs (adopted)"
+    for policy, fits in (({"mode": "in-place"}, True), ({}, False)):
+        _, actions = history([*SERVING, ask(**policy), SwapStep(0, "prepared", 1, 11,
+                                                                   fits=fits),
+                                SwapStep(1, "prepared", 1, 11, fits=fits, in_place=why)])
+        assert steps(actions) == ["prepare", "abort"] and engine_terms(actions) == 0
+        reply = final(actions)
+        assert reply.status == ExitStatus.SWAP_UNAVAILABLE
+        assert f"rank 1 cannot swap in place: {why}" in reply.message
+        assert "version 0 keeps serving" in reply.message
+    # the same blocker does not matter to a double swap
+    _, actions = history([*SERVING, ask(), *answer("prepared", 11, fits=True, in_place=why)])
+    assert steps(actions) == ["prepare", "stage"]
+
+
+@pytest.mark.parametrize("on_failure", ["rollback", "stop"])
+def test_a_new_engine_a_rank_refused_its_weights_is_no_finished_swap(on_failure: str) -> None:
+    from vlaunch.launcher.core.events import EngineWeights
+
+    sup, _ = history([*SERVING, ask(on_failure=on_failure), *answer("prepared", 11, fits=True),
+                      *answer("staged", 12), *answer("committed", 13), engine_exit(1, 0, 14),
+                      Spawned("engine", None, 202, 14.5),
+                      EngineWeights(0, 202, True, "", 14.6),
+                      EngineWeights(1, 202, False, "fingerprint mismatch: checkpoint_data", 14.7),
+                      EngineWeights(1, 999, True, "", 14.8)])  # another process: not counted
+    assert sup.snapshot()["engine"]["weights"] == {
+        "0": "cache", "1": "not the cache: fingerprint mismatch: checkpoint_data"}
+    sup, more = history([EngineReady(15)], sup)
+    assert "finish" not in steps(more)
+    if on_failure == "stop":
+        assert final(more).status == ExitStatus.SWAP_FAILED
+        return
+    assert engine_terms(more) == 1  # the new engine goes, then the ranks roll back
+    sup, more = history([engine_exit(2, 0, 16)], sup)
+    assert steps(more) == ["rollback"]
+    sup, more = history([*answer("rolled_back", 17)], sup)
+    reply = final(more)
+    assert reply.status == ExitStatus.SWAP_ROLLED_BACK
+    assert "not on the new weights from the caches: cache rank 1 refused them (fingerprint " \
+           "mismatch: checkpoint_data)" in reply.message

@@ -50,6 +50,9 @@ def format_status(s: dict[str, Any]) -> str:
         if e.get("failing"):  # docs/health.md: hung after --engine-unhealthy-after of this
             lines.append(f"engine failing: {', '.join(e['failing'])} for "
                          f"{e.get('unhealthy_for', 0):.1f} s")
+        for rank, source in sorted((e.get("weights") or {}).items()):
+            if source != "cache":  # docs/swap.md: it serves weights it loaded elsewhere
+                lines.append(f"engine: rank {rank}'s weights {source}")
     for rank, r in sorted(s["ranks"].items(), key=lambda kv: int(kv[0])):
         changed = (r.get("checkpoint") or {}).get("changed")
         if changed:  # docs/integrity.md: new engines get a mismatch until the rank restarts

@@ -111,3 +111,14 @@ def test_an_engine_takes_its_ranks_published_identity() -> None:
     assert env.published_identity(3) == "published-y" and env.published_identity(0) == ""
     assert EngineEnv.from_env({"VLAUNCH_RANKS": "0"}).published_identity(0) == ""
     assert env.to_env()["VLAUNCH_CHECKPOINT_DATA"] == "published-x,published-y"
+
+
+def test_vlaunch_status_says_when_the_engine_did_not_take_its_weights_from_the_caches() -> None:
+    from vlaunch.launcher.status import format_status
+
+    engine = {"state": "ready", "pid": 9, "restarts": 1, "hangs": 0, "last_exit": 0,
+              "weights": {"0": "cache", "1": "not the cache: fingerprint mismatch: dtype"}}
+    text = format_status({"phase": "serving", "caches_ready": True, "engine_ready": True,
+                          "ranks": {}, "engine": engine})
+    assert "engine: rank 1's weights not the cache: fingerprint mismatch: dtype" in text
+    assert "rank 0's weights" not in text

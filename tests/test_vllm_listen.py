@@ -48,11 +48,12 @@ def vllm_test(fn: Callable[..., None]) -> Callable[..., None]:
 
 # passed_socket in a child that has `what` on fd 3 (no vLLM needed)
 TAKE = ("import json, os, sys\n"
-        "from vlaunch.cache.integrations.vllm_serve import VllmListenError, passed_socket\n"
+        "from vlaunch.cache.contract.activation import ActivationError\n"
+        "from vlaunch.cache.integrations.vllm_serve import passed_socket\n"
         "os.environ['LISTEN_PID'] = sys.argv[1] or str(os.getpid())\n"
         "try:\n"
         "    s = passed_socket()\n"
-        "except VllmListenError as e:\n"
+        "except ActivationError as e:\n"
         "    print(json.dumps({'error': str(e)})); sys.exit()\n"
         "print(json.dumps({'fd': s and s.fileno(), 'inheritable': s and s.get_inheritable(),\n"
         "                  'env': sorted(k for k in os.environ if k.startswith('LISTEN_'))}))\n")

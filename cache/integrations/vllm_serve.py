@@ -37,18 +37,16 @@ import logging
 import os
 import signal
 import socket
-import stat
 import sys
 from collections.abc import MutableMapping
 from typing import Any
 
+from vlaunch.cache.contract import activation
 from vlaunch.cache.contract.errors import UsageError
 
 log = logging.getLogger("vllm.vlaunch")
 
-SD_LISTEN_FDS_START = 3
 SUPPORTED = ("0.32.",)  # vLLM versions whose launcher module this seam was read in
-_ENV = ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
 _LAUNCHER = "vllm.entrypoints.launchers.launcher"
 _inherited: socket.socket | None = None  # the passed socket, once vLLM's setup_server took it
 
@@ -58,48 +56,16 @@ class VllmListenError(UsageError):
 
 
 def passed_socket(env: MutableMapping[str, str] | None = None) -> socket.socket | None:
-    """The listening socket passed to this process (fd 3), or None when none is (no LISTEN_FDS,
-    or LISTEN_PID names another process: a child that inherited the environment). Takes it:
-    unsets LISTEN_FDS, LISTEN_PID and LISTEN_FDNAMES so that vLLM's children do not read them,
-    and makes the fd close-on-exec."""
-    env = os.environ if env is None else env
-    raw_fds, raw_pid = env.get("LISTEN_FDS", ""), env.get("LISTEN_PID", "")
-    if not raw_fds:
+    """The listening socket passed to this process (fd 3), or None when none is
+    (activation.passed_socket: the variables unset, the fd close-on-exec)."""
+    passed = activation.passed_socket(env, who="vllm serve")
+    if passed is None:
         return None
-    try:
-        count, pid = int(raw_fds), int(raw_pid)
-    except ValueError:
-        raise VllmListenError(f"vlaunch: the socket-activation variables are not numbers "
-                              f"(LISTEN_FDS={raw_fds!r}, LISTEN_PID={raw_pid!r}); vllm serve "
-                              "cannot take the socket the launcher passed") from None
-    if pid != os.getpid():
-        return None
-    names = env.get("LISTEN_FDNAMES", "").split(":")
-    for name in _ENV:
-        env.pop(name, None)
-    if count < 1:
-        return None
-    fd = SD_LISTEN_FDS_START
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        st = None
-    if st is None or not stat.S_ISSOCK(st.st_mode):
-        raise VllmListenError(f"vlaunch: the passed socket is missing (LISTEN_FDS={count}, "
-                              f"fd {fd} is not a socket): start vllm serve itself as the "
-                              "engine command of vlaunch run --listen (a wrapper must exec it "
-                              "and keep fd 3 open)")
-    sock = socket.socket(fileno=fd)
-    if sock.type != socket.SOCK_STREAM or \
-            not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-        sock.detach()
-        raise VllmListenError(f"vlaunch: the passed fd is not a listening stream socket "
-                              f"(fd {fd}); vllm serve serves HTTP on the first socket of "
-                              "vlaunch run --listen, a TCP or unix: address")
-    sock.set_inheritable(False)
+    sock, count, names = passed
     if count > 1:
         log.warning("vlaunch: vllm serve serves one of the %d sockets passed (%s): fd %d (%s)",
-                    count, ", ".join(n for n in names if n) or "unnamed", fd, names[0] or "-")
+                    count, ", ".join(n for n in names if n) or "unnamed", sock.fileno(),
+                    names[0] or "-")
     return sock
 
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import psutil
 
+from vlaunch.cache.contract.activation import socket_passed
 from vlaunch.cache.contract.errors import VlaunchError
 from vlaunch.cache.contract.exitcodes import CONFIG_ERROR_STATUSES
 from vlaunch.cache.contract.logs import setup_logging
@@ -52,13 +53,7 @@ from vlaunch.cache.contract.standby import (
     wait_for_promotion,
 )
 from vlaunch.cache.reference import faults
-from vlaunch.cache.reference.http import (
-    EngineStopping,
-    drain,
-    parse_generate,
-    socket_passed,
-    start_http,
-)
+from vlaunch.cache.reference.http import EngineStopping, drain, parse_generate, start_http
 from vlaunch.cache.reference.options import EX_CONFIG, ConfigError, EngineOptions, parse_args
 from vlaunch.cache.reference.state import RankState
 from vlaunch.cache.reference.workers import (

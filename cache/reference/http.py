@@ -33,6 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vlaunch.cache.contract.activation import passed_socket
 from vlaunch.cache.contract.http import reply_json
 
 if TYPE_CHECKING:
@@ -68,7 +69,6 @@ BIND_PATIENCE = 5.0
 DRAIN_LIMIT = 300.0
 """Seconds a drain waits for the connections it holds (the launcher's --drain-timeout kills
 sooner)."""
-SD_LISTEN_FDS_START = 3
 
 
 class EngineStopping(Exception):
@@ -80,7 +80,8 @@ class EngineStopping(Exception):
 
 def start_http(engine: Engine) -> ThreadingHTTPServer:
     """Bind the HTTP server, serve it from a daemon thread, log and publish its port."""
-    passed = passed_socket()
+    taken = passed_socket(who="the reference engine")
+    passed = taken.sock if taken is not None else None
     server = _bind((engine.opts.host, engine.opts.port)) if passed is None else \
         _Server.on_socket(passed)
     server.engine = engine
@@ -117,29 +118,6 @@ def _bind(address: tuple[str, int], patience: float = BIND_PATIENCE) -> _Server:
             log.debug("port %d still in use (the engine before this one closing?); retrying",
                       address[1])
             time.sleep(0.05)
-
-
-def socket_passed() -> bool:
-    """Whether socket activation passed this process a socket (LISTEN_PID is ours)."""
-    return bool(os.environ.get("LISTEN_FDS")) and \
-        os.environ.get("LISTEN_PID") == str(os.getpid())
-
-
-def passed_socket(env: dict[str, str] | None = None) -> socket.socket | None:
-    """The first socket passed to this process by socket activation (sd_listen_fds(3)), or
-    None; the variables are unset, so that the engine's children do not take them."""
-    env = os.environ if env is None else env  # type: ignore[assignment]
-    assert env is not None
-    count, pid = env.get("LISTEN_FDS", ""), env.get("LISTEN_PID", "")
-    if not count or pid != str(os.getpid()):
-        return None
-    for name in ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES"):
-        env.pop(name, None)
-    if not count.isdigit() or int(count) < 1:
-        return None
-    sock = socket.socket(fileno=SD_LISTEN_FDS_START)
-    sock.set_inheritable(False)  # the workers and anything they start do not hold it
-    return sock
 
 
 def drain(server: ThreadingHTTPServer, limit: float = DRAIN_LIMIT) -> int:

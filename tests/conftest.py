@@ -181,11 +181,12 @@ class CacheProc:
 
 def spawn_cache(model: Path | str, socket_dir: Path, *args: str, rank: int = 0,
                 tp: int = 1, wait: bool = True, extra_fds: list[int] | None = None,
-                prefix: Sequence[str] = (), **popen: object) -> CacheProc:
-    """Start `python -m vlaunch.cache` (after `prefix`: a wrapper such as unshare) and wait
-    for its ready frame on a socketpair."""
+                prefix: Sequence[str] = (), python: str = sys.executable,
+                **popen: object) -> CacheProc:
+    """Start `python -m vlaunch.cache` (after `prefix`: a wrapper such as unshare; `python`:
+    another environment's, an engine's) and wait for its ready frame on a socketpair."""
     ours, theirs = socket.socketpair()
-    cmd = [*prefix, sys.executable, "-m", "vlaunch.cache", "--model", str(model), "--socket-dir",
+    cmd = [*prefix, python, "-m", "vlaunch.cache", "--model", str(model), "--socket-dir",
            str(socket_dir), "--rank", str(rank), "--tensor-parallel-size", str(tp),
            "--ready-fd", str(theirs.fileno()), *args]
     proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno(), *(extra_fds or [])],

@@ -3,7 +3,8 @@
 own port against `vlaunch run --listen` (the launcher holds the socket).
 
     python benchmarks/bench_listen.py [--device cpu|cuda] [--tp 1] [--clients 1,8]
-        [--reps 2] [--model DIR] [--events kill,double,in-place,sighup] [--out FILE]
+        [--reps 2] [--model DIR [--twin DIR]] [--events kill,double,in-place,sighup]
+        [--modes port,listen] [--out FILE]
 
 For each mode (the engine binds --port itself / the launcher binds it with --listen), each
 client count and each event, the reference engine runs under `vlaunch run --standby` and N
@@ -31,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import free_port, get, launcher_url
+from benchlib import free_port, get, launcher_url, machine_name, record_figures
 
 from vlaunch.cache.contract.waiting import until
 
@@ -152,6 +153,10 @@ def main() -> int:
     ap.add_argument("--events", default="kill,double,in-place,sighup")
     ap.add_argument("--model", default="", help="a reference-engine checkpoint directory "
                                                 "(a swap goes to a random twin of it)")
+    ap.add_argument("--twin", default="", help="the checkpoint a swap goes to (same shapes as "
+                                                "--model; default: a random twin of --model's "
+                                                "small default shapes)")
+    ap.add_argument("--modes", default="port,listen")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     from vlaunch.cache.reference.refmodel import make_checkpoint
@@ -162,8 +167,9 @@ def main() -> int:
         shape = {"hidden": 256, "layers": 4, "heads": 8, "kv_heads": 4, "intermediate": 512,
                  "vocab": 1024}
         models = [Path(args.model)] if args.model else [make_checkpoint(work / "a", **shape)]
-        models.append(make_checkpoint(work / "b", seed=1, **shape))
-        for listen in (False, True):
+        models.append(Path(args.twin) if args.twin else
+                      make_checkpoint(work / "b", seed=1, **shape))
+        for listen in (mode == "listen" for mode in args.modes.split(",")):
             la = Launcher(args, models[0], work, listen)
             n = 1
             try:
@@ -186,7 +192,24 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps({"device": args.device, "tp": args.tp,
                                               "rows": rows}, indent=2) + "\n")
+    _record(args, rows)
     return 0
+
+
+def _record(args: argparse.Namespace, rows: list[dict]) -> None:
+    """Medians per mode, event and client count into the figures summary ($RECORD_FIGURES):
+    listen.DEV.tpN.MODE.EVENT.cN.{added,refused,failed}."""
+    dev = "gpu" if args.device == "cuda" else "cpu"
+    values: dict[str, str] = {}
+    for key in {(r["listen"], r["event"], r["clients"]) for r in rows}:
+        same = [r for r in rows if (r["listen"], r["event"], r["clients"]) == key]
+        fid = f"listen.{dev}.tp{args.tp}.{'listen' if key[0] else 'port'}." \
+              f"{key[1]}.c{key[2]}"
+        values[f"{fid}.added"] = f"{statistics.median(r['added_s'] for r in same):.3f} s"
+        values[f"{fid}.refused"] = str(max(r["refused"] for r in same))
+        values[f"{fid}.failed"] = str(max(r["failed"] for r in same))
+    record_figures(values, machine=machine_name(args.device),
+                   source=f"listen.md: bench_listen.py --device {args.device} --tp {args.tp}")
 
 
 if __name__ == "__main__":

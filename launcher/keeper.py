@@ -34,6 +34,7 @@ import sys
 import time
 from types import FrameType
 
+from vlaunch.cache.contract import settings
 from vlaunch.cache.contract.lifetime import become_subreaper, die_with_parent
 
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
@@ -145,12 +146,14 @@ def place_listen_fds(env: dict[str, str]) -> None:
     """In the engine, just before its exec: the passed listening sockets at fds 3, 4, ...
     (inheritable), the socket-activation variables naming this process, every other copy of
     them closed; a standby's promote fd in that range is moved above it (env says where)."""
-    raw, names = env.pop(PASS_ENV, ""), env.pop(NAMES_ENV, "")
+    raw, names = settings.get(PASS_ENV, env), settings.get(NAMES_ENV, env)
+    for name in (PASS_ENV, NAMES_ENV):
+        env.pop(name, None)
     if not raw:
         return
     fds = [int(fd) for fd in raw.split(",")]
     first, end = 3, 3 + len(fds)
-    promote = env.get(PROMOTE_ENV, "")
+    promote = settings.get(PROMOTE_ENV, env)
     if promote.isdigit() and first <= int(promote) < end:
         env[PROMOTE_ENV] = str(fcntl.fcntl(int(promote), fcntl.F_DUPFD, end))
         os.close(int(promote))

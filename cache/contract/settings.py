@@ -213,6 +213,12 @@ _ALL = (
             "`before-weights`: the standby parks before it maps any weight (an in-place swap "
             "overwrites the cache's slabs before the promotion: [Changing the weights](swap.md)).",
             ENGINE),
+    Setting("VLAUNCH_LISTEN_PASS", _text, "", "unset",
+            "The keeper's fd numbers of `--listen`'s sockets, which it places at fds 3.. for "
+            "the engine with `LISTEN_FDS` ([Health](health.md#in-flight-requests-when-the-"
+            "engine-is-replaced)).", INTERNAL),
+    Setting("VLAUNCH_LISTEN_NAMES", _text, "", "unset",
+            "Their names, the engine's `LISTEN_FDNAMES`.", INTERNAL),
     Setting("VLAUNCH_PROMOTE_PIPE", _text, "", "unset",
             "`pid:fd:dev:inode` of the promote pipe, for a vLLM standby's workers.", INTERNAL),
     Setting("VLAUNCH_REFERENCE_FAULT_FILE", _text, "", "unset",

@@ -245,10 +245,10 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         engine = self.server.engine
         if self.path == "/health":
-            if engine.ready:
+            if engine.ready and not self.server.draining:
                 self._reply(HTTPStatus.OK, {"status": "ok"})
-            else:
-                state = "stopping" if engine.stopping else "loading"
+            else:  # draining: a probe of the engine that replaces it must not read this one
+                state = "stopping" if engine.stopping or self.server.draining else "loading"
                 self._reply(HTTPStatus.SERVICE_UNAVAILABLE, {"status": state})
         elif self.path == "/stats":
             self._reply(HTTPStatus.OK, engine.stats)

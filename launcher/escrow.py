@@ -20,6 +20,8 @@ from typing import Any
 from vlaunch.cache.contract import protocol, wire
 
 log = logging.getLogger("vlaunch.launcher.escrow")
+MAX_OPENED = 256
+"""Live openers of a rank's slabs held for its respawn (rank/openers.py MAX_OPENERS)."""
 MAX_ARTIFACTS = 64
 """Artifacts held per rank (a rank holds as many)."""
 MAX_ARTIFACT_BYTES = 4 * protocol.MAX_ARTIFACT_DATA
@@ -34,7 +36,8 @@ class Held:
     ready: dict[str, Any]
     fds: list[int]
     released: bool = False
-    foreign: bool = False  # a process in another PID namespace opened the raw slabs
+    incomplete: bool = False  # not every process that opened the raw slabs can be named
+    opened: dict[int, float] = field(default_factory=dict)  # pid -> start time, of openers
     layouts: list[tuple[dict[str, Any], list[int]]] = field(default_factory=list)
     artifacts: OrderedDict[tuple[str, str], dict[str, Any]] = field(
         default_factory=OrderedDict)
@@ -83,12 +86,18 @@ class Escrow:
                 len(f["data"]) for f in held.artifacts.values()) > MAX_ARTIFACT_BYTES):
             held.artifacts.popitem(last=False)
 
-    def mark_foreign(self, rank: int) -> None:
-        """A process in another PID namespace opened the rank's raw slabs: a respawn that
-        adopts them is told so (it cannot list who maps them)."""
+    def keep_opener(self, rank: int, msg: dict[str, Any]) -> None:
+        """A process opened the rank's raw slabs (pid, start time), or not every opener can
+        be named: a respawn that adopts them is told (it follows them); bounded."""
         held = self._held.get(rank)
-        if held is not None:
-            held.foreign = True
+        if held is None:
+            return
+        if len(held.opened) >= MAX_OPENED:  # forget the ones that exited
+            held.opened = {p: t for p, t in held.opened.items() if _runs(p, t)}
+        if msg.get("incomplete") is True or len(held.opened) >= MAX_OPENED:
+            held.incomplete, held.opened = True, {}
+        elif not held.incomplete and isinstance(msg.get("pid"), int) and "started" in msg:
+            held.opened[msg["pid"]] = float(msg["started"])
 
     def release_raw(self, rank: int) -> int:
         """The rank dropped its raw slabs: close ours; returns how many fds were closed. With
@@ -116,8 +125,10 @@ class Escrow:
                                  if k in held.ready}  # what a swap made the rank serve
         if held.released:
             extra["released"] = True
-        if held.foreign:
-            extra["foreign"] = True
+        if held.incomplete:
+            extra["incomplete"] = True
+        elif held.opened:
+            extra["opened"] = [[pid, started] for pid, started in held.opened.items()]
         wire.send_frame(sock, protocol.event("escrow", manifest=held.ready["manifest"],
                                              fingerprint=held.ready["fingerprint"], **extra),
                         held.fds)
@@ -134,3 +145,14 @@ class Escrow:
         """Close everything (the launcher is exiting)."""
         for rank in list(self._held):
             self.drop(rank)
+
+
+def _runs(pid: int, started: float) -> bool:
+    """Whether process `pid`, started at `started`, still runs (a pid and its start time name
+    one process)."""
+    import psutil
+
+    try:
+        return float(psutil.Process(pid).create_time()) == started
+    except psutil.Error:
+        return False

@@ -361,9 +361,9 @@ class Executor:
         return next((p for p in chain if p in ours), None)
 
     def _rank_openers(self, rank: int, msg: dict[str, Any], fds: list[int]) -> None:
-        """A process in another PID namespace opened the rank's slabs: a respawn is told."""
+        """Who opened the rank's slabs (or that not all can be named): a respawn is told."""
         wire.close_fds(fds)
-        self.escrow.mark_foreign(rank)
+        self.escrow.keep_opener(rank, msg)
 
     def _rank_release(self, rank: int, msg: dict[str, Any], fds: list[int]) -> None:
         """The rank dropped its raw copy (copy-release, or an engine layout replaced it): drop

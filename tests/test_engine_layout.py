@@ -65,11 +65,11 @@ class Rank:
     fds: list[int] = field(default_factory=list)
 
     def frame(self) -> tuple[dict, list[int]]:
-        """The next frame on the ready channel that is not a progress report, nor a client's
-        hello the rank tells the launcher of."""
+        """The next frame on the ready channel that is not a progress report, nor what the
+        rank tells the launcher of its clients (their hellos, who opened the slabs)."""
         while True:
             msg, fds = progress.recv_ready(self.channel)
-            if msg.get("event") != "hello":
+            if msg.get("event") not in ("hello", "openers"):
                 return msg, fds
 
     def stop(self) -> None:

@@ -122,3 +122,50 @@ def test_vlaunch_status_says_when_the_engine_did_not_take_its_weights_from_the_c
                           "ranks": {}, "engine": engine})
     assert "engine: rank 1's weights not the cache: fingerprint mismatch: dtype" in text
     assert "rank 0's weights" not in text
+
+
+def test_a_respawn_follows_the_openers_its_predecessor_named(tmp_path: Path) -> None:
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from vlaunch.cache.contract import protocol, wire
+    from vlaunch.cache.rank.openers import Openers, start_time
+    from vlaunch.launcher.escrow import Escrow
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = start_time(child.pid)
+        # the launcher's escrow keeps what the rank named, and hands it to the respawn
+        escrow, fd = Escrow(), os.memfd_create("slab")
+        escrow.keep(0, {"manifest": {}, "fingerprint": {}}, [fd])
+        escrow.keep_opener(0, protocol.event("openers", pid=child.pid, started=started))
+        escrow.keep_opener(0, protocol.event("openers", pid=1 << 22, started=1.0))
+        ours, theirs = socket.socketpair()
+        escrow.hand_over(0, ours)
+        frame, fds = wire.recv_frame(theirs)
+        wire.close_fds(fds)
+        assert frame["opened"] == [[child.pid, started], [1 << 22, 1.0]]
+        # a GPU rank lists no importers: it follows those still the same processes
+        openers = Openers(0)
+        openers.adopt([], "cuda", opened=[tuple(r) for r in frame["opened"]], incomplete=False)
+        assert openers.alive() and not openers.unknown
+        assert openers.describe().startswith(f"pid {child.pid}, which opened them before")
+        child.kill()
+        child.wait()
+        assert not openers.alive()  # gone: an in-place swap may overwrite the slabs
+        escrow.keep_opener(0, protocol.event("openers", incomplete=True))
+        escrow.hand_over(0, ours)
+        frame, fds = wire.recv_frame(theirs)
+        wire.close_fds(fds)
+        assert frame["incomplete"] is True and "opened" not in frame
+        gone = Openers(0)
+        gone.adopt([], "cuda", opened=[], incomplete=True)
+        assert gone.alive() and "could not name every process that opened them" in gone.unknown
+        ours.close()
+        theirs.close()
+        escrow.close()
+    finally:
+        child.kill()
+        child.wait()

@@ -238,10 +238,12 @@ EVENTS: dict[str, dict[str, tuple[type, bool]] | None] = {
               "version": (_INT, False), "model": (_STR, False), "label": (_STR, False)},
     "escrow": {"manifest": (_DICT, True), "fingerprint": (_DICT, True),
                "released": (_BOOL, False), "version": (_INT, False), "model": (_STR, False),
-               "label": (_STR, False), "foreign": (_BOOL, False)},
-    # the rank's raw slabs were opened from another PID namespace: a respawn that adopts them
-    # cannot list who maps them (rank/openers.py)
-    "openers": {"foreign": (_BOOL, True)},
+               "label": (_STR, False), "incomplete": (_BOOL, False),
+               "opened": (_LIST, False)},
+    # who opened the rank's raw slabs (pid, start time), or that not everyone can be named:
+    # a respawn that adopts them follows those (rank/openers.py)
+    "openers": {"pid": (_INT, False), "started": (float, False),
+                "incomplete": (_BOOL, False)},
     # a client's raw hello and how the rank answered it ("" why: its fingerprint matched):
     # the launcher tells from it whether its engine maps the weights from the caches
     "hello": {"pid": (_INT, True), "ok": (_BOOL, True), "why": (_STR, True)},

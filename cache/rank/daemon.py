@@ -275,11 +275,11 @@ class CacheServer:
         # a share engine may keep its tensors past its lease: followed until it exits. A copy
         # mode's drops its mapping of the slabs (or, on a GPU, gets only its copy) before its
         # connection ends, so its lease, not its process, is what holds them
-        foreign = self.openers.foreign
-        if f["mode"] == "share" and not self.openers.note(lease.conn, lease.pid):
-            asyncio.get_running_loop().call_soon(self.openers.note_by_pid, lease.pid)
-        if self.openers.foreign and not foreign:
-            self.tell_openers()
+        if f["mode"] == "share":
+            if self.openers.note(lease.conn, lease.pid):
+                self.tell_openers()
+            else:  # /proc: off the reply's path
+                asyncio.get_running_loop().call_soon(self._note_by_pid, lease.pid)
         copy = self.copier.start(f"rank {self.rank}: {lease.who}") \
             if self.copier and f["mode"] != "share" else None
         if copy is None:
@@ -502,11 +502,22 @@ class CacheServer:
             told.pop(next(iter(told)))
         self.send_escrow(protocol.event("hello", pid=lease.pid, ok=ok, why=why), [])
 
-    def tell_openers(self) -> None:
-        """Tell the launcher that a process in another PID namespace opened the raw slabs
-        (its escrow passes that on to a respawn, which cannot list such processes)."""
-        if self.openers.foreign:
-            self.send_escrow(protocol.event("openers", foreign=True), [])
+    def _note_by_pid(self, pid: int) -> None:
+        self.openers.note_by_pid(pid)
+        self.tell_openers()
+
+    def tell_openers(self, everything: bool = False) -> None:
+        """Tell the launcher who opened the raw slabs (pid and start time), or that not every
+        opener can be named: its escrow hands that on to a respawn, which adopts the slabs
+        without having seen those opens. `everything`: the launcher holds the slabs anew."""
+        openers = self.openers
+        news = openers.listed() if everything else openers.news
+        openers.news = []
+        for pid, started in news:
+            self.send_escrow(protocol.event("openers", pid=pid, started=started), [])
+        if openers.incomplete and (everything or not openers.incomplete_told):
+            openers.incomplete_told = True
+            self.send_escrow(protocol.event("openers", incomplete=True), [])
 
     def send_escrow(self, frame: dict[str, Any], fds: list[int]) -> None:
         """Tell the launcher (if it listens) what to escrow or drop (docs/engine-layout.md),

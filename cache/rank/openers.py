@@ -54,7 +54,11 @@ class Openers:
         self._by_pid: dict[int, _Opener] = {}  # the latest opener of each known pid
         self._proc_ours = peers.proc_is_ours()  # /proc names the pids SO_PEERCRED gives
         self.unknown = ""
-        self.foreign = False  # a process in another PID namespace opened them
+        # whether a successor (a respawn that adopts the slabs) could be told every opener
+        # by pid and start time: not when one was in another PID namespace, or after give_up
+        self.incomplete = False
+        self.incomplete_told = False  # the launcher knows
+        self.news: list[tuple[int, float]] = []  # openers by pid the launcher was not told of
 
     def __len__(self) -> int:
         return len(self._openers)
@@ -66,7 +70,7 @@ class Openers:
             return True
         if pid != peers.UNKNOWN_PID and self._proc_ours:
             return False
-        self.foreign = True  # followed by a pidfd, if at all: a respawn cannot list it
+        self.incomplete = True  # followed by a pidfd, if at all: no successor can name it
         try:
             pidfd = peers.peer_pidfd(conn)
         except peers.PeerGone:
@@ -114,36 +118,43 @@ class Openers:
         return (f"{', '.join(names[:4])}{more}, which opened them before and still run (their "
                 "leases ended; their tensors may not have)")
 
-    def adopt(self, fds: list[int], backend: str, *, foreign: bool = False) -> None:
-        """Slabs adopted from a rank that exited: follow every process that maps them now
-        (what that rank noted died with it). A CPU slab is a memfd, and each process that maps
-        it has a line of /proc/PID/maps with its inode; nothing else can map it later but
-        through this rank. A GPU slab's importers are not listed anywhere, nor are processes
-        of another PID namespace (`foreign`: one opened them): unknown for good."""
-        if foreign:
-            self.foreign = True
-            self.give_up("it adopted its slabs from a rank that exited, and a process in another "
-                         "PID namespace had opened them, which it cannot list")
-            return
-        if backend != "cpu":
-            self.give_up("it adopted its slabs from a rank that exited, and a GPU slab's "
-                         "importers cannot be listed")
+    def adopt(self, fds: list[int], backend: str, *, opened: list[tuple[int, float]],
+              incomplete: bool) -> None:
+        """Slabs adopted from a rank that exited: follow every process that may map them
+        now. `opened`: the openers that rank named to the launcher (pid, start time), still
+        the same processes; on a CPU, also whoever maps them now (a memfd's mappers have a
+        line of /proc/PID/maps with its inode). `incomplete`: that rank could not name every
+        opener (one in another PID namespace, or too many): unknown for good."""
+        if incomplete:
+            self.give_up("it adopted its slabs from a rank that exited, which could not name "
+                         "every process that opened them (one in another PID namespace, or "
+                         f"more than {MAX_OPENERS})")
             return
         if not self._proc_ours:
             self.give_up("it adopted its slabs from a rank that exited, and /proc here is not "
-                         "of its PID namespace: the processes that map them cannot be listed")
+                         "of its PID namespace: the processes that opened them cannot be "
+                         "followed")
             return
-        for pid in mapping_pids(fds):
-            self.note_by_pid(pid)
-        log.info("rank %d: adopted slabs mapped by %d process(es) now: %s", self.rank,
+        for pid, started in opened:
+            if start_time(pid) == started and pid not in self._by_pid:
+                self._add(_Opener(pid, started=started))
+        if backend == "cpu":
+            for pid in mapping_pids(fds):
+                self.note_by_pid(pid)
+        log.info("rank %d: adopted slabs that %d process(es) may still map: %s", self.rank,
                  len(self._openers), ", ".join(str(o.pid) for o in self._openers) or "none")
+
+    def listed(self) -> list[tuple[int, float]]:
+        """The live openers a successor can follow: (pid, start time) each."""
+        self._prune()
+        return [(o.pid, o.started) for o in self._openers if o.pidfd < 0 and o.started]
 
     def give_up(self, why: str) -> None:
         """Stop following openers: from now on one may always be alive."""
         if not self.unknown:
             log.info("rank %d: copy-release engines get a copy from now on, never the slabs "
                      "themselves: %s", self.rank, why)
-        self.unknown = why
+        self.unknown, self.incomplete = why, True
         self.close()
 
     def close(self) -> None:
@@ -156,6 +167,8 @@ class Openers:
         self._openers.append(opener)
         if opener.pid != peers.UNKNOWN_PID:
             self._by_pid[opener.pid] = opener
+        if opener.pidfd < 0 and opener.started:
+            self.news.append((opener.pid, opener.started))
         if opener.pidfd >= 0:  # readable once the process has exited
             asyncio.get_running_loop().add_reader(opener.pidfd, self._exited, opener)
         if len(self._openers) > PRUNE_AT:

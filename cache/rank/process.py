@@ -126,7 +126,8 @@ def _run(opts: RankArgs, rank: int) -> int:
         server = CacheServer(rank, served, device=backend.device, artifacts=store,
                              layouts=layouts, copier=copier)
         if opts.adopt_fd >= 0:  # who maps them now: what the rank that exited had noted
-            server.openers.adopt(served.fds, backend.name, foreign=served.foreign)
+            server.openers.adopt(served.fds, backend.name, opened=list(served.opened),
+                                 incomplete=served.incomplete)
         from vlaunch.cache.rank.integrity import Integrity
         from vlaunch.cache.rank.swap import RankSwap
 
@@ -286,7 +287,19 @@ def _adopt(fd: int, store: ArtifactStore) -> Served:
              " (raw layout released)" if released else "", len(layouts))
     return Served(manifest, fds, {str(k): str(v) for k, v in msg["fingerprint"].items()},
                   layouts=layouts, raw_released=released, version=int(msg.get("version", 0)),
-                  label=str(msg.get("label", "")), foreign=msg.get("foreign") is True)
+                  label=str(msg.get("label", "")), incomplete=msg.get("incomplete") is True,
+                  opened=_opened(msg.get("opened", [])))
+
+
+def _opened(rows: Any) -> tuple[tuple[int, float], ...]:
+    """The escrow's openers of the slabs: [pid, start time] rows, bounded and checked."""
+    from vlaunch.cache.rank.openers import MAX_OPENERS
+
+    if not isinstance(rows, list) or len(rows) > MAX_OPENERS or not all(
+            isinstance(r, list) and len(r) == 2 and type(r[0]) is int and r[0] > 0
+            and type(r[1]) in (int, float) and r[1] > 0 for r in rows):
+        raise ProtocolError("bad escrowed openers: [pid, start time] rows expected")
+    return tuple((r[0], float(r[1])) for r in rows)
 
 
 def _adopt_artifact(frame: dict[str, Any], fds: list[int], store: ArtifactStore) -> None:
@@ -376,7 +389,7 @@ def _report_ready(server: CacheServer, lock: RankLock, opts: RankArgs) -> None:
             server.send_escrow(layout.escrow(), layout.fds)
         if server.raw_released:
             server.send_escrow({"event": "release", "layout": "raw"}, [])
-        server.tell_openers()
+        server.tell_openers(everything=True)
         server.escrow_artifacts()  # from --artifact-dir, a seed or the escrow: kept there too
     notify = SdNotify()  # `vlaunch cache` under its own unit; never blocks, never raises
     notify.send({"READY": "1", "STATUS": f"rank {rank} serving"})

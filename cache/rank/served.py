@@ -26,4 +26,6 @@ class Served:
     raw_released: bool = False
     version: int = 0
     label: str = ""
-    foreign: bool = False  # adopted slabs that a process in another PID namespace opened
+    # adopted slabs: who opened them (pid, start time), and whether that is everyone
+    opened: tuple[tuple[int, float], ...] = ()
+    incomplete: bool = False

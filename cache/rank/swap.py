@@ -151,7 +151,7 @@ class RankSwap:
                     fingerprint=server.fingerprint, model=self.model, label=self.label)
         for layout in server.layouts.layouts.values():
             server.send_escrow(layout.escrow(), layout.fds)
-        server.tell_openers()  # the launcher holds these slabs anew
+        server.tell_openers(everything=True)  # the launcher holds these slabs anew
 
     # ------------------------------------------------------------------------ steps
 

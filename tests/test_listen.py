@@ -343,6 +343,7 @@ def test_nothing_refused_across_a_kill_a_hang_and_both_swaps(
         print("\n" + "\n".join(lines))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_unix_socket_across_a_kill_and_a_sighup_with_a_standby(
         launch, ckpts: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
@@ -374,14 +375,16 @@ def test_a_unix_socket_across_a_kill_and_a_sighup_with_a_standby(
 @pytest.mark.timeout(300)
 def test_an_ordinary_restart_queues_clients_until_the_new_engine_is_ready(
         launch, ckpts: dict[str, Path], tmp_path: Path) -> None:  # noqa: F811
-    """--listen without a standby: the engine SIGKILLed and started again (weights mapped,
-    a fresh process): the new engine accepts only once it is ready, so the clients that
-    connected meanwhile wait and are answered; only what the killed engine held fails."""
-    port = free_port()
-    la = launch(ckpts["a"], "--listen", f"127.0.0.1:{port}", "--engine-ready", "notify",
+    """--listen unix:PATH without a standby: the engine SIGKILLed and started again (weights
+    mapped, a fresh process): the new engine accepts only once it is ready, so the clients
+    that connected meanwhile wait and are answered; only what the killed engine held fails;
+    the socket file goes with the launcher."""
+    path = str(tmp_path / "engine.sock")
+    la = launch(ckpts["a"], "--listen", f"unix:{path}", "--engine-ready", "notify",
                 "--backoff-initial", "0", tp=1, engine=_engine(tmp_path))
     snap = la.wait_for(serving, timeout=240)
-    with Clients(port) as clients:
+    assert snap["launcher"]["listen"] == f"http=unix:{path}"
+    with Clients(path) as clients:
         clients.more()
         os.killpg(snap["engine"]["pid"], signal.SIGKILL)
         la.wait_for(lambda s: serving(s) and s["engine"]["restarts"] == 1)
@@ -390,6 +393,7 @@ def test_an_ordinary_restart_queues_clients_until_the_new_engine_is_ready(
     assert clients.gap > 0.2  # some waited through the engine's start, and were answered
     la.proc.send_signal(signal.SIGTERM)
     assert la.wait_exit() == 0
+    assert not os.path.exists(path)
 
 
 def test_a_unix_socket_in_a_directory_others_may_write_is_warned_about(

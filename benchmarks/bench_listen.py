@@ -117,12 +117,16 @@ class Launcher:
                             "--socket-dir", str(self.sockdir), "--model", str(models[n % 2]),
                             "--mode", name], check=True, capture_output=True, timeout=600)
 
-    def close(self) -> None:
+    def close(self, keep: str = "") -> None:
+        """Stop the launcher; its log goes to `keep` (the steps behind each figure)."""
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self.log.close()
+        if keep:
+            Path(keep).write_bytes(Path(self.log.name).read_bytes())
 
 
 def measure(la: Launcher, event: str, clients: int, models: list[Path], n: int) -> dict:
@@ -182,7 +186,7 @@ def main() -> int:
                             print(json.dumps(row), flush=True)
                             rows.append(row)
             finally:
-                la.close()
+                la.close(f"{args.out}.{'listen' if listen else 'port'}.log" if args.out else "")
     print(f"\n{'mode':<8} {'event':<9} {'clients':>7} {'refused':>8} {'failed':>7} "
           f"{'max wait s':>10} {'added s':>8}")
     for r in rows:

@@ -17,6 +17,7 @@ OUT=${OUT:-/tmp/vlaunch-gpu}
 PY=${PY:-python3}
 REPS=${REPS:-1}
 MODES=${MODES:-port,listen}
+EVENTS=${EVENTS:-kill,double,in-place,sighup}
 BUDGET=${BUDGET:-560}
 CKPT=${CKPT:-/tmp/vlaunch-ckpt16}
 CKPT2=${CKPT2:-/tmp/vlaunch-ckpt16b}
@@ -41,7 +42,8 @@ if want ckpt; then
     done
 fi
 want listen && stage listen 420 "$PY" benchmarks/bench_listen.py --device cuda --tp 1 \
-    --model "$CKPT" --twin "$CKPT2" --modes "$MODES" --reps "$REPS" --clients 1,8 \
+    --model "$CKPT" --twin "$CKPT2" --modes "$MODES" --events "$EVENTS" --reps "$REPS" \
+    --clients 1,8 \
     --out "$OUT/listen_tp1.json"
 
 {
@@ -50,5 +52,12 @@ want listen && stage listen 420 "$PY" benchmarks/bench_listen.py --device cuda -
         "$(($(date +%s) - T0))s in all"
     cat "$OUT/summary.txt"
     [ -f "$LOGS/listen.log" ] && sed -n '/^mode /,$p' "$LOGS/listen.log"
+    # the steps behind each figure: the launcher's and engines' lines around each change
+    for log in "$OUT"/listen_tp1.json.*.log; do
+        [ -f "$log" ] || continue
+        echo "## steps ($(basename "$log"))"
+        grep -E "SIGKILL|exited|swap (done|to)|cutting over|cut over|promoting|drain|engine ready" \
+            "$log" | cut -c12-200 | head -n 60
+    done
 } | tee "$OUT/table.txt"
 rm -rf "$LOGS"

@@ -8,7 +8,7 @@ import pytest
 
 from vlaunch.cache.contract import settings
 from vlaunch.cache.contract.engine_env import EngineEnv, env_name
-from vlaunch.cache.contract.errors import DeviceError, UsageError
+from vlaunch.cache.contract.errors import UsageError
 
 
 def test_unset_and_empty_are_the_default_and_whitespace_is_trimmed() -> None:
@@ -41,9 +41,9 @@ def test_a_bad_reader_warns_and_bad_slab_settings_stop_the_rank(
     with caplog.at_level(logging.WARNING):
         assert settings.get("VLAUNCH_READER", {"VLAUNCH_READER": "dma"}) == "staging"
     assert "VLAUNCH_READER=dma is not one of staging, register" in caplog.text
-    with pytest.raises(DeviceError, match="VLAUNCH_CPU_SLAB_PAGES must be auto or 4k"):
+    with pytest.raises(UsageError, match="VLAUNCH_CPU_SLAB_PAGES must be auto or 4k"):
         settings.get("VLAUNCH_CPU_SLAB_PAGES", {"VLAUNCH_CPU_SLAB_PAGES": "2m"})
-    with pytest.raises(DeviceError, match="file-backed CPU slabs are no longer supported"):
+    with pytest.raises(UsageError, match="file-backed CPU slabs are no longer supported"):
         settings.get("VLAUNCH_CPU_SLABS", {"VLAUNCH_CPU_SLABS": "file"})
     assert settings.get("VLAUNCH_CPU_SLABS", {"VLAUNCH_CPU_SLABS": "memfd"}) == "memfd"
 

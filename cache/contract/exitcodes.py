@@ -154,12 +154,14 @@ EXIT_TABLE: tuple[ExitInfo, ...] = (
              "about 2 GB, or lower `--threads`; for a swap, `--mode in-place` or free memory"),
     ExitInfo(ExitStatus.SWAP_ROLLED_BACK, "swap",
              "A swap was abandoned after its cutover began: the new engine did not become "
-             "ready (it kept exiting, or ran past --ready-timeout), or a rank refused the "
-             "cutover (an in-place commit whose old slabs were still mapped after "
-             "--lease-wait); the ranks rolled back and the previous weights serve again.",
+             "ready (it kept exiting, or ran past --ready-timeout), or became ready on weights "
+             "a rank refused it (it loaded them from the disk: a fingerprint mismatch), or a "
+             "rank refused the cutover (an in-place commit whose old slabs were still mapped "
+             "after --lease-wait); the ranks rolled back and the previous weights serve again.",
              False,
              "the message names the cause; read the new engine's log (it runs the new "
-             "checkpoint); see [Changing the weights](swap.md#failure-and-rollback)"),
+             "checkpoint); `/status` engine.weights names a refusal; see [Changing the "
+             "weights](swap.md#failure-and-rollback)"),
     ExitInfo(ExitStatus.SWAP_FAILED, "launcher, swap",
              "A swap could not complete and the launcher stopped: --on-failure stop, a rank "
              "that refused the rollback or did not finish a step in time, a cache rank that "
@@ -170,7 +172,9 @@ EXIT_TABLE: tuple[ExitInfo, ...] = (
     ExitInfo(ExitStatus.SWAP_UNAVAILABLE, "swap",
              "No swap was made: no launcher answers on the control socket, it is not serving, "
              "another swap is in progress, a cache rank exited while the new weights were "
-             "staged, or no outcome came within --timeout.", True,
+             "staged, a rank cannot swap in place (known at preparing: nothing stopped), or "
+             "no outcome came within --timeout (or the launcher went away: the message says "
+             "whether the ranks had begun to cut over).", True,
              "try again once the launcher serves (`vlaunch status`); the message says which"),
     ExitInfo(ExitStatus.QUIT, "launcher",
              "Stopped at once on SIGQUIT: every child was killed with SIGKILL, the socket "

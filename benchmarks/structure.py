@@ -3,12 +3,14 @@
 
 Architecture changes quote these figures before and after (benchmarks/results/structure.md):
 the largest modules, the functions with the most parameters, the route one parameter takes
-through the calls, and every VLAUNCH_* variable with the places that read it. The tree is
+through the calls, every VLAUNCH_* variable with the places that read it, and the launcher
+core's state: its fields and which modules write each (`--state` prints only that). The tree is
 read as text, except for the variable table's option and field columns: a child process
 imports the tree's click commands and its engine environment (nothing of them runs).
 
     python benchmarks/structure.py                     # all four tables
     python benchmarks/structure.py --repo /other/checkout --walk cache/client/loader.py:load:model
+    python benchmarks/structure.py --state             # the core's state and its writers
 """
 
 from __future__ import annotations
@@ -258,15 +260,101 @@ def walk(repo: Path, start: str, stops: int = 60) -> list[str]:
             f"{back} returns to a module it had left:", *rows]
 
 
+CORE = Path("launcher/core")
+STATE = CORE / "state.py"
+MUTATORS = {"add", "discard", "pop", "clear", "update", "setdefault", "remove", "append",
+            "reset", "count"}
+"""Methods that change the object they are called on (set, dict, RestartBudget)."""
+
+
+def state_fields(repo: Path) -> list[str]:
+    """The fields `SupervisorState.__init__` gives the state (`self.x = ...`)."""
+    tree = ast.parse((repo / STATE).read_text())
+    init = next(n for c in tree.body if isinstance(c, ast.ClassDef)
+                and c.name == "SupervisorState" for n in c.body
+                if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    return [t.attr for n in ast.walk(init) if isinstance(n, ast.Assign | ast.AnnAssign)
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+            and t.value.id == "self"]
+
+
+def _written(node: ast.AST) -> Iterator[str]:
+    """The state paths an assignment target writes: `_x` (the field itself, an item of it)
+    or `_x.y` (a field of the record `_x`)."""
+    if isinstance(node, ast.Tuple | ast.List):
+        for elt in node.elts:
+            yield from _written(elt)
+    elif isinstance(node, ast.Subscript):
+        yield from _written(node.value)
+    elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+            and node.value.id == "self":
+        yield node.attr
+    elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
+            and isinstance(node.value.value, ast.Name) and node.value.value.id == "self":
+        yield f"{node.value.attr}.{node.attr}"
+    elif isinstance(node, ast.Attribute):
+        yield from _written(node.value)
+
+
+def state_writers(repo: Path) -> dict[str, set[str]]:
+    """State path -> the core modules that write it (assignments, `del`, in-place operators,
+    mutating calls such as `.add(`), outside the state's `__init__`."""
+    out: dict[str, set[str]] = defaultdict(set)
+    for path in sorted((repo / CORE).glob("*.py")):
+        tree = ast.parse(path.read_text())
+        skip = {id(n) for n in ast.walk(tree) if path == repo / STATE
+                and isinstance(n, ast.FunctionDef) and n.name == "__init__"
+                for n in ast.walk(n)}
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            targets: list[ast.AST] = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign | ast.NamedExpr):
+                targets = [node.target]
+            elif isinstance(node, ast.Delete):
+                targets = node.targets
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in MUTATORS:
+                targets = [node.func.value]
+            for t in targets:
+                for name in _written(t):
+                    out[name].add(path.stem)
+    return out
+
+
+def core_state(repo: Path) -> list[str]:
+    """The core's state: its fields, the records among them, and who writes what."""
+    fields = state_fields(repo)
+    writers = state_writers(repo)
+    paths = sorted(p for p in writers if p.split(".")[0] in fields and
+                   p.split(".")[0] != "config")
+    shared = [p for p in paths if len(writers[p]) > 1]
+    records = sorted({p.split(".")[0] for p in paths if "." in p})
+    rows = [f"  {p:32s} {', '.join(sorted(writers[p]))}" for p in paths]
+    return [f"core state: {len(fields)} fields in SupervisorState ({len(records)} records "
+            f"with fields of their own: {', '.join(records) or 'none'}); {len(paths)} state "
+            f"paths written, {len(shared)} by more than one module"
+            f"{': ' + ', '.join(shared) if shared else ''}; `_engine` written by "
+            f"{len(writers.get('_engine', ()))} module(s):", *rows]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[1])
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--least", type=int, default=9, help="parameters that make a list long")
     ap.add_argument("--walk", default="cache/client/loader.py:load:model")
+    ap.add_argument("--state", action="store_true", help="only the core's state and writers")
     args = ap.parse_args()
+    if args.state:
+        print("\n".join(core_state(args.repo)))
+        return
     for block in (sizes(args.repo, args.top), longest(args.repo, args.least),
-                  walk(args.repo, args.walk), typed_any(args.repo), environment(args.repo)):
+                  walk(args.repo, args.walk), typed_any(args.repo), environment(args.repo),
+                  core_state(args.repo)):
         print("\n".join(block), end="\n\n")
 
 

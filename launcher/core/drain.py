@@ -49,11 +49,7 @@ class DrainDecisions(SupervisorState):
         assert pid is not None
         grace = self._drain_grace()
         self._draining[pid] = now + grace
-        self._reset_budget_if_stable(now)
-        self._reset_health(None)
-        self._settle_due = None
-        self._engine = replace(engine, state=EngineState.EXITED, pid=None, healthy=True,
-                               failing=())
+        self._engine_retired(now)
         return [Log("INFO", f"{why}: the standby takes over first; engine (pid {pid}) drains "
                             f"what it holds (SIGTERM, SIGKILL after {grace:g} s)"),
                 RetireEngine(pid), *self._spawn_engine(),

@@ -18,6 +18,7 @@ from .events import (
     Notify,
     SignalChild,
     SignalReceived,
+    Spawned,
     SpawnEngine,
 )
 from .exits import describe_exit
@@ -36,15 +37,75 @@ class EngineDecisions(SupervisorState):
         """Start the engine's next attempt now (promote the standby, if one is parked)."""
         if self._standby_parked():
             return self._promote()
+        attempt = self._engine_starts(None)
+        return [Log("INFO", f"starting the engine (attempt {attempt})"),
+                Notify({"STATUS": self._status_line()}), SpawnEngine(attempt)]
+
+    def _engine_starts(self, pid: int | None) -> int:
+        """The engine's next attempt begins (`pid`: a promoted standby's); its number."""
         engine = self._require_engine()
         attempt = engine.attempt + 1
-        self._engine = replace(engine, state=EngineState.STARTING, pid=None, attempt=attempt,
+        self._engine = replace(engine, state=EngineState.STARTING, pid=pid, attempt=attempt,
                                restarts=engine.restarts + (attempt > 1), healthy=True,
                                failing=())
         self._respawn_due = None
         self._reset_health(None)
-        return [Log("INFO", f"starting the engine (attempt {attempt})"),
-                Notify({"STATUS": self._status_line()}), SpawnEngine(attempt)]
+        return attempt
+
+    def _engine_spawned(self, e: Spawned) -> list[Action]:
+        """Record the engine's pid; with readiness "none" it counts ready after the settle."""
+        engine = self._engine = replace(self._require_engine(), pid=e.pid)
+        actions: list[Action] = [Log("INFO", f"engine started (pid {e.pid}, attempt "
+                                             f"{engine.attempt})")]
+        return actions + self._settle_from(e.now)
+
+    def _settle_from(self, now: float) -> list[Action]:
+        """Readiness "none": the engine that started now counts ready engine_settle later."""
+        if self.config.engine_readiness != "none":
+            return []
+        self._settle_due = now + self.config.engine_settle
+        return self._settle_if_due(now)
+
+    def _engine_health(self, failing: tuple[str, ...]) -> None:
+        """The ready engine's failing probes (hang.py decides which)."""
+        self._engine = replace(self._require_engine(), healthy=not failing, failing=failing)
+
+    def _engine_sigterm(self, reload_deadline: float | None = None, *, hung: bool = False,
+                        sig: signal.Signals = signal.SIGTERM) -> list[Action]:
+        """Stop the starting or ready engine with `sig` (`reload_deadline`: SIGKILL it then;
+        `hung`: it is stopped as hung)."""
+        engine = self._require_engine()
+        self._engine = replace(engine, state=EngineState.STOPPING,
+                               hangs=engine.hangs + hung)
+        self._reload_deadline, self._settle_due = reload_deadline, None
+        return [SignalChild("engine", None, sig)]
+
+    def _cancel_restart(self) -> None:
+        """No restart is due any more: an engine in backoff counts as exited."""
+        self._respawn_due = None
+        engine = self._engine
+        if engine is not None and engine.state is EngineState.BACKOFF:
+            self._engine = replace(engine, state=EngineState.EXITED)
+
+    def _forget_reload(self) -> None:
+        """The planned stop's SIGKILL deadline is over: its engine exited."""
+        self._reload_deadline = None
+
+    def _engine_retired(self, now: float) -> None:
+        """The engine steps aside to drain (drain.py): it is the engine no more."""
+        self._reset_budget_if_stable(now)
+        self._reset_health(None)
+        self._settle_due = None
+        self._engine = replace(self._require_engine(), state=EngineState.EXITED, pid=None,
+                               healthy=True, failing=())
+
+    def _start_serving(self) -> list[Action]:
+        """Start the engine, or READY=1 without one."""
+        if self._engine is not None:
+            return self._spawn_engine()
+        self._ready_sent = True
+        return [Log("INFO", "every cache rank is ready (no engine)"),
+                Notify({"READY": "1", "STATUS": self._status_line()})]
 
     def _settle_if_due(self, now: float) -> list[Action]:
         """Readiness "none": the engine is ready once it has stayed up engine_settle seconds."""
@@ -164,11 +225,9 @@ class EngineDecisions(SupervisorState):
             return [Log("INFO", f"SIGHUP: restarting the engine (pid {engine.pid})"),
                     Notify({**self._reloading_field(), "STATUS": "restarting engine (SIGHUP)"}),
                     *self._promote_then_drain(e.now, "SIGHUP")]
-        self._engine = replace(engine, state=EngineState.STOPPING)
-        self._reload_deadline = e.now + self._drain_grace()
-        return [Log("INFO", f"SIGHUP: restarting the engine (pid {engine.pid})"),
-                Notify({**self._reloading_field(), "STATUS": "restarting engine (SIGHUP)"}),
-                SignalChild("engine", None, signal.SIGTERM)]
+        notify = Notify({**self._reloading_field(), "STATUS": "restarting engine (SIGHUP)"})
+        return [Log("INFO", f"SIGHUP: restarting the engine (pid {engine.pid})"), notify,
+                *self._engine_sigterm(e.now + self._drain_grace())]
 
     def _reload_timeout(self, now: float) -> list[Action]:
         """SIGKILL an engine that ignored a planned stop's SIGTERM (SIGHUP, a swap) for

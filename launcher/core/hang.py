@@ -12,7 +12,6 @@ timeout's business.
 from __future__ import annotations
 
 import signal
-from dataclasses import replace
 
 from .events import Action, EngineHealth, EngineWatchdog, Log, Notify, SignalChild
 from .model import EngineState, StandbyState
@@ -68,7 +67,7 @@ class HangDecisions(SupervisorState):
             self._unhealthy_since = None
         elif self._unhealthy_since is None:
             self._unhealthy_since = since
-        self._engine = replace(engine, healthy=not failing, failing=tuple(sorted(failing)))
+        self._engine_health(tuple(sorted(failing)))
         limit = self.config.unhealthy_after
         then = (f"; hung after {limit:g} s of failing (--engine-unhealthy-after)" if limit
                 else "")
@@ -102,7 +101,8 @@ class HangDecisions(SupervisorState):
         why = "; ".join(fails(p, d) for p, d in sorted(self._failing.items()))
         grace = self._hang_grace()
         self._hang, self._hang_kill_due = why, (now + grace if grace else None)
-        self._engine = replace(engine, state=EngineState.STOPPING, hangs=engine.hangs + 1)
+        sigterm = self._engine_sigterm(hung=True, sig=signal.SIGTERM if grace else
+                                       signal.SIGKILL)
         failing = f"{why}, failing for {now - since:.1f} s (--engine-unhealthy-after {limit:g})"
         line = (f"engine (pid {engine.pid}) hung, stopping it (SIGTERM, SIGKILL after "
                 f"{grace:g} s): {failing}" if grace else
@@ -110,7 +110,7 @@ class HangDecisions(SupervisorState):
                 f"--engine-hang-kill-after 0): {failing}")
         return [Log("ERROR", line),
                 Notify({**self._reloading_field(), "STATUS": "restarting engine (hung)"}),
-                SignalChild("engine", None, signal.SIGTERM if grace else signal.SIGKILL)]
+                *sigterm]
 
     def _hang_grace(self) -> float:
         """Seconds a hung engine gets between its SIGTERM and its SIGKILL (0: SIGKILL at
@@ -150,12 +150,19 @@ class HangDecisions(SupervisorState):
                 self._standby_ping is None or now - self._standby_ping < watchdog + limit:
             return []
         self._standby_hung = True
-        self._standby = replace(sb, hangs=sb.hangs + 1)
+        self._count_standby_hang()
         return [Log("WARNING", f"standby engine {sb.number} (pid {sb.pid}) hung while parked: "
                                f"no WATCHDOG=1 for {now - self._standby_ping:.1f} s "
                                f"(--engine-watchdog {watchdog:g} + --engine-unhealthy-after "
                                f"{limit:g}): killing it and starting another"),
                 SignalChild("standby", None, signal.SIGKILL)]
+
+    def _watch_standby(self, since: float | None, *, promoted: bool = False) -> None:
+        """The parked standby's watchdog runs from `since` (None: no standby is parked; a
+        `promoted` one ends the streak of hung standbys)."""
+        self._standby_ping = since
+        if promoted:
+            self._standby_hang_streak = 0
 
     def _hung_standby_gone(self) -> bool:
         """Whether the standby that just exited was killed as hung (counted in a streak that

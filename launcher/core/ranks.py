@@ -4,6 +4,7 @@ first ready (preload, then the engine)."""
 
 from __future__ import annotations
 
+import signal
 from dataclasses import replace
 
 from vlaunch.cache.contract.exitcodes import ExitStatus
@@ -17,10 +18,12 @@ from .events import (
     Notify,
     PreloadDone,
     RunPreload,
+    SignalChild,
     SpawnCache,
+    Spawned,
 )
 from .exits import CACHE_STATUSES, rank_exit
-from .model import Failure, Phase, RankState, RankStatus
+from .model import RANK_RUNNING, Failure, Phase, RankState, RankStatus
 from .state import SupervisorState, stale
 
 
@@ -128,10 +131,15 @@ class RankDecisions(SupervisorState):
         return [Log("WARNING", f"preload command {e.detail}; starting the engine anyway (it "
                                "tunes on its own)"), *self._start_serving()]
 
-    def _start_serving(self) -> list[Action]:
-        """Start the engine, or READY=1 without one."""
-        if self._engine is not None:
-            return self._spawn_engine()
-        self._ready_sent = True
-        return [Log("INFO", "every cache rank is ready (no engine)"),
-                Notify({"READY": "1", "STATUS": self._status_line()})]
+    def _rank_spawned(self, e: Spawned) -> list[Action]:
+        """Record a rank's pid."""
+        rank = self._rank(e.rank)
+        self._ranks[rank.rank] = replace(rank, pid=e.pid)
+        return []
+
+    def _stop_ranks(self) -> list[Action]:
+        """SIGTERM every rank still running (the engine is gone)."""
+        running = [r for r in self._ranks.values() if r.state in RANK_RUNNING]
+        for r in running:
+            self._ranks[r.rank] = replace(r, state=RankState.STOPPING)
+        return [SignalChild("cache", r.rank, signal.SIGTERM) for r in running]

@@ -67,7 +67,7 @@ class StandbyDecisions(SupervisorState):
             return []
         self._standby = replace(sb, state=StandbyState.PARKED, failures=0)
         self._park_due = None
-        self._standby_ping = e.now  # its watchdog runs from here (hang.py)
+        self._watch_standby(e.now)  # its watchdog runs from here (hang.py)
         actions: list[Action] = [Log("INFO", f"standby engine {sb.number} (pid {sb.pid}) parked")]
         if self._respawn_due is not None and self._stop is None:  # the engine is in backoff
             actions += self._spawn_engine()
@@ -76,23 +76,16 @@ class StandbyDecisions(SupervisorState):
     def _promote(self) -> list[Action]:
         """Make the parked standby the engine's next attempt; a new standby follows once it is
         ready."""
-        sb, engine = self._standby, self._require_engine()
+        sb = self._standby
         assert sb is not None
-        attempt = engine.attempt + 1
         self._standby = replace(sb, state=StandbyState.NONE, pid=None,
                                 promotions=sb.promotions + 1)
-        self._standby_ping, self._standby_hang_streak = None, 0
-        self._engine = replace(engine, state=EngineState.STARTING, pid=sb.pid, attempt=attempt,
-                               restarts=engine.restarts + (attempt > 1), healthy=True)
-        self._respawn_due = None
-        actions: list[Action] = [
-            Log("INFO", f"promoting standby engine {sb.number} (pid {sb.pid}) to engine "
-                        f"attempt {attempt}"),
-            Notify({"STATUS": self._status_line()}), PromoteStandby()]
-        if self.config.engine_readiness == "none":
-            self._settle_due = self._now + self.config.engine_settle
-            actions += self._settle_if_due(self._now)
-        return actions
+        self._watch_standby(None, promoted=True)
+        attempt = self._engine_starts(sb.pid)
+        return [Log("INFO", f"promoting standby engine {sb.number} (pid {sb.pid}) to engine "
+                            f"attempt {attempt}"),
+                Notify({"STATUS": self._status_line()}), PromoteStandby(),
+                *self._settle_from(self._now)]
 
     def _on_standby_exited(self, e: ChildExited) -> list[Action]:
         """A standby died or stopped: replace it, or give standbys up after repeated failures."""
@@ -104,7 +97,8 @@ class StandbyDecisions(SupervisorState):
         retired = self._standby_retired == sb.number  # stopped for a swap: no failure
         self._standby = sb = replace(sb, state=StandbyState.NONE, pid=None,
                                      failures=sb.failures + (not parked and not retired))
-        self._park_due, self._standby_ping = None, None
+        self._park_due = None
+        self._watch_standby(None)
         how = "hung while parked, killed" if hung else "exited"
         what = f"standby engine {sb.number} (pid {e.pid}) {how}: " \
                f"{describe_exit(e.status, hint=not hung)}"
@@ -135,6 +129,26 @@ class StandbyDecisions(SupervisorState):
                                f"{limit:g} s (--standby-park-timeout): killing it and giving "
                                "standbys up; engine restarts are ordinary restarts from now on"),
                 SignalChild("standby", None, signal.SIGKILL)]
+
+    def _retire_standby(self) -> list[Action]:
+        """Stop a starting or parked standby for a swap: its exit is no failure."""
+        sb = self._standby
+        if sb is None or sb.state not in (StandbyState.STARTING, StandbyState.PARKED):
+            return []
+        self._standby_retired = sb.number
+        self._standby = replace(sb, state=StandbyState.STOPPING)
+        self._park_due = None
+        return [SignalChild("standby", None, signal.SIGTERM)]
+
+    def _hold_standbys(self, *, next_weights: bool, paused: bool) -> None:
+        """How a swap wants the next standbys: parked before their weights, or none at all."""
+        self._standby_next_weights, self._standby_paused = next_weights, paused
+
+    def _count_standby_hang(self) -> None:
+        """The parked standby was found hung (hang.py): count it."""
+        sb = self._standby
+        assert sb is not None
+        self._standby = replace(sb, hangs=sb.hangs + 1)
 
     def _stop_standby(self) -> list[Action]:
         """SIGTERM a live standby as part of the stop."""

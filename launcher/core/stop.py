@@ -3,14 +3,13 @@ timeout, and the exit status that the first cause fixes."""
 
 from __future__ import annotations
 
-import signal
 from dataclasses import replace
 
 from vlaunch.cache.contract.exitcodes import ExitStatus
 
-from .events import Action, Exit, KillAll, Log, Notify, SignalChild, SignalReceived
+from .events import Action, Exit, KillAll, Log, Notify, SignalReceived
 from .exits import signal_name
-from .model import RANK_RUNNING, EngineState, RankState, Stop
+from .model import EngineState, RankState, Stop
 from .state import SupervisorState
 
 
@@ -45,26 +44,17 @@ class StopDecisions(SupervisorState):
                     signals: int = 0) -> list[Action]:
         """Start the one stop path: STOPPING=1, SIGTERM the engine, then the ranks."""
         self._stop = Stop(cause, reason, now + self.config.stop_timeout, signals)
-        self._respawn_due = self._reload_deadline = None
+        self._cancel_restart()
+        self._forget_reload()
         actions: list[Action] = [*self._swap_stopped(reason),
                                  Notify({"STOPPING": "1", "STATUS": f"stopping: {reason}"})]
         engine = self._engine
-        if engine is not None and engine.state is EngineState.BACKOFF:
-            self._engine = replace(engine, state=EngineState.EXITED)
         actions += self._stop_standby()
         if engine is not None and engine.state in (EngineState.STARTING, EngineState.READY):
-            self._engine = replace(engine, state=EngineState.STOPPING)
-            return [*actions, SignalChild("engine", None, signal.SIGTERM)]
+            return [*actions, *self._engine_sigterm()]
         if self._engine_alive():  # a SIGHUP restart already sent it SIGTERM
             return actions
         return [*actions, *self._stop_ranks(), *self._finish_if_done()]
-
-    def _stop_ranks(self) -> list[Action]:
-        """SIGTERM every rank still running (the engine is gone)."""
-        running = [r for r in self._ranks.values() if r.state in RANK_RUNNING]
-        for r in running:
-            self._ranks[r.rank] = replace(r, state=RankState.STOPPING)
-        return [SignalChild("cache", r.rank, signal.SIGTERM) for r in running]
 
     def _finish_if_done(self) -> list[Action]:
         """Exit with the stop's cause once no child is left."""

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from .drain import DrainDecisions
@@ -86,7 +85,7 @@ from .ranks import RankDecisions
 from .standby import StandbyDecisions
 from .stop import StopDecisions
 from .swap import SwapDecisions
-from .timers import EXTEND_BY, EXTEND_EVERY, Timers, usec
+from .timers import EXTEND_BY, Timers, usec
 from .view import StatusView
 
 
@@ -119,15 +118,13 @@ class Supervisor(RankDecisions, EngineDecisions, HangDecisions, StandbyDecisions
             raise SupervisorProtocolError(f"{event!r}: Started must come first, exactly once")
         self._now = event.now
         actions = handler(event)
-        if self.config.start_timeout is not None and self._pending_since is None \
-                and self._exit is None and self._stop is None and self._pending():
-            self._pending_since = event.now  # the start-up deadline runs from here
+        self._note_pending(event.now)
         return actions
 
     def _on_started(self, e: Started) -> list[Action]:
         """Spawn every cache rank from disk and report loading."""
         self._started = True
-        self._next_extend = e.now + EXTEND_EVERY
+        self._extend_from(e.now)
         ranks = ", ".join(map(str, self.config.ranks))
         return [Log("INFO", f"starting cache ranks {ranks}"),
                 *(SpawnCache(r, adopt=False) for r in self.config.ranks),
@@ -136,18 +133,10 @@ class Supervisor(RankDecisions, EngineDecisions, HangDecisions, StandbyDecisions
     def _on_spawned(self, e: Spawned) -> list[Action]:
         """Record a child's pid; with readiness "none" a spawned engine is ready."""
         if e.role == "cache":
-            rank = self._rank(e.rank)
-            self._ranks[rank.rank] = replace(rank, pid=e.pid)
-            return []
+            return self._rank_spawned(e)
         if e.role == "standby":
             return self._standby_spawned(e)
-        engine = self._engine = replace(self._require_engine(), pid=e.pid)
-        actions: list[Action] = [Log("INFO", f"engine started (pid {e.pid}, attempt "
-                                             f"{engine.attempt})")]
-        if self.config.engine_readiness == "none":
-            self._settle_due = e.now + self.config.engine_settle
-            actions += self._settle_if_due(e.now)
-        return actions
+        return self._engine_spawned(e)
 
     def _on_signal(self, e: SignalReceived) -> list[Action]:
         """Dispatch a signal: SIGTERM/SIGINT stop, SIGQUIT quits now, SIGHUP restarts the

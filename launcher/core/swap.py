@@ -11,7 +11,6 @@ that exits once a cutover began stops the launcher.
 
 from __future__ import annotations
 
-import signal
 from dataclasses import replace
 
 from vlaunch.cache.contract.exitcodes import ExitStatus
@@ -22,7 +21,6 @@ from .events import (
     EngineWeights,
     Log,
     Notify,
-    SignalChild,
     SwapPolicy,
     SwapRanks,
     SwapReply,
@@ -194,10 +192,7 @@ class SwapDecisions(SupervisorState):
         self._swap = replace(sw, state=S.COMMITTING)
         self._swap_waiting, self._swap_answered = set(self._swap_ranks()), set()
         self._swap_deadline = now + self._swap_policy.ready_timeout
-        engine = self._engine
-        if engine is not None and engine.state is EngineState.BACKOFF:  # no start mid-commit
-            self._respawn_due = None
-            self._engine = replace(engine, state=EngineState.EXITED)
+        self._cancel_restart()  # no start mid-commit
         # the requester hears it (not final): should the launcher die from now on, the
         # ranks may hold the new weights (vlaunch swap says so)
         return [Log("INFO", f"swap to version {sw.target_version}: cutting over ({sw.mode})"),
@@ -232,15 +227,11 @@ class SwapDecisions(SupervisorState):
         if sb is None or sb.given_up:
             return [], False
         wait = park and self._swap_policy.standby
-        self._standby_next_weights, self._standby_paused = next_weights, not wait
+        self._hold_standbys(next_weights=next_weights, paused=not wait)
         actions: list[Action] = []
         if sb.state in (StandbyState.STARTING, StandbyState.PARKED):
-            self._standby_retired = sb.number
-            self._standby = replace(sb, state=StandbyState.STOPPING)
-            self._park_due = None
             actions = [Log("INFO", f"stopping standby engine {sb.number} (pid {sb.pid}): it "
-                                   "was started for the old weights"),
-                       SignalChild("standby", None, signal.SIGTERM)]
+                                   "was started for the old weights"), *self._retire_standby()]
         if not wait:
             return actions, False
         self._swap = replace(self._swap, state=S.PARKING)
@@ -265,8 +256,8 @@ class SwapDecisions(SupervisorState):
         sw = self._swap
         self._swap = replace(sw, state=S.STARTING)
         self._swap_deadline = now + self._swap_policy.ready_timeout
-        self._swap_new_engine, self._standby_next_weights = True, False
-        self._respawn_due = None
+        self._swap_new_engine = True
+        self._hold_standbys(next_weights=False, paused=self._standby_paused)
         return [Notify({**self._reloading_field(), "STATUS": self._status_line()}),
                 *self._promote_then_drain(now, f"swap to version {sw.target_version}")]
 
@@ -275,18 +266,14 @@ class SwapDecisions(SupervisorState):
         sw, engine = self._swap, self._require_engine()
         self._swap = replace(sw, state=S.STOPPING)
         if engine.state in (EngineState.STARTING, EngineState.READY):
-            self._engine = replace(engine, state=EngineState.STOPPING)
-            self._reload_deadline = now + self._drain_grace()
-            self._settle_due = None
+            sigterm = self._engine_sigterm(now + self._drain_grace())
             return [Log("INFO", f"swap to version {sw.target_version}: stopping the engine "
                                 f"(pid {engine.pid})"),
                     Notify({**self._reloading_field(), "STATUS": self._status_line()}),
-                    SignalChild("engine", None, signal.SIGTERM)]
+                    *sigterm]
         if engine.state is EngineState.STOPPING:
             return []  # its exit moves the swap on
-        self._respawn_due = None
-        if engine.state is EngineState.BACKOFF:
-            self._engine = replace(engine, state=EngineState.EXITED)
+        self._cancel_restart()
         return self._swap_engine_stopped(now)
 
     def _swap_engine_stopped(self, now: float) -> list[Action]:
@@ -300,8 +287,8 @@ class SwapDecisions(SupervisorState):
         sw = self._swap
         self._swap = replace(sw, state=S.STARTING)
         self._swap_deadline = now + self._swap_policy.ready_timeout
-        self._swap_new_engine, self._standby_next_weights = True, False
-        self._respawn_due = None
+        self._swap_new_engine = True
+        self._hold_standbys(next_weights=False, paused=self._standby_paused)
         if self._engine is None:
             return self._swap_finish(now)
         return [Log("INFO", f"swap to version {sw.target_version}: starting the engine on the "
@@ -362,7 +349,7 @@ class SwapDecisions(SupervisorState):
             else sw.label, swaps=sw.swaps + ok, rollbacks=sw.rollbacks + rolled_back,
             last=message)
         self._swap_deadline, self._swap_waiting = None, set()
-        self._standby_next_weights = self._standby_paused = False
+        self._hold_standbys(next_weights=False, paused=False)
         standby = self._spawn_standby(self._now) if ok or rolled_back else []
         return [SwapReply(self._swap_request, True, status, message, self._swap.version,
                           sw.mode), *standby, self._swap_notify()]
@@ -414,25 +401,16 @@ class SwapDecisions(SupervisorState):
         self._swap_rollback_sent = False
         actions: list[Action] = [Log("WARNING", f"swap to version {sw.target_version}: rolling "
                                                 f"back to version {sw.version}: {why}")]
-        sb = self._standby
-        if sb is not None and sb.state in (StandbyState.STARTING, StandbyState.PARKED):
-            self._standby_retired = sb.number
-            self._standby = replace(sb, state=StandbyState.STOPPING)
-            self._park_due = None
-            actions.append(SignalChild("standby", None, signal.SIGTERM))
-        self._standby_paused, self._standby_next_weights = True, False
+        actions += self._retire_standby()
+        self._hold_standbys(next_weights=False, paused=True)
         engine = self._engine
         if engine is not None and self._swap_new_engine and engine.state in (
                 EngineState.STARTING, EngineState.READY):
-            self._engine = replace(engine, state=EngineState.STOPPING)
-            self._reload_deadline = now + self.config.stop_timeout
-            self._settle_due = None
-            return [*actions, SignalChild("engine", None, signal.SIGTERM)]
+            return [*actions, *self._engine_sigterm(now + self.config.stop_timeout)]
         if engine is not None and engine.state is EngineState.STOPPING:
             return actions  # its exit sends the rollback
         if engine is not None and engine.state is EngineState.BACKOFF:
-            self._respawn_due = None
-            self._engine = replace(engine, state=EngineState.EXITED)
+            self._cancel_restart()
         return [*actions, *self._swap_send_rollback()]
 
     def _swap_send_rollback(self) -> list[Action]:
@@ -466,7 +444,7 @@ class SwapDecisions(SupervisorState):
         sw = self._swap
         if sw.state in (S.NONE, S.PREPARING, S.STAGING):
             return None
-        self._reload_deadline = None
+        self._forget_reload()
         if sw.state in (S.STOPPING, S.PARKING):
             word = "stopped for the swap" if sw.state is S.STOPPING else \
                 "before the standby parked"

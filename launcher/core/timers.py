@@ -37,6 +37,18 @@ class Timers(SupervisorState):
         self._next_extend = now + EXTEND_EVERY
         return [Notify({"EXTEND_TIMEOUT_USEC": usec(EXTEND_BY)})]
 
+    def _extend_from(self, now: float) -> None:
+        """The first EXTEND_TIMEOUT_USEC went out now (Started); the next is due EXTEND_EVERY
+        later."""
+        self._next_extend = now + EXTEND_EVERY
+
+    def _note_pending(self, now: float) -> None:
+        """After each event: the start-up deadline runs from the first one that left the
+        launcher not serving."""
+        if self.config.start_timeout is not None and self._pending_since is None \
+                and self._exit is None and self._stop is None and self._pending():
+            self._pending_since = now
+
     def _start_timeout(self, now: float) -> list[Action]:
         """Stop with START_TIMEOUT once the launcher has not been serving for start_timeout:
         since Started, since an engine restart began, or since a rank began to respawn."""

@@ -279,22 +279,45 @@ def state_fields(repo: Path) -> list[str]:
             and t.value.id == "self"]
 
 
-def _written(node: ast.AST) -> Iterator[str]:
+def _chain(node: ast.AST) -> list[str]:
+    """`self._x.y[k].z` as ["self", "_x", "y", "z"] (empty when it starts with no name)."""
+    names: list[str] = []
+    while isinstance(node, ast.Attribute | ast.Subscript):
+        if isinstance(node, ast.Attribute):
+            names.insert(0, node.attr)
+        node = node.value
+    return [node.id, *names] if isinstance(node, ast.Name) else []
+
+
+def _written(node: ast.AST, aliases: dict[str, str]) -> Iterator[str]:
     """The state paths an assignment target writes: `_x` (the field itself, an item of it)
-    or `_x.y` (a field of the record `_x`)."""
-    if isinstance(node, ast.Tuple | ast.List):
-        for elt in node.elts:
-            yield from _written(elt)
-    elif isinstance(node, ast.Subscript):
-        yield from _written(node.value)
-    elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-            and node.value.id == "self":
-        yield node.attr
-    elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
-            and isinstance(node.value.value, ast.Name) and node.value.value.id == "self":
-        yield f"{node.value.attr}.{node.attr}"
-    elif isinstance(node, ast.Attribute):
-        yield from _written(node.value)
+    or `_x.y` (a field of the record `_x`), also through a local name bound to `self._x`."""
+    if isinstance(node, ast.Tuple | ast.List | ast.Starred):
+        for elt in node.elts if not isinstance(node, ast.Starred) else [node.value]:
+            yield from _written(elt, aliases)
+        return
+    chain = _chain(node)
+    if len(chain) >= 2 and chain[0] == "self":
+        yield ".".join(chain[1:3])
+    elif len(chain) >= 2 and chain[0] in aliases:
+        yield f"{aliases[chain[0]]}.{chain[1]}"
+
+
+def _aliases(func: ast.AST) -> dict[str, str]:
+    """Local names a function binds to a state field: `run = self._x` -> {"run": "_x"}."""
+    out: dict[str, str] = {}
+    for node in ast.walk(func):
+        if not isinstance(node, ast.Assign):
+            continue
+        for target in node.targets:
+            pairs = zip(target.elts, node.value.elts, strict=False) if isinstance(
+                target, ast.Tuple) and isinstance(node.value, ast.Tuple) else [(target,
+                                                                               node.value)]
+            for name, value in pairs:
+                chain = _chain(value)
+                if isinstance(name, ast.Name) and len(chain) == 2 and chain[0] == "self":
+                    out[name.id] = chain[1]
+    return out
 
 
 def state_writers(repo: Path) -> dict[str, set[str]]:
@@ -303,25 +326,23 @@ def state_writers(repo: Path) -> dict[str, set[str]]:
     out: dict[str, set[str]] = defaultdict(set)
     for path in sorted((repo / CORE).glob("*.py")):
         tree = ast.parse(path.read_text())
-        skip = {id(n) for n in ast.walk(tree) if path == repo / STATE
-                and isinstance(n, ast.FunctionDef) and n.name == "__init__"
-                for n in ast.walk(n)}
-        for node in ast.walk(tree):
-            if id(node) in skip:
+        for func in ast.walk(tree):
+            if not isinstance(func, ast.FunctionDef) or (
+                    path == repo / STATE and func.name == "__init__"):
                 continue
-            targets: list[ast.AST] = []
-            if isinstance(node, ast.Assign):
-                targets = node.targets
-            elif isinstance(node, ast.AugAssign | ast.AnnAssign | ast.NamedExpr):
-                targets = [node.target]
-            elif isinstance(node, ast.Delete):
-                targets = node.targets
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                    and node.func.attr in MUTATORS:
-                targets = [node.func.value]
-            for t in targets:
-                for name in _written(t):
-                    out[name].add(path.stem)
+            aliases = _aliases(func)
+            for node in ast.walk(func):
+                targets: list[ast.AST] = []
+                if isinstance(node, ast.Assign | ast.Delete):
+                    targets = node.targets
+                elif isinstance(node, ast.AugAssign | ast.AnnAssign | ast.NamedExpr):
+                    targets = [node.target]
+                elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                        and node.func.attr in MUTATORS:
+                    targets = [node.func.value]
+                for t in targets:
+                    for name in _written(t, aliases):
+                        out[name].add(path.stem)
     return out
 
 

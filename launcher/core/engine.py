@@ -48,7 +48,7 @@ class EngineDecisions(SupervisorState):
         self._engine = replace(engine, state=EngineState.STARTING, pid=pid, attempt=attempt,
                                restarts=engine.restarts + (attempt > 1), healthy=True,
                                failing=())
-        self._respawn_due = None
+        self._engine_run.respawn_due = None
         self._reset_health(None)
         return attempt
 
@@ -63,7 +63,7 @@ class EngineDecisions(SupervisorState):
         """Readiness "none": the engine that started now counts ready engine_settle later."""
         if self.config.engine_readiness != "none":
             return []
-        self._settle_due = now + self.config.engine_settle
+        self._engine_run.settle_due = now + self.config.engine_settle
         return self._settle_if_due(now)
 
     def _engine_health(self, failing: tuple[str, ...]) -> None:
@@ -77,25 +77,25 @@ class EngineDecisions(SupervisorState):
         engine = self._require_engine()
         self._engine = replace(engine, state=EngineState.STOPPING,
                                hangs=engine.hangs + hung)
-        self._reload_deadline, self._settle_due = reload_deadline, None
+        self._engine_run.reload_deadline, self._engine_run.settle_due = reload_deadline, None
         return [SignalChild("engine", None, sig)]
 
     def _cancel_restart(self) -> None:
         """No restart is due any more: an engine in backoff counts as exited."""
-        self._respawn_due = None
+        self._engine_run.respawn_due = None
         engine = self._engine
         if engine is not None and engine.state is EngineState.BACKOFF:
             self._engine = replace(engine, state=EngineState.EXITED)
 
     def _forget_reload(self) -> None:
         """The planned stop's SIGKILL deadline is over: its engine exited."""
-        self._reload_deadline = None
+        self._engine_run.reload_deadline = None
 
     def _engine_retired(self, now: float) -> None:
         """The engine steps aside to drain (drain.py): it is the engine no more."""
         self._reset_budget_if_stable(now)
         self._reset_health(None)
-        self._settle_due = None
+        self._engine_run.settle_due = None
         self._engine = replace(self._require_engine(), state=EngineState.EXITED, pid=None,
                                healthy=True, failing=())
 
@@ -103,15 +103,15 @@ class EngineDecisions(SupervisorState):
         """Start the engine, or READY=1 without one."""
         if self._engine is not None:
             return self._spawn_engine()
-        self._ready_sent = True
+        self._engine_run.ready_sent = True
         return [Log("INFO", "every cache rank is ready (no engine)"),
                 Notify({"READY": "1", "STATUS": self._status_line()})]
 
     def _settle_if_due(self, now: float) -> list[Action]:
         """Readiness "none": the engine is ready once it has stayed up engine_settle seconds."""
-        if self._settle_due is None or now < self._settle_due:
+        if self._engine_run.settle_due is None or now < self._engine_run.settle_due:
             return []
-        self._settle_due = None
+        self._engine_run.settle_due = None
         return self._engine_became_ready(now)
 
     def _engine_became_ready(self, now: float) -> list[Action]:
@@ -120,7 +120,8 @@ class EngineDecisions(SupervisorState):
         if engine is None or engine.state is not EngineState.STARTING or self._stop is not None:
             return []
         self._engine = replace(engine, state=EngineState.READY, healthy=True, failing=())
-        self._ready_since, self._ready_sent, self._reloading = now, True, False
+        run = self._engine_run
+        run.ready_since, run.ready_sent, run.reloading = now, True, False
         self._reset_health(now)
         swap = self._swap_engine_ready(now)  # a swap's new engine: the swap is done
         return [Log("INFO", f"engine ready (pid {engine.pid}, attempt {engine.attempt})"),
@@ -134,9 +135,10 @@ class EngineDecisions(SupervisorState):
             return []
         hung = self._hung_engine_gone()
         # a hung engine was stable only until its health began to fail
-        self._reset_budget_if_stable(e.now if hung is None else (self._unhealthy_since or e.now))
+        self._reset_budget_if_stable(e.now if hung is None else
+                                     (self._health.unhealthy_since or e.now))
         self._reset_health(None)
-        self._settle_due = None
+        self._engine_run.settle_due = None
         self._engine = replace(engine, state=EngineState.EXITED, pid=None, last_exit=e.status,
                                healthy=True, failing=())
         what = (f"engine (pid {e.pid}) exited: {describe_exit(e.status)}" if e.pid else
@@ -149,8 +151,8 @@ class EngineDecisions(SupervisorState):
         swap = self._swap_engine_exited(e, what)  # a swap that cuts over decides
         if swap is not None:
             return swap
-        if self._reload_deadline is not None:
-            self._reload_deadline = None
+        if self._engine_run.reload_deadline is not None:
+            self._engine_run.reload_deadline = None
             return [Log("INFO", f"{what}; restarting it (SIGHUP)"), *self._spawn_engine()]
         if hung is not None:  # whatever its status: a hang is a failure, never a success
             return self._schedule_restart(what, e.now)
@@ -168,23 +170,24 @@ class EngineDecisions(SupervisorState):
 
     def _reset_budget_if_stable(self, now: float) -> None:
         """Forget restarts and backoff if the exiting engine stayed ready `stable_after`."""
-        if self._ready_since is not None and now - self._ready_since >= self.config.stable_after:
-            self._budget.reset()
-        self._ready_since = None
+        run = self._engine_run
+        if run.ready_since is not None and now - run.ready_since >= self.config.stable_after:
+            run.budget.reset()
+        run.ready_since = None
 
     def _schedule_restart(self, what: str, now: float) -> list[Action]:
         """Count the restart against the budget, then respawn after the backoff."""
         c = self.config
-        count = self._budget.count(now)
-        if self._budget.exhausted(count):
+        count = self._engine_run.budget.count(now)
+        if self._engine_run.budget.exhausted(count):
             why = (f"{what}; restart budget exhausted ({count} exits in {c.restart_window:g} s, "
                    f"at most {c.restart_max} restarts allowed)")
             return [Log("ERROR", why), *self._begin_stop(ExitStatus.ENGINE_BUDGET, why, now)]
-        delay = self._budget.next_delay()
+        delay = self._engine_run.budget.next_delay()
         self._engine = replace(self._require_engine(), state=EngineState.BACKOFF)
         if self._standby_parked():  # a promotion counts as a restart, but waits for nothing
             delay = 0.0
-        self._respawn_due = now + delay
+        self._engine_run.respawn_due = now + delay
         attempt = self._require_engine().attempt + 1
         status = f"restarting engine (attempt {attempt}, in {delay:g} s)"
         return [Log("WARNING", f"{what}; restarting it in {delay:g} s ({count} of at most "
@@ -193,16 +196,16 @@ class EngineDecisions(SupervisorState):
 
     def _reloading_field(self) -> dict[str, str]:
         """RELOADING=1 once per restart, and only after READY=1 (systemd's reload state)."""
-        if not self._ready_sent or self._reloading:
+        if not self._engine_run.ready_sent or self._engine_run.reloading:
             return {}
-        self._reloading = True
+        self._engine_run.reloading = True
         return {"RELOADING": "1"}
 
     def _respawn_if_due(self, now: float) -> list[Action]:
         """Respawn the engine once its backoff has passed and every cache rank serves (a new
         engine would find a respawning rank's socket missing; a parked standby has its
         weights mapped already and is promoted at once)."""
-        if self._respawn_due is None or now < self._respawn_due:
+        if self._engine_run.respawn_due is None or now < self._engine_run.respawn_due:
             return []
         if not self._standby_parked() and any(
                 r.state is RankState.RESPAWNING for r in self._ranks.values()):
@@ -232,9 +235,9 @@ class EngineDecisions(SupervisorState):
     def _reload_timeout(self, now: float) -> list[Action]:
         """SIGKILL an engine that ignored a planned stop's SIGTERM (SIGHUP, a swap) for
         drain_timeout."""
-        if self._reload_deadline is None or now < self._reload_deadline:
+        if self._engine_run.reload_deadline is None or now < self._engine_run.reload_deadline:
             return []
-        self._reload_deadline = math.inf  # still a reload, killed once
+        self._engine_run.reload_deadline = math.inf  # still a reload, killed once
         pid = self._require_engine().pid
         return [Log("WARNING", f"the engine (pid {pid}) ignored SIGTERM for "
                                f"{self._drain_grace():g} s: killing it"),

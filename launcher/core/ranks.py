@@ -42,7 +42,7 @@ class RankDecisions(SupervisorState):
                                              f"ready{again}")]
         if self._stop is not None:
             return actions
-        if not self._caches_loaded and self.caches_ready:
+        if not self._startup.caches_loaded and self.caches_ready:
             return actions + self._caches_loaded_now()
         # an engine restart that waited for this rank's respawn goes ahead now
         return [*actions, Notify({"STATUS": self._status_line()}), *self._respawn_if_due(e.now)]
@@ -98,7 +98,7 @@ class RankDecisions(SupervisorState):
     def _fail(self, e: ChildExited, status: ExitStatus, what: str) -> list[Action]:
         """Record the first failing rank and begin the stop it causes."""
         assert e.rank is not None
-        self._first_failure = Failure(e.rank, e.pid, e.status)
+        self._startup.first_failure = Failure(e.rank, e.pid, e.status)
         return [Log("ERROR", what), *self._begin_stop(status, what, e.now)]
 
     def _respawn_rank(self, rank: RankStatus, e: ChildExited) -> list[Action]:
@@ -112,18 +112,18 @@ class RankDecisions(SupervisorState):
     def _caches_loaded_now(self) -> list[Action]:
         """Every rank is ready for the first time: preload, then start the engine (or READY=1
         without one)."""
-        self._caches_loaded = True
+        self._startup.caches_loaded = True
         if self.config.preload:
-            self._preloading = True
+            self._startup.preloading = True
             return [Log("INFO", "every cache rank is ready: running the preload command"),
                     Notify({"STATUS": "running the preload command"}), RunPreload()]
         return self._start_serving()
 
     def _on_preload_done(self, e: PreloadDone) -> list[Action]:
         """The preload command ended: start the engine either way (a failure is a warning)."""
-        if not self._preloading:
+        if not self._startup.preloading:
             return []
-        self._preloading = False
+        self._startup.preloading = False
         if self._stop is not None:
             return []
         if e.ok:

@@ -44,13 +44,13 @@ class StandbyDecisions(SupervisorState):
         sb, engine = self._standby, self._engine
         if sb is None or sb.given_up or sb.state is not StandbyState.NONE or \
                 self._stop is not None or engine is None or \
-                engine.state is not EngineState.READY or self._standby_paused:
+                engine.state is not EngineState.READY or self._standby_run.paused:
             return []
         self._standby = replace(sb, state=StandbyState.STARTING, pid=None, number=sb.number + 1)
-        self._park_due = now + self.config.standby_park_timeout
-        before = " (to park before its weights)" if self._standby_next_weights else ""
+        self._standby_run.park_due = now + self.config.standby_park_timeout
+        before = " (to park before its weights)" if self._standby_run.next_weights else ""
         return [Log("INFO", f"starting standby engine {sb.number + 1}{before}"),
-                SpawnStandby(sb.number + 1, next_weights=self._standby_next_weights)]
+                SpawnStandby(sb.number + 1, next_weights=self._standby_run.next_weights)]
 
     def _standby_spawned(self, e: Spawned) -> list[Action]:
         """Record the standby's pid."""
@@ -66,10 +66,10 @@ class StandbyDecisions(SupervisorState):
         if sb is None or sb.state is not StandbyState.STARTING:
             return []
         self._standby = replace(sb, state=StandbyState.PARKED, failures=0)
-        self._park_due = None
+        self._standby_run.park_due = None
         self._watch_standby(e.now)  # its watchdog runs from here (hang.py)
         actions: list[Action] = [Log("INFO", f"standby engine {sb.number} (pid {sb.pid}) parked")]
-        if self._respawn_due is not None and self._stop is None:  # the engine is in backoff
+        if self._engine_run.respawn_due is not None and self._stop is None:  # engine in backoff
             actions += self._spawn_engine()
         return [*actions, *self._swap_standby_parked(e.now)]
 
@@ -94,10 +94,10 @@ class StandbyDecisions(SupervisorState):
             return []
         parked = sb.state is StandbyState.PARKED
         hung = self._hung_standby_gone()
-        retired = self._standby_retired == sb.number  # stopped for a swap: no failure
+        retired = self._standby_run.retired == sb.number  # stopped for a swap: no failure
         self._standby = sb = replace(sb, state=StandbyState.NONE, pid=None,
                                      failures=sb.failures + (not parked and not retired))
-        self._park_due = None
+        self._standby_run.park_due = None
         self._watch_standby(None)
         how = "hung while parked, killed" if hung else "exited"
         what = f"standby engine {sb.number} (pid {e.pid}) {how}: " \
@@ -108,10 +108,10 @@ class StandbyDecisions(SupervisorState):
             return [Log("INFO", what), *self._spawn_standby(e.now)]
         if sb.given_up:
             return [Log("INFO", what)]
-        if sb.failures >= STANDBY_MAX_FAILS or self._standby_hang_streak >= STANDBY_MAX_FAILS:
+        if sb.failures >= STANDBY_MAX_FAILS or self._health.standby_streak >= STANDBY_MAX_FAILS:
             self._standby = replace(sb, given_up=True)
             streak = (f"{sb.failures} standbys in a row died before parking" if not hung else
-                      f"{self._standby_hang_streak} parked standbys in a row hung")
+                      f"{self._health.standby_streak} parked standbys in a row hung")
             return [Log("WARNING", f"{what}; {streak}: giving standbys up, engine restarts are "
                                    "ordinary restarts from now on")]
         return [Log("WARNING", f"{what}; replacing it"), *self._spawn_standby(e.now)]
@@ -119,10 +119,10 @@ class StandbyDecisions(SupervisorState):
     def _park_timeout(self, now: float) -> list[Action]:
         """Give standbys up when one has not parked within standby_park_timeout."""
         sb = self._standby
-        if sb is None or self._park_due is None or now < self._park_due or \
+        if sb is None or self._standby_run.park_due is None or now < self._standby_run.park_due or \
                 sb.state is not StandbyState.STARTING:
             return []
-        self._park_due = None
+        self._standby_run.park_due = None
         self._standby = replace(sb, state=StandbyState.STOPPING, given_up=True)
         limit = self.config.standby_park_timeout
         return [Log("WARNING", f"standby engine {sb.number} (pid {sb.pid}) did not park within "
@@ -135,14 +135,14 @@ class StandbyDecisions(SupervisorState):
         sb = self._standby
         if sb is None or sb.state not in (StandbyState.STARTING, StandbyState.PARKED):
             return []
-        self._standby_retired = sb.number
+        self._standby_run.retired = sb.number
         self._standby = replace(sb, state=StandbyState.STOPPING)
-        self._park_due = None
+        self._standby_run.park_due = None
         return [SignalChild("standby", None, signal.SIGTERM)]
 
     def _hold_standbys(self, *, next_weights: bool, paused: bool) -> None:
         """How a swap wants the next standbys: parked before their weights, or none at all."""
-        self._standby_next_weights, self._standby_paused = next_weights, paused
+        self._standby_run.next_weights, self._standby_run.paused = next_weights, paused
 
     def _count_standby_hang(self) -> None:
         """The parked standby was found hung (hang.py): count it."""
@@ -153,7 +153,7 @@ class StandbyDecisions(SupervisorState):
     def _stop_standby(self) -> list[Action]:
         """SIGTERM a live standby as part of the stop."""
         sb = self._standby
-        self._park_due = None
+        self._standby_run.park_due = None
         if sb is None or sb.state in (StandbyState.NONE, StandbyState.STOPPING):
             return []
         self._standby = replace(sb, state=StandbyState.STOPPING)

@@ -8,6 +8,7 @@ state of its own.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 from .budget import RestartBudget
 from .events import Exit, SupervisorConfig, SwapPolicy
@@ -28,60 +29,106 @@ from .model import (
 )
 
 
+@dataclass(slots=True)
+class EngineRun:
+    """The engine's restart accounting and timers beside its status (engine.py writes them)."""
+
+    budget: RestartBudget
+    respawn_due: float | None = None  # the backoff ends then
+    ready_since: float | None = None  # ready since then (stable_after)
+    reload_deadline: float | None = None  # a planned stop (SIGHUP, a swap): SIGKILL then
+    settle_due: float | None = None  # readiness "none": when the engine counts ready
+    ready_sent: bool = False  # READY=1 went out once
+    reloading: bool = False  # RELOADING=1 sent, READY=1 not yet again
+
+
+@dataclass(slots=True)
+class Health:
+    """The ready engine's probes and the parked standby's watchdog (hang.py writes them)."""
+
+    failing: dict[str, str] = field(default_factory=dict)  # failing probe -> how it fails
+    unhealthy_since: float | None = None  # failing continuously since then
+    last_ping: float | None = None  # the ready engine's last WATCHDOG=1 (or ready)
+    hang: str | None = None  # why the engine now being stopped was found hung
+    kill_due: float | None = None  # SIGKILL the hung engine then
+    standby_ping: float | None = None  # the parked standby's last WATCHDOG=1 (or park)
+    standby_hung: bool = False  # the standby being killed hung while parked
+    standby_streak: int = 0  # parked standbys in a row that hung
+
+
+@dataclass(slots=True)
+class StandbyRun:
+    """The standby's deadline and what a swap asked of the next ones (standby.py writes
+    them)."""
+
+    park_due: float | None = None  # the standby must park by then
+    paused: bool = False  # no standby starts while a swap cuts over without one
+    next_weights: bool = False  # standbys started now park before their weights
+    retired: int = 0  # the standby number retired for a swap (not a failure)
+
+
+@dataclass(slots=True)
+class SwapRun:
+    """The pending swap's bookkeeping beside its status (swap.py writes it)."""
+
+    policy: SwapPolicy = field(default_factory=SwapPolicy)
+    request: int = 0  # the control connection that asked (0: a publish)
+    waiting: set[int] = field(default_factory=set)  # ranks whose answer to the step is due
+    answered: set[int] = field(default_factory=set)  # committed ranks (a refusal rolls back)
+    fits: bool = True  # every prepared rank has room for both shards
+    no_in_place: dict[int, str] = field(default_factory=dict)  # rank -> why not in place
+    refusal: tuple[int, str] | None = None  # the commit's (status, why)
+    deadline: float | None = None
+    engine_gone: bool = False  # the old engine exited during the commit
+    rollback_sent: bool = False
+    new_engine: bool = False  # the engine started on the new weights
+    # engine or standby pid -> rank -> why that rank refused its weights ("": it maps them)
+    weights_seen: dict[int, dict[int, str]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Clocks:
+    """When systemd hears next, and since when the launcher is not serving (timers.py writes
+    them)."""
+
+    next_extend: float = -math.inf
+    next_watchdog: float = -math.inf
+    pending_since: float | None = None  # not serving since then (start_timeout)
+
+
+@dataclass(slots=True)
+class Startup:
+    """The ranks' startup: loaded once, the preload, the first failure (ranks.py writes it)."""
+
+    caches_loaded: bool = False  # every rank was ready once: startup is past loading
+    preloading: bool = False  # the preload command runs (PreloadDone not yet)
+    first_failure: Failure | None = None
+
+
 class SupervisorState:
-    """Every field the decisions read and write; `phase` is derived from them."""
+    """The state the decisions read: the status records the status surface shows, and one
+    record per concern for the rest, each written by its own module (the `*Run` records
+    above, `Health`, `Clocks`, `Startup`); `phase` is derived from them."""
 
     def __init__(self, config: SupervisorConfig) -> None:
         """Loading, nothing spawned, no stop, no exit."""
         self.config = config
-        self._ranks = {r: RankStatus(r) for r in config.ranks}
-        self._engine = EngineStatus() if config.has_engine else None
-        self._started = False
-        self._caches_loaded = False  # every rank was ready once: startup is past loading
-        self._ready_sent = False
-        self._reloading = False  # RELOADING=1 sent, READY=1 not yet again
-        self._first_failure: Failure | None = None
-        self._stop: Stop | None = None
-        self._exit: Exit | None = None
-        self._budget = RestartBudget(config)
-        self._respawn_due: float | None = None
-        self._ready_since: float | None = None
-        self._reload_deadline: float | None = None  # SIGHUP asked the engine to stop
-        self._next_extend = -math.inf
-        self._next_watchdog = -math.inf
-        self._pending_since: float | None = None  # not serving since then (start_timeout)
-        self._settle_due: float | None = None  # readiness "none": when the engine counts ready
-        self._standby = StandbyStatus() if config.standby else None
-        self._park_due: float | None = None  # the standby must park by then
-        self._now = 0.0  # the time of the event being handled
-        self._preloading = False  # the preload command runs (PreloadDone not yet)
-        self._failing: dict[str, str] = {}  # the ready engine's failing probes: how each fails
-        self._unhealthy_since: float | None = None  # failing continuously since then
-        self._last_ping: float | None = None  # the ready engine's last WATCHDOG=1 (or ready)
-        self._hang: str | None = None  # why the engine now being stopped was found hung
-        self._hang_kill_due: float | None = None  # SIGKILL the hung engine then
-        self._standby_ping: float | None = None  # the parked standby's last WATCHDOG=1 (or park)
-        self._standby_hung = False  # the standby being killed hung while parked
-        self._standby_hang_streak = 0  # parked standbys in a row that hung
-        self._swap = SwapStatus(model=config.model)
-        self._swap_policy = SwapPolicy()
-        self._swap_request = 0  # the control connection that asked (0: a publish)
-        self._swap_waiting: set[int] = set()  # ranks whose answer to the last step is due
-        self._swap_answered: set[int] = set()  # committed ranks (a refusal rolls them back)
-        self._swap_fits = True  # every prepared rank has room for both shards
-        self._swap_no_in_place: dict[int, str] = {}  # rank -> why it cannot cut over in place
-        # engine or standby pid -> rank -> why that rank refused its weights ("": it maps them)
-        self._weights_seen: dict[int, dict[int, str]] = {}
-        self._swap_refusal: tuple[int, str] | None = None  # the commit's (status, why)
-        self._swap_deadline: float | None = None
-        self._swap_engine_gone = False  # the old engine exited during the commit
-        self._swap_rollback_sent = False
-        self._swap_new_engine = False  # the engine started on the new weights
-        self._standby_paused = False  # no standby starts while a swap cuts over without one
-        self._standby_next_weights = False  # standbys started now park before their weights
-        self._standby_retired = 0  # the standby number retired for a swap (not a failure)
-        self._draining: dict[int, float] = {}  # retired engines' pids: their SIGKILL is due then
-        self._drains = DrainStatus()
+        self._now = 0.0  # the time of the event being handled (supervisor.py)
+        self._started = False  # supervisor.py
+        self._stop: Stop | None = None  # stop.py
+        self._exit: Exit | None = None  # stop.py
+        self._ranks = {r: RankStatus(r) for r in config.ranks}  # ranks.py
+        self._startup = Startup()
+        self._engine = EngineStatus() if config.has_engine else None  # engine.py
+        self._engine_run = EngineRun(RestartBudget(config))
+        self._health = Health()
+        self._standby = StandbyStatus() if config.standby else None  # standby.py
+        self._standby_run = StandbyRun()
+        self._swap = SwapStatus(model=config.model)  # swap.py
+        self._swap_run = SwapRun()
+        self._draining: dict[int, float] = {}  # drain.py: retired engines' pids: SIGKILL then
+        self._drains = DrainStatus()  # drain.py
+        self._clocks = Clocks()
 
     @property
     def phase(self) -> Phase:
@@ -90,11 +137,11 @@ class SupervisorState:
             return Phase.STOPPED
         if self._stop is not None:
             return Phase.STOPPING
-        if not self._caches_loaded:
+        if not self._startup.caches_loaded:
             return Phase.LOADING
         if self._engine is None or self._engine.state is EngineState.READY:
             return Phase.SERVING
-        return Phase.RESTARTING if self._ready_sent else Phase.STARTING_ENGINE
+        return Phase.RESTARTING if self._engine_run.ready_sent else Phase.STARTING_ENGINE
 
     def _rank(self, rank: int | None) -> RankStatus:
         """The status of `rank`; an unknown rank is an executor bug."""

@@ -81,12 +81,12 @@ class SwapDecisions(SupervisorState):
     def _begin_swap(self, request: int, policy: SwapPolicy, version: int, model: str,
                     label: str, state: SwapState) -> None:
         """Record a new swap's target and forget the last one's bookkeeping."""
-        self._swap_request, self._swap_policy = request, policy
-        self._swap_waiting = set(self._swap_ranks())
-        self._swap_answered, self._swap_fits, self._swap_refusal = set(), True, None
-        self._swap_no_in_place = {}
-        self._swap_deadline, self._swap_engine_gone = None, False
-        self._swap_rollback_sent = self._swap_new_engine = False
+        self._swap_run.request, self._swap_run.policy = request, policy
+        self._swap_run.waiting = set(self._swap_ranks())
+        self._swap_run.answered, self._swap_run.fits, self._swap_run.refusal = set(), True, None
+        self._swap_run.no_in_place = {}
+        self._swap_run.deadline, self._swap_run.engine_gone = None, False
+        self._swap_run.rollback_sent = self._swap_run.new_engine = False
         self._swap = replace(self._swap, state=state, target_version=version,
                              target_model=model, target_label=label,
                              mode="" if policy.mode == "auto" else policy.mode, failures=0)
@@ -97,20 +97,20 @@ class SwapDecisions(SupervisorState):
             return self._swap_published(e)
         sw = self._swap
         if sw.state is S.NONE or e.version != sw.target_version or \
-                e.rank not in self._swap_waiting:
+                e.rank not in self._swap_run.waiting:
             return []  # a late answer to an abandoned swap, or a repeat
         if e.answer == "refused":
             return self._swap_refused(e)
         if _ANSWERS.get(sw.state) != e.answer or (sw.state is S.ROLLING_BACK
-                                                  and not self._swap_rollback_sent):
+                                                  and not self._swap_run.rollback_sent):
             return []
-        self._swap_waiting.discard(e.rank)
-        self._swap_fits = self._swap_fits and (e.fits or e.answer != "prepared")
+        self._swap_run.waiting.discard(e.rank)
+        self._swap_run.fits = self._swap_run.fits and (e.fits or e.answer != "prepared")
         if e.answer == "prepared" and e.in_place:
-            self._swap_no_in_place[e.rank] = e.in_place
+            self._swap_run.no_in_place[e.rank] = e.in_place
         if e.answer == "committed":
-            self._swap_answered.add(e.rank)
-        if self._swap_waiting:
+            self._swap_run.answered.add(e.rank)
+        if self._swap_run.waiting:
             return []
         step = {"prepared": self._swap_prepared_all, "staged": self._swap_staged_all,
                 "committed": self._swap_committed_all,
@@ -121,14 +121,14 @@ class SwapDecisions(SupervisorState):
         """A trainer committed a version on one rank: the swap begins (staged already) once
         every rank has it, within PUBLISH_WAIT."""
         sw = self._swap
-        if sw.state is S.STAGING and self._swap_request == 0 and sw.target_label == e.label \
-                and e.rank in self._swap_waiting:
+        if sw.state is S.STAGING and self._swap_run.request == 0 and sw.target_label == e.label \
+                and e.rank in self._swap_run.waiting:
             if e.mode != sw.mode:
                 return self._swap_abort(ExitStatus.SWAP_UNAVAILABLE, (
                     f"rank {e.rank} staged the published version {e.label!r} for an {e.mode} "
                     f"swap, an earlier rank for {sw.mode}; publish with the same mode on "
                     "every rank"))
-            self._swap_waiting.discard(e.rank)
+            self._swap_run.waiting.discard(e.rank)
             return self._swap_if_staged(e.now)
         busy = self._swap_unavailable()
         if busy:
@@ -138,8 +138,8 @@ class SwapDecisions(SupervisorState):
                                                    message=why)]
         version = sw.version + 1
         self._begin_swap(0, SwapPolicy(mode=e.mode), version, sw.model, e.label, S.STAGING)
-        self._swap_waiting.discard(e.rank)
-        self._swap_deadline = e.now + PUBLISH_WAIT
+        self._swap_run.waiting.discard(e.rank)
+        self._swap_run.deadline = e.now + PUBLISH_WAIT
         return [Log("INFO", f"rank {e.rank}: version {version} published ({e.label!r}, "
                             f"{e.mode}); waiting for every rank's"),
                 *self._swap_if_staged(e.now)]
@@ -148,15 +148,15 @@ class SwapDecisions(SupervisorState):
 
     def _swap_prepared_all(self, now: float) -> list[Action]:
         """Every rank checked the new weights: pick the mode and stage them."""
-        sw, policy = self._swap, self._swap_policy
-        fits = self._swap_fits
+        sw, policy = self._swap, self._swap_run.policy
+        fits = self._swap_run.fits
         mode = policy.mode if policy.mode != "auto" else "double" if fits else "in-place"
-        if mode == "in-place" and self._swap_no_in_place:
+        if mode == "in-place" and self._swap_run.no_in_place:
             return self._swap_abort(ExitStatus.SWAP_UNAVAILABLE, self._swap_in_place_refused())
         why = "" if policy.mode != "auto" else \
             " (every device has room for both)" if fits else " (a device has no room for both)"
         self._swap = replace(sw, state=S.STAGING, mode=mode)
-        self._swap_waiting = set(self._swap_ranks())
+        self._swap_run.waiting = set(self._swap_ranks())
         return [Log("INFO", f"swap to version {sw.target_version}: staging the new weights, "
                             f"{mode}{why}"),
                 SwapRanks("stage", sw.target_version, mode=mode), self._swap_notify()]
@@ -165,8 +165,8 @@ class SwapDecisions(SupervisorState):
         """Why an in-place swap is refused before anything stops: a rank said it could not
         cut over in place (its commit would wait --lease-wait with the engine gone, then roll
         back)."""
-        rank, why = min(self._swap_no_in_place.items())
-        room = "" if self._swap_policy.mode == "in-place" else \
+        rank, why = min(self._swap_run.no_in_place.items())
+        room = "" if self._swap_run.policy.mode == "in-place" else \
             " (every device needs room for both shards)"
         return (f"rank {rank} cannot swap in place: {why}; an in-place swap would stop the "
                 "engine, then find the slabs held and roll back: swap double-buffered "
@@ -175,12 +175,12 @@ class SwapDecisions(SupervisorState):
 
     def _swap_if_staged(self, now: float) -> list[Action]:
         """A published version: go on once every rank has staged it."""
-        return [] if self._swap_waiting else self._swap_staged_all(now)
+        return [] if self._swap_run.waiting else self._swap_staged_all(now)
 
     def _swap_staged_all(self, now: float) -> list[Action]:
         """Every rank holds the new weights beside the old: cut over (double), or get the
         engine out of the way first (in-place)."""
-        self._swap_deadline = None
+        self._swap_run.deadline = None
         if self._swap.mode == "double" or self._engine is None:
             return self._swap_commit(now)
         actions, parking = self._swap_clear_standby(now, next_weights=True, park=True)
@@ -190,21 +190,21 @@ class SwapDecisions(SupervisorState):
         """Ask every rank to cut over."""
         sw = self._swap
         self._swap = replace(sw, state=S.COMMITTING)
-        self._swap_waiting, self._swap_answered = set(self._swap_ranks()), set()
-        self._swap_deadline = now + self._swap_policy.ready_timeout
+        self._swap_run.waiting, self._swap_run.answered = set(self._swap_ranks()), set()
+        self._swap_run.deadline = now + self._swap_run.policy.ready_timeout
         self._cancel_restart()  # no start mid-commit
         # the requester hears it (not final): should the launcher die from now on, the
         # ranks may hold the new weights (vlaunch swap says so)
         return [Log("INFO", f"swap to version {sw.target_version}: cutting over ({sw.mode})"),
-                SwapRanks("commit", sw.target_version, mode=sw.mode, policy=self._swap_policy),
-                SwapReply(self._swap_request, False, 0, CUTTING_OVER, sw.target_version,
+                SwapRanks("commit", sw.target_version, mode=sw.mode, policy=self._swap_run.policy),
+                SwapReply(self._swap_run.request, False, 0, CUTTING_OVER, sw.target_version,
                           sw.mode), self._swap_notify()]
 
     def _swap_committed_all(self, now: float) -> list[Action]:
         """Every rank serves the new weights (double: the old engine still maps the old
         ones): start the new engine, once the old one is gone and, with a standby, once one
         parked on the new weights."""
-        self._swap_deadline = None
+        self._swap_run.deadline = None
         engine = self._engine
         if engine is None:
             return self._swap_finish(now)
@@ -226,7 +226,7 @@ class SwapDecisions(SupervisorState):
         sb = self._standby
         if sb is None or sb.given_up:
             return [], False
-        wait = park and self._swap_policy.standby
+        wait = park and self._swap_run.policy.standby
         self._hold_standbys(next_weights=next_weights, paused=not wait)
         actions: list[Action] = []
         if sb.state in (StandbyState.STARTING, StandbyState.PARKED):
@@ -255,9 +255,9 @@ class SwapDecisions(SupervisorState):
         new weights is promoted while the old engine drains."""
         sw = self._swap
         self._swap = replace(sw, state=S.STARTING)
-        self._swap_deadline = now + self._swap_policy.ready_timeout
-        self._swap_new_engine = True
-        self._hold_standbys(next_weights=False, paused=self._standby_paused)
+        self._swap_run.deadline = now + self._swap_run.policy.ready_timeout
+        self._swap_run.new_engine = True
+        self._hold_standbys(next_weights=False, paused=self._standby_run.paused)
         return [Notify({**self._reloading_field(), "STATUS": self._status_line()}),
                 *self._promote_then_drain(now, f"swap to version {sw.target_version}")]
 
@@ -286,9 +286,9 @@ class SwapDecisions(SupervisorState):
         """Start the engine on the new weights (promote a standby that parked for them)."""
         sw = self._swap
         self._swap = replace(sw, state=S.STARTING)
-        self._swap_deadline = now + self._swap_policy.ready_timeout
-        self._swap_new_engine = True
-        self._hold_standbys(next_weights=False, paused=self._standby_paused)
+        self._swap_run.deadline = now + self._swap_run.policy.ready_timeout
+        self._swap_run.new_engine = True
+        self._hold_standbys(next_weights=False, paused=self._standby_run.paused)
         if self._engine is None:
             return self._swap_finish(now)
         return [Log("INFO", f"swap to version {sw.target_version}: starting the engine on the "
@@ -311,7 +311,7 @@ class SwapDecisions(SupervisorState):
     def _weights_refused(self) -> tuple[int, str] | None:
         """The first rank that refused the engine its weights, and why (None: none did)."""
         engine = self._engine
-        seen = self._weights_seen.get(engine.pid or 0, {}) if engine is not None else {}
+        seen = self._swap_run.weights_seen.get(engine.pid or 0, {}) if engine is not None else {}
         return next(((r, why) for r, why in sorted(seen.items()) if why), None)
 
     def _on_engine_weights(self, e: EngineWeights) -> list[Action]:
@@ -319,10 +319,11 @@ class SwapDecisions(SupervisorState):
         weights from the caches (`/status` engine.weights; a swap's check above)."""
         engine, sb = self._engine, self._standby
         ours = {p for p in (engine.pid if engine else None, sb.pid if sb else None) if p}
-        self._weights_seen = {p: v for p, v in self._weights_seen.items() if p in ours}
+        run = self._swap_run
+        run.weights_seen = {p: v for p, v in run.weights_seen.items() if p in ours}
         if e.pid not in ours:
             return []
-        self._weights_seen.setdefault(e.pid, {})[e.rank] = "" if e.ok else e.why[:400]
+        run.weights_seen.setdefault(e.pid, {})[e.rank] = "" if e.ok else e.why[:400]
         if e.ok:
             return []
         who = "the standby" if sb is not None and e.pid == sb.pid else "the engine"
@@ -348,10 +349,10 @@ class SwapDecisions(SupervisorState):
             model=sw.target_model if ok else sw.model, label=sw.target_label if ok
             else sw.label, swaps=sw.swaps + ok, rollbacks=sw.rollbacks + rolled_back,
             last=message)
-        self._swap_deadline, self._swap_waiting = None, set()
+        self._swap_run.deadline, self._swap_run.waiting = None, set()
         self._hold_standbys(next_weights=False, paused=False)
         standby = self._spawn_standby(self._now) if ok or rolled_back else []
-        return [SwapReply(self._swap_request, True, status, message, self._swap.version,
+        return [SwapReply(self._swap_run.request, True, status, message, self._swap.version,
                           sw.mode), *standby, self._swap_notify()]
 
     # --------------------------------------------------------------------- failures
@@ -364,11 +365,12 @@ class SwapDecisions(SupervisorState):
             known = e.status in {int(s) for s in ExitStatus}
             return self._swap_abort(ExitStatus(e.status) if known else ExitStatus.INTERNAL, why)
         if sw.state is S.COMMITTING:
-            self._swap_waiting.discard(e.rank)
-            self._swap_refusal = self._swap_refusal or (int(ExitStatus.SWAP_ROLLED_BACK), why)
-            if self._swap_waiting:
+            self._swap_run.waiting.discard(e.rank)
+            run = self._swap_run
+            run.refusal = run.refusal or (int(ExitStatus.SWAP_ROLLED_BACK), why)
+            if self._swap_run.waiting:
                 return [Log("ERROR", f"swap to version {sw.target_version}: {why}")]
-            return self._swap_roll_back(e.now, self._swap_refusal[1])
+            return self._swap_roll_back(e.now, self._swap_run.refusal[1])
         what = (f"swap to version {sw.target_version}: {why} during the rollback; stopping: "
                 "the ranks may hold different versions")
         return [Log("ERROR", what), *self._swap_end(int(ExitStatus.SWAP_FAILED), what),
@@ -386,7 +388,7 @@ class SwapDecisions(SupervisorState):
     def _swap_give_up(self, now: float, why: str) -> list[Action]:
         """The new engine will not be ready: roll back, or stop (--on-failure stop)."""
         sw = self._swap
-        if self._swap_policy.on_failure == "stop":
+        if self._swap_run.policy.on_failure == "stop":
             what = f"swap to version {sw.target_version} failed: {why}; stopping (on-failure stop)"
             return [Log("ERROR", what), *self._swap_end(int(ExitStatus.SWAP_FAILED), what),
                     *self._begin_stop(ExitStatus.SWAP_FAILED, what, now)]
@@ -395,16 +397,16 @@ class SwapDecisions(SupervisorState):
     def _swap_roll_back(self, now: float, why: str) -> list[Action]:
         """Stop the new engine (if it runs), then have every rank restore the old weights."""
         sw = self._swap
-        self._swap_refusal = self._swap_refusal or (int(ExitStatus.SWAP_ROLLED_BACK), why)
+        self._swap_run.refusal = self._swap_run.refusal or (int(ExitStatus.SWAP_ROLLED_BACK), why)
         self._swap = replace(sw, state=S.ROLLING_BACK)
-        self._swap_deadline = now + self._swap_policy.ready_timeout
-        self._swap_rollback_sent = False
+        self._swap_run.deadline = now + self._swap_run.policy.ready_timeout
+        self._swap_run.rollback_sent = False
         actions: list[Action] = [Log("WARNING", f"swap to version {sw.target_version}: rolling "
                                                 f"back to version {sw.version}: {why}")]
         actions += self._retire_standby()
         self._hold_standbys(next_weights=False, paused=True)
         engine = self._engine
-        if engine is not None and self._swap_new_engine and engine.state in (
+        if engine is not None and self._swap_run.new_engine and engine.state in (
                 EngineState.STARTING, EngineState.READY):
             return [*actions, *self._engine_sigterm(now + self.config.stop_timeout)]
         if engine is not None and engine.state is EngineState.STOPPING:
@@ -417,16 +419,16 @@ class SwapDecisions(SupervisorState):
         """Ask every rank to restore the old weights (a rank that did not commit drops what it
         staged)."""
         sw = self._swap
-        self._swap_rollback_sent = True
-        self._swap_waiting = set(self._swap_ranks())
-        status, why = self._swap_refusal or (int(ExitStatus.SWAP_ROLLED_BACK), "")
+        self._swap_run.rollback_sent = True
+        self._swap_run.waiting = set(self._swap_ranks())
+        status, why = self._swap_run.refusal or (int(ExitStatus.SWAP_ROLLED_BACK), "")
         return [SwapRanks("rollback", sw.target_version, mode=sw.mode, status=status,
                           message=why), self._swap_notify()]
 
     def _swap_rolled_back_all(self, now: float) -> list[Action]:
         """The old weights are back on every rank: the engine serves them again."""
         sw = self._swap
-        status, why = self._swap_refusal or (int(ExitStatus.SWAP_ROLLED_BACK), "")
+        status, why = self._swap_run.refusal or (int(ExitStatus.SWAP_ROLLED_BACK), "")
         alive = self._engine_alive()
         again = "keeps serving" if alive else "serves again"
         message = f"swap to version {sw.target_version} rolled back: {why}; version " \
@@ -452,16 +454,16 @@ class SwapDecisions(SupervisorState):
                     *self._swap_engine_stopped(e.now)]
         if sw.state is S.STARTING:
             return self._swap_new_engine_exited(e, what)
-        if sw.state is S.ROLLING_BACK and not self._swap_rollback_sent:
+        if sw.state is S.ROLLING_BACK and not self._swap_run.rollback_sent:
             return [Log("INFO", what), *self._swap_send_rollback()]
-        self._swap_engine_gone = True  # committing, or rolling back: start once that is done
+        self._swap_run.engine_gone = True  # committing, or rolling back: start once that is done
         return [Log("WARNING", f"{what}; it starts again once every rank has answered")]
 
     def _swap_new_engine_exited(self, e: ChildExited, what: str) -> list[Action]:
         """The new engine exited before it was ready: restart it, or give up after
         `attempts` exits (at once for a configuration error)."""
         sw = self._swap = replace(self._swap, failures=self._swap.failures + 1)
-        attempts = self._swap_policy.attempts
+        attempts = self._swap_run.policy.attempts
         if e.status in self.config.engine_config_error_statuses:
             return [Log("ERROR", what), *self._swap_give_up(
                 e.now, f"the new engine exited with {e.status}, a configuration error")]
@@ -499,12 +501,12 @@ class SwapDecisions(SupervisorState):
         if sw.state is S.PARKING and (self._standby is None or self._standby.given_up):
             return [Log("WARNING", "standbys were given up: the swap goes on without one"),
                     *self._swap_stop_engine(now)]
-        if self._swap_deadline is None or now < self._swap_deadline:
+        if self._swap_run.deadline is None or now < self._swap_run.deadline:
             return []
-        self._swap_deadline = None
-        limit = self._swap_policy.ready_timeout
+        self._swap_run.deadline = None
+        limit = self._swap_run.policy.ready_timeout
         if sw.state is S.STAGING:
-            late = ", ".join(map(str, sorted(self._swap_waiting)))
+            late = ", ".join(map(str, sorted(self._swap_run.waiting)))
             return self._swap_abort(ExitStatus.SWAP_UNAVAILABLE, (
                 f"rank(s) {late} did not commit the published version {sw.target_label!r} "
                 f"within {PUBLISH_WAIT:g} s of the first"))

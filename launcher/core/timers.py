@@ -23,31 +23,31 @@ class Timers(SupervisorState):
     def _watchdog(self, now: float) -> list[Action]:
         """WATCHDOG=1 at most every half interval, while not stopping."""
         interval = self.config.watchdog_interval
-        if interval is None or self._stop is not None or now < self._next_watchdog:
+        if interval is None or self._stop is not None or now < self._clocks.next_watchdog:
             return []
-        self._next_watchdog = now + interval / 2
+        self._clocks.next_watchdog = now + interval / 2
         return [Notify({"WATCHDOG": "1"})]
 
     def _extend(self, now: float) -> list[Action]:
         """EXTEND_TIMEOUT_USEC every EXTEND_EVERY seconds until the first READY=1, and from a
         RELOADING=1 until the READY=1 that ends it."""
-        waiting = not self._ready_sent or self._reloading
-        if not waiting or self._stop is not None or now < self._next_extend:
+        waiting = not self._engine_run.ready_sent or self._engine_run.reloading
+        if not waiting or self._stop is not None or now < self._clocks.next_extend:
             return []
-        self._next_extend = now + EXTEND_EVERY
+        self._clocks.next_extend = now + EXTEND_EVERY
         return [Notify({"EXTEND_TIMEOUT_USEC": usec(EXTEND_BY)})]
 
     def _extend_from(self, now: float) -> None:
         """The first EXTEND_TIMEOUT_USEC went out now (Started); the next is due EXTEND_EVERY
         later."""
-        self._next_extend = now + EXTEND_EVERY
+        self._clocks.next_extend = now + EXTEND_EVERY
 
     def _note_pending(self, now: float) -> None:
         """After each event: the start-up deadline runs from the first one that left the
         launcher not serving."""
-        if self.config.start_timeout is not None and self._pending_since is None \
+        if self.config.start_timeout is not None and self._clocks.pending_since is None \
                 and self._exit is None and self._stop is None and self._pending():
-            self._pending_since = now
+            self._clocks.pending_since = now
 
     def _start_timeout(self, now: float) -> list[Action]:
         """Stop with START_TIMEOUT once the launcher has not been serving for start_timeout:
@@ -57,11 +57,11 @@ class Timers(SupervisorState):
             return []
         pending = self._pending()
         if not pending:
-            self._pending_since = None
+            self._clocks.pending_since = None
             return []
-        if self._pending_since is None:
-            self._pending_since = now
-        if now - self._pending_since < limit:
+        if self._clocks.pending_since is None:
+            self._clocks.pending_since = now
+        if now - self._clocks.pending_since < limit:
             return []
         why = f"not serving within --start-timeout ({limit:g} s): {pending}"
         return [Log("ERROR", why), *self._begin_stop(ExitStatus.START_TIMEOUT, why, now)]
@@ -75,10 +75,10 @@ class Timers(SupervisorState):
             return f"cache rank(s) {', '.join(loading)} {verb}"
         if self.phase is Phase.SERVING:
             return ""
-        if self._preloading:
+        if self._startup.preloading:
             return "the preload command still runs"
         engine = self._require_engine()
-        again = " again after a restart" if self._ready_sent else ""
+        again = " again after a restart" if self._engine_run.ready_sent else ""
         return f"the engine (attempt {engine.attempt}) did not become ready{again}"
 
 

@@ -42,7 +42,7 @@ class StatusView(SupervisorState):
     @property
     def first_failure(self) -> Failure | None:
         """The first cache rank that exited unasked (start failure or while serving)."""
-        return self._first_failure
+        return self._startup.first_failure
 
     @property
     def started_ok(self) -> bool:
@@ -60,7 +60,7 @@ class StatusView(SupervisorState):
         if self._stop is not None or self._exit is not None:
             return False
         if self._engine is None:
-            return self._caches_loaded and self.caches_ready
+            return self._startup.caches_loaded and self.caches_ready
         return self._engine.state is EngineState.READY and self._engine.healthy
 
     @property
@@ -80,13 +80,13 @@ class StatusView(SupervisorState):
             "loaded_bytes": sum(r.loaded_bytes for r in self._ranks.values()),
             "total_bytes": sum(r.total_bytes for r in self._ranks.values()),
             "engine": None if self._engine is None else {
-                **jsonable(self._engine), "recent_restarts": len(self._budget),
+                **jsonable(self._engine), "recent_restarts": len(self._engine_run.budget),
                 "weights": self._engine_weights(),
-                "unhealthy_for": (0.0 if self._unhealthy_since is None
-                                  else round(self._now - self._unhealthy_since, 3))},
-            "first_failure": None if self._first_failure is None else {
-                **jsonable(self._first_failure),
-                "description": describe_exit(self._first_failure.status)},
+                "unhealthy_for": (0.0 if self._health.unhealthy_since is None
+                                  else round(self._now - self._health.unhealthy_since, 3))},
+            "first_failure": None if self._startup.first_failure is None else {
+                **jsonable(self._startup.first_failure),
+                "description": describe_exit(self._startup.first_failure.status)},
             **({} if self._standby is None else {"standby": jsonable(self._standby)}),
             "swap": jsonable(self._swap),
             **({"drain": {**jsonable(self._drains), "draining": len(self._draining)}}
@@ -99,7 +99,7 @@ class StatusView(SupervisorState):
         """Where the engine's processes took each rank's weights from, as far as the ranks
         saw: "cache", or why the rank refused them (`/status` engine.weights)."""
         engine = self._engine
-        seen = self._weights_seen.get(engine.pid or 0, {}) if engine is not None else {}
+        seen = self._swap_run.weights_seen.get(engine.pid or 0, {}) if engine is not None else {}
         return {str(r): f"not the cache: {why}" if why else "cache"
                 for r, why in sorted(seen.items())}
 

@@ -15,7 +15,7 @@ import os
 import socket
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,8 +37,16 @@ from vlaunch.cache.store import artifacts as art
 from vlaunch.cache.store.artifacts import ArtifactStore
 
 if TYPE_CHECKING:
-    from vlaunch.cache.rank.copies import RankCopier
+    from vlaunch.cache.rank.copies import Copy
+    from vlaunch.cache.rank.parts import (
+        Copier,
+        IntegrityHost,
+        IntegrityPart,
+        SwapHost,
+        SwapPart,
+    )
     from vlaunch.cache.rank.served import Served
+    from vlaunch.cache.rank.swapstate import Weights
 
 log = logging.getLogger("vlaunch.cache")
 FRAME_TIMEOUT = 10.0
@@ -72,12 +80,17 @@ class Lease:
 
 
 class CacheServer:
-    """Serves one rank's manifest and slab fds on a Unix socket."""
+    """Serves one rank's manifest and slab fds on a Unix socket.
+
+    Built once with its parts (rank/parts.py): `integrity` and `swap` are factories, called
+    here with the server as the host each part needs, once every field they read is set."""
 
     def __init__(self, rank: int, served: Served, *, device: str,
                  allowed_uids: frozenset[int] | None = None,
                  artifacts: ArtifactStore | None = None, layouts: LayoutStore | None = None,
-                 copier: RankCopier | None = None) -> None:
+                 copier: Copier | None = None, openers: Openers | None = None,
+                 integrity: Callable[[IntegrityHost], IntegrityPart] | None = None,
+                 swap: Callable[[SwapHost], SwapPart] | None = None) -> None:
         manifest, fds = served.manifest, served.fds
         self.rank, self.fingerprint, self.manifest = rank, served.fingerprint, manifest
         self.fds, self.device = fds, device
@@ -86,24 +99,27 @@ class CacheServer:
         self.state = "serving"
         self._handed_to: int | None = None  # the lease the raw slabs went to (copy-release)
         self.raw_readers = 0  # reads of the raw slabs in flight: seed streams, digests
-        self.openers = Openers(rank)  # the processes that opened the raw layout
+        # the processes that opened the raw layout
+        self.openers = openers if openers is not None else Openers(rank)
         self._hellos_told: dict[int, tuple[bool, str]] = {}  # pid -> its last hello's answer
         self.leases: dict[int, Lease] = {}
         self.started = time.time()
         self._release = served.release
-        self.integrity: Any = None  # rank.integrity.Integrity: the files, their watch, digests
         # engine-shaped layouts (docs/engine-layout.md) and the raw layout's state
         self.layouts = layouts if layouts is not None else LayoutStore(None, manifest.nbytes)
         self.raw_released = served.raw_released
         self.copier = copier  # rank.copies.RankCopier on a GPU: the rank makes engines' copies
-        self._copies: dict[int, Any] = {}  # id(lease) -> its copy in flight (rank.copies.Copy)
+        self._copies: dict[int, Copy] = {}  # id(lease) -> its copy in flight
         self.escrow: socket.socket | None = None  # the launcher's ready channel, kept open
-        self.swap: Any = None  # rank.swap.RankSwap: swaps, and versions trainers publish
         self._next = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self.bound = asyncio.Event()  # set once the socket is bound and listening
         self.connections = Connections(rank, connection_bound(os.environ, len(fds)),
                                        starved_after(os.environ))
+        self.swap: SwapPart | None = None  # _close_raw asks for it while the integrity starts
+        # the files, their watch and the digests; then swaps and versions trainers publish
+        self.integrity = integrity(self) if integrity is not None else None
+        self.swap = swap(self) if swap is not None else None
 
     async def serve(self, path: Path, stop: asyncio.Event) -> None:
         """Bind `path` (mode 0600), accept clients until `stop` is set, then clean up."""
@@ -474,6 +490,53 @@ class CacheServer:
             self.copier.close()
         if self.swap is not None:
             self.swap.raw_closed()
+
+    def free_raw(self) -> None:
+        """Close the raw layout and free its slabs now (an in-place swap that copies into new
+        slabs: never two copies on the device); the launcher is told by the swap's answer."""
+        self._close_raw()
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    @property
+    def release_hook(self) -> Callable[[], None] | None:
+        """What frees the served raw slabs (None once they were let go)."""
+        return self._release
+
+    @contextlib.contextmanager
+    def swapping(self) -> Iterator[None]:
+        """A swap writes the served slabs (or switches them) in this block: no handoff, no
+        layout request, until it is done."""
+        self.state = "swapping"
+        try:
+            yield
+        finally:
+            self.state = "serving"
+
+    def replace_layouts(self, layouts: LayoutStore) -> LayoutStore:
+        """Serve `layouts` as the engine layouts from now on; the old store, returned."""
+        old, self.layouts = self.layouts, layouts
+        return old
+
+    def install(self, weights: Weights) -> None:
+        """Serve `weights`: every field a request reads switches at once (on the loop's
+        thread, or on a thread while `swapping` refuses handoffs)."""
+        w = weights
+        self.fingerprint, self.manifest, self.fds, self._release = (
+            w.fingerprint, w.manifest, w.fds, w.release)
+        self.layouts, self.raw_released, self.copier = w.layouts, w.raw_released, w.copier
+        self.__dict__.pop("manifest_frame", None)  # a cached_property of the old manifest
+        # who opened these slabs: new ones (or new bytes), nobody yet; the old weights' stay
+        # with them (a rollback brings them back)
+        self.openers = w.openers if w.openers is not None else Openers(self.rank)
+        if self.state == "released":
+            self.state = "serving"
+
+    def change_fingerprint(self, **fields: str) -> None:
+        """New engines get these fingerprint fields from now on (a new dict: a reply being
+        built keeps the one it read)."""
+        self.fingerprint = {**self.fingerprint, **fields}
 
     def _tell_hello(self, lease: Lease, reply: dict[str, Any] | bytes, layout: bool) -> None:
         """Tell the launcher how a client's hello was answered: whether that process maps

@@ -3,7 +3,7 @@
 - `checked_load` stats the checkpoint's files, computes their identity, loads, and stats them
   again; a file that changed meanwhile is read once more, then the rank ends with
   CHECKPOINT_CHANGED (67). The cache so records the identity of what it actually read.
-- `Integrity` (attached to the rank's server once it has its slabs) writes the engine's memo,
+- `Integrity` (a part the rank's server is built with: rank/parts.py) writes the engine's memo,
   re-stats the files every WATCH_EVERY seconds from a thread and, when one changed, logs it,
   shows it in the rank's status and changes the rank's `checkpoint_data` fingerprint field so
   that no new engine takes the old weights for the new files. It also digests every tensor of
@@ -31,7 +31,7 @@ from vlaunch.cache.contract.errors import CheckpointChangedError, VerifyError, V
 from vlaunch.cache.store import identity
 
 if TYPE_CHECKING:
-    from vlaunch.cache.rank.daemon import CacheServer
+    from vlaunch.cache.rank.parts import IntegrityHost
     from vlaunch.cache.store.manifest import Manifest, TensorRecord
     from vlaunch.cache.store.ranks import Position
     from vlaunch.cache.store.shard import Shard
@@ -93,7 +93,7 @@ def data_identity(model: str, shard: Shard) -> str:
 class Integrity:
     """What a serving rank knows about the files its slabs came from."""
 
-    def __init__(self, server: CacheServer, model: str, plan: str, socket: Path,
+    def __init__(self, server: IntegrityHost, model: str, plan: str, socket: Path,
                  published: str = "") -> None:
         self.server, self.socket = server, socket
         self.published = published  # the label of a published version: no files to watch
@@ -177,9 +177,9 @@ class Integrity:
             self.changed_at = self.changed_at or time.time()
             first = self.changed[0]
             more = f" and {len(self.changed) - 1} more" if len(self.changed) > 1 else ""
-            fp = dict(self.server.fingerprint)
-            fp["checkpoint_data"] = f"changed on disk since loaded: {first[:200]}{more}"
-            self.server.fingerprint = fp  # new engines now get a mismatch naming this field
+            # new engines now get a mismatch naming this field
+            self.server.change_fingerprint(
+                checkpoint_data=f"changed on disk since loaded: {first[:200]}{more}")
         log.warning("rank %d: the checkpoint changed under the serving cache (%s); engines that "
                     "hold its weights keep them, new engines get a fingerprint mismatch "
                     "(checkpoint_data); restart the cache to serve the new checkpoint",

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from types import FrameType
 
     from vlaunch.cache.rank.daemon import CacheServer
+    from vlaunch.cache.rank.parts import IntegrityHost, IntegrityPart, SwapHost, SwapPart
     from vlaunch.cache.store.artifacts import ArtifactStore
     from vlaunch.cache.store.shard import Shard
     from vlaunch.cache.store.slabs import Backend
@@ -112,35 +113,47 @@ def _run(opts: RankArgs, rank: int) -> int:
         else:
             with collector.paused():
                 served = _load(opts, target, backend)
-        from vlaunch.cache.rank.daemon import CacheServer
-        from vlaunch.cache.rank.layouts import LayoutStore
-
-        layouts = LayoutStore(backend, served.manifest.nbytes)
-        for layout in served.layouts:
-            layouts.add(layout)
-        copier = None
-        if backend.name == "cuda" and served.fds:  # the rank makes copy-mode engines' copies
-            from vlaunch.cache.rank.copies import RankCopier
-
-            copier = RankCopier(backend, served.fds, served.manifest.slab_sizes)
-        server = CacheServer(rank, served, device=backend.device, artifacts=store,
-                             layouts=layouts, copier=copier)
-        if opts.adopt_fd >= 0:  # who maps them now: what the rank that exited had noted
-            server.openers.adopt(served.fds, backend.name, opened=list(served.opened),
-                                 incomplete=served.incomplete)
-        from vlaunch.cache.rank.integrity import Integrity
-        from vlaunch.cache.rank.swap import RankSwap
-
-        server.integrity = Integrity(server, opts.model, opts.plan, lock.socket,
-                                     published=served.label).start()
-        server.swap = RankSwap(server, target, backend=backend, threads=opts.threads,
-                               version=served.version, label=served.label,
-                               checksum=opts.checksum)
-        asyncio_run(_serve(server, lock, opts))
+        asyncio_run(_serve(_server(opts, served, target, backend, store, lock.socket),
+                           lock, opts))
         log.info("stopped; socket and lock removed")
         return int(ExitStatus.OK)
     finally:
         lock.release()
+
+
+def _server(opts: RankArgs, served: Served, target: Target, backend: Backend,
+            store: ArtifactStore, path: Path) -> CacheServer:
+    """The rank's server, built with its parts (rank/parts.py): the engine layouts, the
+    copier, who opened the slabs, the integrity of their files, and the swap."""
+    from vlaunch.cache.rank.daemon import CacheServer
+    from vlaunch.cache.rank.integrity import Integrity
+    from vlaunch.cache.rank.layouts import LayoutStore
+    from vlaunch.cache.rank.openers import Openers
+    from vlaunch.cache.rank.swap import RankSwap
+
+    layouts = LayoutStore(backend, served.manifest.nbytes)
+    for layout in served.layouts:
+        layouts.add(layout)
+    copier = None
+    if backend.name == "cuda" and served.fds:  # the rank makes copy-mode engines' copies
+        from vlaunch.cache.rank.copies import RankCopier
+
+        copier = RankCopier(backend, served.fds, served.manifest.slab_sizes)
+    openers = Openers(opts.rank)
+    if opts.adopt_fd >= 0:  # who maps them now: what the rank that exited had noted
+        openers.adopt(served.fds, backend.name, opened=list(served.opened),
+                      incomplete=served.incomplete)
+
+    def integrity(host: IntegrityHost) -> IntegrityPart:
+        return Integrity(host, opts.model, opts.plan, path, published=served.label).start()
+
+    def swap(host: SwapHost) -> SwapPart:
+        return RankSwap(host, target, backend=backend, threads=opts.threads,
+                        version=served.version, label=served.label, checksum=opts.checksum)
+
+    return CacheServer(opts.rank, served, device=backend.device, artifacts=store,
+                       layouts=layouts, copier=copier, openers=openers, integrity=integrity,
+                       swap=swap)
 
 
 def _load(opts: RankArgs, target: Target, backend: Backend) -> Served:

@@ -22,7 +22,8 @@ from vlaunch.cache.rank.swapstate import Staged, SwapError, status_of, words
 from vlaunch.cache.store.manifest import Manifest
 
 if TYPE_CHECKING:
-    from vlaunch.cache.rank.daemon import CacheServer, Lease
+    from vlaunch.cache.rank.daemon import Lease
+    from vlaunch.cache.rank.parts import SwapHost
     from vlaunch.cache.store.slabs import Backend
 
 log = logging.getLogger("vlaunch.cache")
@@ -35,7 +36,7 @@ class Swapper(Protocol):
     """What publishing needs of the rank's swap (rank/swap.RankSwap; named here, so that the
     two modules do not import each other)."""
 
-    server: CacheServer
+    server: SwapHost
     backend: Backend
     model: str
     threads: int

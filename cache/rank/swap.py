@@ -30,7 +30,6 @@ from vlaunch.cache.contract.errors import (
 )
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.rank import staging
-from vlaunch.cache.rank.openers import Openers
 from vlaunch.cache.rank.publishing import Publisher, answer_trainer
 from vlaunch.cache.rank.swapstate import (
     Staged,
@@ -45,7 +44,8 @@ from vlaunch.cache.store.manifest import Manifest
 from vlaunch.cache.store.slabs import on_device
 
 if TYPE_CHECKING:
-    from vlaunch.cache.rank.daemon import CacheServer
+    from vlaunch.cache.rank.layouts import LayoutStore
+    from vlaunch.cache.rank.parts import Copier, SwapHost
     from vlaunch.cache.store.slabs import Backend
     from vlaunch.cache.store.target import Target
 
@@ -58,7 +58,7 @@ POLL = 0.05
 class RankSwap:
     """Swaps and publishes on one rank: the channel's frames and the trainers' requests."""
 
-    def __init__(self, server: CacheServer, target: Target, *, backend: Backend, threads: int,
+    def __init__(self, server: SwapHost, target: Target, *, backend: Backend, threads: int,
                  version: int = 0, label: str = "", checksum: bool | None = None) -> None:
         """`target`: what the rank serves (its plan, position, checkpoint and quantization
         hold for every version it swaps to; only the checkpoint moves)."""
@@ -401,20 +401,14 @@ class RankSwap:
         server = self.server
         previous = self._capture()
         target = self._writable()
-        server.state = "swapping"  # no handoff, no layout request, until the copy is in
-        try:
-            old_layouts, server.layouts = server.layouts, self._layouts(staged.manifest.nbytes)
-            old_layouts.close()  # derived from the old weights; nothing maps them any more
+        with server.swapping():  # no handoff, no layout request, until the copy is in
+            # the old layouts derive from the old weights; nothing maps them any more
+            server.replace_layouts(self._layouts(staged.manifest.nbytes)).close()
             if target is None:
-                server._close_raw()
-                old, server._release = server._release, None
-                if old is not None:
-                    old()
+                server.free_raw()
             slabs = await asyncio.get_running_loop().run_in_executor(
                 None, self._copy_in, staged, target)
-        finally:
-            server.state = "serving"
-        fds, release, copier = server.fds, server._release, server.copier
+        fds, release, copier = server.fds, server.release_hook, server.copier
         if slabs:
             target = [s.buffer() for s in slabs]
             fds = staging.slab_fds(slabs)
@@ -490,19 +484,17 @@ class RankSwap:
             raise SwapError("no copy of the old weights was kept (--on-failure stop): rank "
                             f"{self.server.rank} cannot roll back", ExitStatus.SWAP_FAILED)
         await self._wait_unheld(30.0, "restore the old weights")
-        self.server.state = "swapping"  # nothing is handed out while the copy runs
-        try:
+        server = self.server
+        with server.swapping():  # nothing is handed out while the copy runs
             target = self._writable()
             assert target is not None  # the commit left writable raw slabs
             await asyncio.get_running_loop().run_in_executor(
                 None, staging.copy_bytes, target, staged.backup)
-        finally:
-            self.server.state = "serving"
-        server = self.server
         server.layouts.close()
         self._install(Weights(previous.version, previous.model, previous.label,
                               previous.fingerprint, previous.manifest, server.fds,
-                              server._release, target, self._layouts(previous.manifest.nbytes),
+                              server.release_hook, target,
+                              self._layouts(previous.manifest.nbytes),
                               False, server.copier, previous.record, previous.digests))
 
     def abort(self, msg: dict[str, Any]) -> None:
@@ -597,22 +589,15 @@ class RankSwap:
         s = self.server
         integrity = s.integrity
         return Weights(self.version, self.model, self.label, s.fingerprint, s.manifest,
-                       s.fds, s._release, self.buffers, s.layouts, s.raw_released, s.copier,
+                       s.fds, s.release_hook, self.buffers, s.layouts, s.raw_released, s.copier,
                        integrity.record if integrity is not None else None, self.digests,
                        s.openers)
 
     def _install(self, w: Weights) -> None:
-        """Serve `w`: every field a request reads switches at once (the loop's thread, or a
-        thread while the server refuses handoffs: state "swapping")."""
+        """Serve `w`: the server's fields switch at once (the loop's thread, or a thread while
+        the server refuses handoffs: `swapping`), then the version and the integrity's files."""
         s = self.server
-        s.fingerprint, s.manifest, s.fds, s._release = w.fingerprint, w.manifest, w.fds, w.release
-        s.layouts, s.raw_released, s.copier = w.layouts, w.raw_released, w.copier
-        s.__dict__.pop("manifest_frame", None)  # a cached_property of the old manifest
-        # who opened these slabs: new ones (or new bytes), nobody yet; the old weights' stay
-        # with them (a rollback brings them back)
-        s.openers = w.openers if w.openers is not None else Openers(s.rank)
-        if s.state == "released":
-            s.state = "serving"
+        s.install(w)
         self.version, self.model, self.label = w.version, w.model, w.label
         self.buffers, self.digests = w.buffers, w.digests
         if s.integrity is not None:
@@ -636,12 +621,12 @@ class RankSwap:
                             for fd, n in zip(s.fds, s.manifest.slab_sizes, strict=True)]
         return self.buffers
 
-    def _layouts(self, nbytes: int) -> Any:
+    def _layouts(self, nbytes: int) -> LayoutStore:
         from vlaunch.cache.rank.layouts import LayoutStore
 
         return LayoutStore(self.backend, nbytes)
 
-    def _copier(self, fds: list[int], manifest: Manifest) -> Any:
+    def _copier(self, fds: list[int], manifest: Manifest) -> Copier | None:
         if self.backend.name != "cuda" or not fds:
             return None
         from vlaunch.cache.rank.copies import RankCopier

@@ -6,12 +6,18 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlaunch.cache.contract import wire
 from vlaunch.cache.contract.errors import VlaunchError, exit_status
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.store.manifest import Manifest
+
+if TYPE_CHECKING:
+    from vlaunch.cache.rank.layouts import LayoutStore
+    from vlaunch.cache.rank.openers import Openers
+    from vlaunch.cache.rank.parts import Copier
+    from vlaunch.cache.store.identity import Record
 
 
 class SwapError(VlaunchError):
@@ -40,12 +46,12 @@ class Weights:
     fds: list[int]
     release: Callable[[], None] | None
     buffers: list[Any] | None  # the rank's writable views of its raw slabs, where it has them
-    layouts: Any
+    layouts: LayoutStore
     raw_released: bool
-    copier: Any
-    record: Any  # identity.Record of the files; None for a published version
+    copier: Copier | None
+    record: Record | None  # of the files; None for a published version
     digests: dict[str, str] | None = None  # a published version's, taken at its commit
-    openers: Any = None  # rank.openers.Openers of these slabs (None: new, nobody opened them)
+    openers: Openers | None = None  # of these slabs (None: new, nobody opened them)
 
 
 @dataclass

@@ -40,6 +40,7 @@ from vlaunch.launcher.core.events import (
     SupervisorConfig,
     Tick,
 )
+from vlaunch.launcher.core.model import PHASE_NEXT
 
 A = TypeVar("A")
 TERM, KILL = signal.SIGTERM, signal.SIGKILL
@@ -60,8 +61,17 @@ def history(events: Iterable[Event], sup: Supervisor | None = None,
     sup = sup or Supervisor(config(**overrides))
     actions: list[Action] = []
     for event in events:
+        before = sup.phase
         actions += sup.handle(event)
+        assert phase_may_follow(before, sup.phase), f"{event!r}: {before} -> {sup.phase}"
     return sup, actions
+
+
+def phase_may_follow(before: Phase, after: Phase) -> bool:
+    """Whether one event may move the phase from `before` to `after` (PHASE_NEXT; a stop
+    with nothing left to wait for, or SIGQUIT, goes through stopping within the event)."""
+    nxt = PHASE_NEXT[before]
+    return after is before or after in nxt or (after is Phase.STOPPED and Phase.STOPPING in nxt)
 
 
 def of(kind: type[A], actions: list[Action]) -> list[A]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import signal
 from dataclasses import replace
+from typing import Any
 
 from vlaunch.cache.contract.exitcodes import ExitStatus
 
@@ -22,7 +23,7 @@ from .events import (
     SpawnEngine,
 )
 from .exits import describe_exit
-from .model import ENGINE_ALIVE, EngineState, RankState
+from .model import ENGINE_ALIVE, ENGINE_NEXT, EngineState, EngineStatus, RankState, moved
 from .state import SupervisorState, stale
 
 
@@ -41,13 +42,19 @@ class EngineDecisions(SupervisorState):
         return [Log("INFO", f"starting the engine (attempt {attempt})"),
                 Notify({"STATUS": self._status_line()}), SpawnEngine(attempt)]
 
+    def _engine_to(self, state: EngineState, **changes: Any) -> EngineStatus:
+        """Move the engine to `state` (along ENGINE_NEXT), with `changes` to its record."""
+        engine = self._require_engine()
+        self._engine = replace(engine, state=moved(ENGINE_NEXT, engine.state, state, "engine"),
+                               **changes)
+        return self._engine
+
     def _engine_starts(self, pid: int | None) -> int:
         """The engine's next attempt begins (`pid`: a promoted standby's); its number."""
         engine = self._require_engine()
         attempt = engine.attempt + 1
-        self._engine = replace(engine, state=EngineState.STARTING, pid=pid, attempt=attempt,
-                               restarts=engine.restarts + (attempt > 1), healthy=True,
-                               failing=())
+        self._engine_to(EngineState.STARTING, pid=pid, attempt=attempt,
+                        restarts=engine.restarts + (attempt > 1), healthy=True, failing=())
         self._engine_run.respawn_due = None
         self._reset_health(None)
         return attempt
@@ -75,8 +82,7 @@ class EngineDecisions(SupervisorState):
         """Stop the starting or ready engine with `sig` (`reload_deadline`: SIGKILL it then;
         `hung`: it is stopped as hung)."""
         engine = self._require_engine()
-        self._engine = replace(engine, state=EngineState.STOPPING,
-                               hangs=engine.hangs + hung)
+        self._engine_to(EngineState.STOPPING, hangs=engine.hangs + hung)
         self._engine_run.reload_deadline, self._engine_run.settle_due = reload_deadline, None
         return [SignalChild("engine", None, sig)]
 
@@ -85,7 +91,7 @@ class EngineDecisions(SupervisorState):
         self._engine_run.respawn_due = None
         engine = self._engine
         if engine is not None and engine.state is EngineState.BACKOFF:
-            self._engine = replace(engine, state=EngineState.EXITED)
+            self._engine_to(EngineState.EXITED)
 
     def _forget_reload(self) -> None:
         """The planned stop's SIGKILL deadline is over: its engine exited."""
@@ -96,8 +102,7 @@ class EngineDecisions(SupervisorState):
         self._reset_budget_if_stable(now)
         self._reset_health(None)
         self._engine_run.settle_due = None
-        self._engine = replace(self._require_engine(), state=EngineState.EXITED, pid=None,
-                               healthy=True, failing=())
+        self._engine_to(EngineState.EXITED, pid=None, healthy=True, failing=())
 
     def _start_serving(self) -> list[Action]:
         """Start the engine, or READY=1 without one."""
@@ -119,7 +124,7 @@ class EngineDecisions(SupervisorState):
         engine = self._engine
         if engine is None or engine.state is not EngineState.STARTING or self._stop is not None:
             return []
-        self._engine = replace(engine, state=EngineState.READY, healthy=True, failing=())
+        self._engine_to(EngineState.READY, healthy=True, failing=())
         run = self._engine_run
         run.ready_since, run.ready_sent, run.reloading = now, True, False
         self._reset_health(now)
@@ -139,8 +144,8 @@ class EngineDecisions(SupervisorState):
                                      (self._health.unhealthy_since or e.now))
         self._reset_health(None)
         self._engine_run.settle_due = None
-        self._engine = replace(engine, state=EngineState.EXITED, pid=None, last_exit=e.status,
-                               healthy=True, failing=())
+        self._engine_to(EngineState.EXITED, pid=None, last_exit=e.status, healthy=True,
+                        failing=())
         what = (f"engine (pid {e.pid}) exited: {describe_exit(e.status)}" if e.pid else
                 f"engine could not be started: {describe_exit(e.status)}")
         if hung is not None:
@@ -184,7 +189,7 @@ class EngineDecisions(SupervisorState):
                    f"at most {c.restart_max} restarts allowed)")
             return [Log("ERROR", why), *self._begin_stop(ExitStatus.ENGINE_BUDGET, why, now)]
         delay = self._engine_run.budget.next_delay()
-        self._engine = replace(self._require_engine(), state=EngineState.BACKOFF)
+        self._engine_to(EngineState.BACKOFF)
         if self._standby_parked():  # a promotion counts as a restart, but waits for nothing
             delay = 0.0
         self._engine_run.respawn_due = now + delay

@@ -7,9 +7,13 @@ other modules of this package.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from vlaunch.cache.contract.exitcodes import ExitStatus
+
+T = TypeVar("T", bound=enum.Enum)
 
 
 class SupervisorProtocolError(RuntimeError):
@@ -64,7 +68,27 @@ class RankState(enum.Enum):
 
 
 class EngineState(enum.Enum):
-    """The engine: pending -> starting -> ready, then backoff/stopping -> starting, or exited."""
+    """The engine process, attempt after attempt (`ENGINE_NEXT` is this table as data).
+
+    pending   Not started yet: the ranks load (and the preload runs).
+              -> starting     every rank is ready
+    starting  Spawned (or a standby promoted), not ready yet.
+              -> ready        EngineReady (readiness "none": engine_settle after Spawned)
+              -> stopping     SIGHUP, a swap, a stop: SIGTERM
+              -> exited       it exited; or it steps aside to drain (drain.py)
+    ready     Serving; its probes are watched (hang.py).
+              -> stopping     hung, SIGHUP, a swap, a stop: SIGTERM (SIGKILL for a hang
+                              with --engine-hang-kill-after 0)
+              -> exited       it exited; or it steps aside to drain (drain.py)
+    backoff   It exited; the next attempt waits out the backoff.
+              -> starting     the backoff passed (at once with a parked standby, or SIGHUP)
+              -> exited       a stop, or a swap's cutover: no restart is due any more
+    stopping  Asked to stop; waits for its exit (SIGKILL past its deadline).
+              -> exited       it exited
+    exited    Gone, and no attempt is due.
+              -> starting     a restart (SIGHUP, a swap, a promotion, the rollback)
+              -> backoff      an unrequested exit inside the restart budget
+    """
 
     PENDING = "pending"
     STARTING = "starting"
@@ -75,7 +99,20 @@ class EngineState(enum.Enum):
 
 
 class StandbyState(enum.Enum):
-    """The standby engine: none -> starting -> parked -> (promoted: none) | stopping -> none."""
+    """The standby engine (`STANDBY_NEXT` is this table as data).
+
+    none      No standby process (none yet, promoted, or given up).
+              -> starting     the engine is ready and standbys are on
+    starting  Spawned; loads and parks.
+              -> parked       StandbyParked
+              -> stopping     a stop, a swap retires it, it did not park in time
+              -> none         it exited
+    parked    Waits to be promoted (it pings, under a watchdog).
+              -> none         promoted to the engine, or it exited (hung: killed)
+              -> stopping     a stop, or a swap retires it
+    stopping  Asked to stop; waits for its exit.
+              -> none         it exited
+    """
 
     NONE = "none"
     STARTING = "starting"
@@ -87,23 +124,31 @@ class SwapState(enum.Enum):
     """A swap of the weights (`vlaunch swap`, or a published version), step by step.
 
     none          No swap: the ranks serve `SwapStatus.version`.
+                  -> preparing      SwapRequested
+                  -> staging        a rank's trainer published a version
     preparing     The ranks check the new checkpoint: config and plan, headers, sampled
                   identity, memory. Nothing was touched; a refusal ends here.
                   -> staging        every rank prepared (the mode is chosen now)
+                  -> none           a rank refused or exited (87)
     staging       The ranks read the new shard while the old one serves: into new slabs on
                   the device (double), or into pinned host memory (in-place). A published
                   version starts here: the trainer staged it.
                   -> committing     double: every rank staged
                   -> parking        in-place, with a standby: it parks before its weights
                   -> stopping       in-place, without one
+                  -> none           a rank refused or exited, or a published version came
+                                    late (87)
     committing    The ranks cut over: double: they serve the new slabs (the old engine keeps
                   its mappings of the old ones); in-place: the engine is gone, they copy the
                   new bytes into their slabs.
                   -> parking        double, with a standby: one parks on the new weights
                   -> stopping       double, without one
                   -> starting       in-place
+                  -> rolling_back   a rank refused its commit
     parking       A standby for the new weights starts and parks; the old engine serves.
                   -> stopping       it parked (or standbys were given up)
+                  -> starting       double on the launcher's sockets: it parked and is
+                                    promoted while the old engine drains (drain.py)
     stopping      The serving engine gets SIGTERM (SIGKILL after stop_timeout).
                   -> starting       double: it exited
                   -> committing     in-place: it exited
@@ -115,7 +160,8 @@ class SwapState(enum.Enum):
                   -> none           every rank rolled back
 
     A cache rank that exits while preparing or staging abandons the swap (87); past that, it
-    stops the launcher (69). A stop of the launcher ends any swap (86).
+    stops the launcher (69). A stop of the launcher ends any swap (86): every state but none
+    also goes -> none (`SWAP_NEXT` is this table as data, with those arrows).
     """
 
     NONE = "none"
@@ -126,6 +172,54 @@ class SwapState(enum.Enum):
     STOPPING = "stopping"
     STARTING = "starting"
     ROLLING_BACK = "rolling_back"
+
+
+P, E, SB, S = Phase, EngineState, StandbyState, SwapState
+PHASE_NEXT: dict[Phase, frozenset[Phase]] = {
+    P.LOADING: frozenset({P.STARTING_ENGINE, P.SERVING, P.STOPPING}),
+    P.STARTING_ENGINE: frozenset({P.SERVING, P.STOPPING}),
+    P.SERVING: frozenset({P.RESTARTING, P.STOPPING}),
+    P.RESTARTING: frozenset({P.SERVING, P.STOPPING}),
+    P.STOPPING: frozenset({P.STOPPED}),
+    P.STOPPED: frozenset(),
+}
+"""Which phase may follow which: `Phase`'s table as data (a test holds the two equal)."""
+ENGINE_NEXT: dict[EngineState, frozenset[EngineState]] = {
+    E.PENDING: frozenset({E.STARTING}),
+    E.STARTING: frozenset({E.READY, E.STOPPING, E.EXITED}),
+    E.READY: frozenset({E.STOPPING, E.EXITED}),
+    E.BACKOFF: frozenset({E.STARTING, E.EXITED}),
+    E.STOPPING: frozenset({E.EXITED}),
+    E.EXITED: frozenset({E.STARTING, E.BACKOFF}),
+}
+"""Which engine state may follow which: `EngineState`'s table; engine.py moves along it."""
+STANDBY_NEXT: dict[StandbyState, frozenset[StandbyState]] = {
+    SB.NONE: frozenset({SB.STARTING}),
+    SB.STARTING: frozenset({SB.PARKED, SB.STOPPING, SB.NONE}),
+    SB.PARKED: frozenset({SB.NONE, SB.STOPPING}),
+    SB.STOPPING: frozenset({SB.NONE}),
+}
+"""Which standby state may follow which: `StandbyState`'s table; standby.py moves along it."""
+SWAP_NEXT: dict[SwapState, frozenset[SwapState]] = {
+    S.NONE: frozenset({S.PREPARING, S.STAGING}),
+    S.PREPARING: frozenset({S.STAGING, S.NONE}),
+    S.STAGING: frozenset({S.COMMITTING, S.PARKING, S.STOPPING, S.NONE}),
+    S.COMMITTING: frozenset({S.PARKING, S.STOPPING, S.STARTING, S.ROLLING_BACK, S.NONE}),
+    S.PARKING: frozenset({S.STOPPING, S.STARTING, S.NONE}),
+    S.STOPPING: frozenset({S.STARTING, S.COMMITTING, S.NONE}),
+    S.STARTING: frozenset({S.NONE, S.ROLLING_BACK}),
+    S.ROLLING_BACK: frozenset({S.NONE}),
+}
+"""Which swap state may follow which: `SwapState`'s table, with -> none from every other
+state (a stop or a rank's exit ends any swap); swap.py moves along it."""
+del P, E, SB, S
+
+
+def moved(table: Mapping[T, frozenset[T]], old: T, new: T, what: str) -> T:
+    """`new`, once `table` allows `old` -> `new` (else the core itself is wrong: a bug)."""
+    if new is not old and new not in table[old]:
+        raise AssertionError(f"{what}: {old.value} -> {new.value} is not in its table")
+    return new
 
 
 ENGINE_ALIVE = (EngineState.STARTING, EngineState.READY, EngineState.STOPPING)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 from dataclasses import replace
+from typing import Any
 
 from .events import (
     Action,
@@ -18,7 +19,14 @@ from .events import (
     StandbyParked,
 )
 from .exits import describe_exit
-from .model import EngineState, StandbyState, SupervisorProtocolError
+from .model import (
+    STANDBY_NEXT,
+    EngineState,
+    StandbyState,
+    StandbyStatus,
+    SupervisorProtocolError,
+    moved,
+)
 from .state import SupervisorState
 
 STANDBY_MAX_FAILS = 3
@@ -46,7 +54,7 @@ class StandbyDecisions(SupervisorState):
                 self._stop is not None or engine is None or \
                 engine.state is not EngineState.READY or self._standby_run.paused:
             return []
-        self._standby = replace(sb, state=StandbyState.STARTING, pid=None, number=sb.number + 1)
+        self._standby = self._standby_at(sb, StandbyState.STARTING, pid=None, number=sb.number + 1)
         self._standby_run.park_due = now + self.config.standby_park_timeout
         before = " (to park before its weights)" if self._standby_run.next_weights else ""
         return [Log("INFO", f"starting standby engine {sb.number + 1}{before}"),
@@ -65,7 +73,7 @@ class StandbyDecisions(SupervisorState):
         sb = self._standby
         if sb is None or sb.state is not StandbyState.STARTING:
             return []
-        self._standby = replace(sb, state=StandbyState.PARKED, failures=0)
+        self._standby = self._standby_at(sb, StandbyState.PARKED, failures=0)
         self._standby_run.park_due = None
         self._watch_standby(e.now)  # its watchdog runs from here (hang.py)
         actions: list[Action] = [Log("INFO", f"standby engine {sb.number} (pid {sb.pid}) parked")]
@@ -78,8 +86,8 @@ class StandbyDecisions(SupervisorState):
         ready."""
         sb = self._standby
         assert sb is not None
-        self._standby = replace(sb, state=StandbyState.NONE, pid=None,
-                                promotions=sb.promotions + 1)
+        self._standby = self._standby_at(sb, StandbyState.NONE, pid=None,
+                                         promotions=sb.promotions + 1)
         self._watch_standby(None, promoted=True)
         attempt = self._engine_starts(sb.pid)
         return [Log("INFO", f"promoting standby engine {sb.number} (pid {sb.pid}) to engine "
@@ -95,8 +103,8 @@ class StandbyDecisions(SupervisorState):
         parked = sb.state is StandbyState.PARKED
         hung = self._hung_standby_gone()
         retired = self._standby_run.retired == sb.number  # stopped for a swap: no failure
-        self._standby = sb = replace(sb, state=StandbyState.NONE, pid=None,
-                                     failures=sb.failures + (not parked and not retired))
+        self._standby = sb = self._standby_at(
+            sb, StandbyState.NONE, pid=None, failures=sb.failures + (not parked and not retired))
         self._standby_run.park_due = None
         self._watch_standby(None)
         how = "hung while parked, killed" if hung else "exited"
@@ -123,12 +131,17 @@ class StandbyDecisions(SupervisorState):
                 sb.state is not StandbyState.STARTING:
             return []
         self._standby_run.park_due = None
-        self._standby = replace(sb, state=StandbyState.STOPPING, given_up=True)
+        self._standby = self._standby_at(sb, StandbyState.STOPPING, given_up=True)
         limit = self.config.standby_park_timeout
         return [Log("WARNING", f"standby engine {sb.number} (pid {sb.pid}) did not park within "
                                f"{limit:g} s (--standby-park-timeout): killing it and giving "
                                "standbys up; engine restarts are ordinary restarts from now on"),
                 SignalChild("standby", None, signal.SIGKILL)]
+
+    def _standby_at(self, sb: StandbyStatus, state: StandbyState, **changes: Any
+                    ) -> StandbyStatus:
+        """`sb` moved to `state` (along STANDBY_NEXT), with `changes` to its record."""
+        return replace(sb, state=moved(STANDBY_NEXT, sb.state, state, "standby"), **changes)
 
     def _retire_standby(self) -> list[Action]:
         """Stop a starting or parked standby for a swap: its exit is no failure."""
@@ -136,7 +149,7 @@ class StandbyDecisions(SupervisorState):
         if sb is None or sb.state not in (StandbyState.STARTING, StandbyState.PARKED):
             return []
         self._standby_run.retired = sb.number
-        self._standby = replace(sb, state=StandbyState.STOPPING)
+        self._standby = self._standby_at(sb, StandbyState.STOPPING)
         self._standby_run.park_due = None
         return [SignalChild("standby", None, signal.SIGTERM)]
 
@@ -156,5 +169,5 @@ class StandbyDecisions(SupervisorState):
         self._standby_run.park_due = None
         if sb is None or sb.state in (StandbyState.NONE, StandbyState.STOPPING):
             return []
-        self._standby = replace(sb, state=StandbyState.STOPPING)
+        self._standby = self._standby_at(sb, StandbyState.STOPPING)
         return [SignalChild("standby", None, signal.SIGTERM)]

@@ -12,6 +12,7 @@ that exits once a cutover began stops the launcher.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from vlaunch.cache.contract.exitcodes import ExitStatus
 
@@ -27,7 +28,17 @@ from .events import (
     SwapRequested,
     SwapStep,
 )
-from .model import ENGINE_ALIVE, EngineState, Phase, RankState, StandbyState, SwapState
+from .model import (
+    ENGINE_ALIVE,
+    SWAP_NEXT,
+    EngineState,
+    Phase,
+    RankState,
+    StandbyState,
+    SwapState,
+    SwapStatus,
+    moved,
+)
 from .state import SupervisorState
 
 S = SwapState
@@ -87,9 +98,14 @@ class SwapDecisions(SupervisorState):
         self._swap_run.no_in_place = {}
         self._swap_run.deadline, self._swap_run.engine_gone = None, False
         self._swap_run.rollback_sent = self._swap_run.new_engine = False
-        self._swap = replace(self._swap, state=state, target_version=version,
-                             target_model=model, target_label=label,
-                             mode="" if policy.mode == "auto" else policy.mode, failures=0)
+        self._swap_to(state, target_version=version, target_model=model, target_label=label,
+                      mode="" if policy.mode == "auto" else policy.mode, failures=0)
+
+    def _swap_to(self, state: SwapState, **changes: Any) -> SwapStatus:
+        """Move the swap to `state` (along SWAP_NEXT), with `changes` to its record."""
+        sw = self._swap
+        self._swap = replace(sw, state=moved(SWAP_NEXT, sw.state, state, "swap"), **changes)
+        return self._swap
 
     def _on_swap_step(self, e: SwapStep) -> list[Action]:
         """A rank's answer to the pending step; the last one moves the swap on."""
@@ -155,7 +171,7 @@ class SwapDecisions(SupervisorState):
             return self._swap_abort(ExitStatus.SWAP_UNAVAILABLE, self._swap_in_place_refused())
         why = "" if policy.mode != "auto" else \
             " (every device has room for both)" if fits else " (a device has no room for both)"
-        self._swap = replace(sw, state=S.STAGING, mode=mode)
+        self._swap_to(S.STAGING, mode=mode)
         self._swap_run.waiting = set(self._swap_ranks())
         return [Log("INFO", f"swap to version {sw.target_version}: staging the new weights, "
                             f"{mode}{why}"),
@@ -189,7 +205,7 @@ class SwapDecisions(SupervisorState):
     def _swap_commit(self, now: float) -> list[Action]:
         """Ask every rank to cut over."""
         sw = self._swap
-        self._swap = replace(sw, state=S.COMMITTING)
+        self._swap_to(S.COMMITTING)
         self._swap_run.waiting, self._swap_run.answered = set(self._swap_ranks()), set()
         self._swap_run.deadline = now + self._swap_run.policy.ready_timeout
         self._cancel_restart()  # no start mid-commit
@@ -234,7 +250,7 @@ class SwapDecisions(SupervisorState):
                                    "was started for the old weights"), *self._retire_standby()]
         if not wait:
             return actions, False
-        self._swap = replace(self._swap, state=S.PARKING)
+        self._swap_to(S.PARKING)
         before = " before it maps them" if next_weights else ""
         return [Log("INFO", f"swap to version {self._swap.target_version}: a standby engine "
                             f"parks on the new weights{before}"), *actions,
@@ -254,7 +270,7 @@ class SwapDecisions(SupervisorState):
         """Double buffering on the launcher's sockets (drain.py): the standby parked on the
         new weights is promoted while the old engine drains."""
         sw = self._swap
-        self._swap = replace(sw, state=S.STARTING)
+        self._swap_to(S.STARTING)
         self._swap_run.deadline = now + self._swap_run.policy.ready_timeout
         self._swap_run.new_engine = True
         self._hold_standbys(next_weights=False, paused=self._standby_run.paused)
@@ -264,7 +280,7 @@ class SwapDecisions(SupervisorState):
     def _swap_stop_engine(self, now: float) -> list[Action]:
         """SIGTERM the serving engine (SIGKILL after drain_timeout); go on once it is gone."""
         sw, engine = self._swap, self._require_engine()
-        self._swap = replace(sw, state=S.STOPPING)
+        self._swap_to(S.STOPPING)
         if engine.state in (EngineState.STARTING, EngineState.READY):
             sigterm = self._engine_sigterm(now + self._drain_grace())
             return [Log("INFO", f"swap to version {sw.target_version}: stopping the engine "
@@ -285,7 +301,7 @@ class SwapDecisions(SupervisorState):
     def _swap_start_engine(self, now: float) -> list[Action]:
         """Start the engine on the new weights (promote a standby that parked for them)."""
         sw = self._swap
-        self._swap = replace(sw, state=S.STARTING)
+        self._swap_to(S.STARTING)
         self._swap_run.deadline = now + self._swap_run.policy.ready_timeout
         self._swap_run.new_engine = True
         self._hold_standbys(next_weights=False, paused=self._standby_run.paused)
@@ -344,8 +360,8 @@ class SwapDecisions(SupervisorState):
         """The swap is over (status 0: the new weights serve): answer, forget its state."""
         sw = self._swap
         ok = status == 0
-        self._swap = replace(
-            sw, state=S.NONE, version=sw.target_version if ok else sw.version,
+        self._swap_to(
+            S.NONE, version=sw.target_version if ok else sw.version,
             model=sw.target_model if ok else sw.model, label=sw.target_label if ok
             else sw.label, swaps=sw.swaps + ok, rollbacks=sw.rollbacks + rolled_back,
             last=message)
@@ -398,7 +414,7 @@ class SwapDecisions(SupervisorState):
         """Stop the new engine (if it runs), then have every rank restore the old weights."""
         sw = self._swap
         self._swap_run.refusal = self._swap_run.refusal or (int(ExitStatus.SWAP_ROLLED_BACK), why)
-        self._swap = replace(sw, state=S.ROLLING_BACK)
+        self._swap_to(S.ROLLING_BACK)
         self._swap_run.deadline = now + self._swap_run.policy.ready_timeout
         self._swap_run.rollback_sent = False
         actions: list[Action] = [Log("WARNING", f"swap to version {sw.target_version}: rolling "

@@ -573,14 +573,26 @@ class CacheServer:
         """Tell the launcher who opened the raw slabs (pid and start time), or that not every
         opener can be named: its escrow hands that on to a respawn, which adopts the slabs
         without having seen those opens. `everything`: the launcher holds the slabs anew."""
-        openers = self.openers
-        news = openers.listed() if everything else openers.news
-        openers.news = []
+        news, incomplete = self.openers.to_tell(everything)
         for pid, started in news:
             self.send_escrow(protocol.event("openers", pid=pid, started=started), [])
-        if openers.incomplete and (everything or not openers.incomplete_told):
-            openers.incomplete_told = True
+        if incomplete:
             self.send_escrow(protocol.event("openers", incomplete=True), [])
+
+    def keep_escrow(self, sock: socket.socket) -> None:
+        """Keep the launcher's ready channel open (its ready frame sent): engine layouts and
+        the raw layout's release follow on it (docs/engine-layout.md), so that the launcher's
+        escrow holds what the rank holds; the launcher's swap steps come the other way
+        (docs/swap.md)."""
+        self.escrow = sock
+        if self.swap is not None:
+            self.swap.listen(sock, asyncio.get_running_loop())
+        for layout in self.layouts.layouts.values():
+            self.send_escrow(layout.escrow(), layout.fds)
+        if self.raw_released:
+            self.send_escrow({"event": "release", "layout": "raw"}, [])
+        self.tell_openers(everything=True)
+        self.escrow_artifacts()  # from --artifact-dir, a seed or the escrow: kept there too
 
     def send_escrow(self, frame: dict[str, Any], fds: list[int]) -> None:
         """Tell the launcher (if it listens) what to escrow or drop (docs/engine-layout.md),

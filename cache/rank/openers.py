@@ -86,6 +86,16 @@ class Openers:
         self._add(_Opener(pid, pidfd))
         return True
 
+    def to_tell(self, everything: bool = False) -> tuple[list[tuple[int, float]], bool]:
+        """What the launcher is to hear, once: the openers by pid (start time) it was not told
+        of (`everything`: all of them), and whether to say that not every opener can be named."""
+        news = self.listed() if everything else self.news
+        self.news = []
+        incomplete = self.incomplete and (everything or not self.incomplete_told)
+        if incomplete:
+            self.incomplete_told = True
+        return news, incomplete
+
     def note_by_pid(self, pid: int) -> None:
         """Follow `pid` by its start time (a pid and its start time name one process)."""
         if self.unknown:

@@ -392,18 +392,7 @@ def _report_ready(server: CacheServer, lock: RankLock, opts: RankArgs) -> None:
         except OSError:
             sock.close()
             raise
-        # The channel stays open: engine layouts and the raw layout's release follow on it
-        # (docs/engine-layout.md), so that the launcher's escrow holds what the rank holds;
-        # the launcher's swap steps come the other way (docs/swap.md).
-        server.escrow = sock
-        if server.swap is not None:
-            server.swap.listen(sock, asyncio.get_running_loop())
-        for layout in server.layouts.layouts.values():
-            server.send_escrow(layout.escrow(), layout.fds)
-        if server.raw_released:
-            server.send_escrow({"event": "release", "layout": "raw"}, [])
-        server.tell_openers(everything=True)
-        server.escrow_artifacts()  # from --artifact-dir, a seed or the escrow: kept there too
+        server.keep_escrow(sock)  # the channel stays open, both ways
     notify = SdNotify()  # `vlaunch cache` under its own unit; never blocks, never raises
     notify.send({"READY": "1", "STATUS": f"rank {rank} serving"})
     notify.close()

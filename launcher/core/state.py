@@ -1,8 +1,14 @@
-"""The supervisor's state, shared by the decision mixins, and the lookups they all use.
+"""The supervisor's state, by concern, and the lookups every decision uses.
 
-`Supervisor` (supervisor.py) is this state plus one mixin per concern (ranks, engine, standby,
-stop, timers, status view). The mixins call each other's steps through `self`; none keeps
-state of its own.
+`Supervisor` (supervisor.py) is this state plus one mixin per concern (ranks, engine, hang,
+standby, swap, drain, stop, timers, status view). Each concern's fields are one record here,
+written by its own module only (the comment or docstring names it): the status records the
+status surface shows (`EngineStatus`, `StandbyStatus`, `SwapStatus`, `RankStatus`, model.py)
+and, beside them, the bookkeeping it keeps (`EngineRun`, `Health`, `StandbyRun`, `SwapRun`,
+`Clocks`, `Startup`). A mixin that changes another concern's state calls a step of the
+module that owns it (`_engine_sigterm`, `_retire_standby`, `_watch_standby`...). The engine,
+standby and swap states move along their tables (`ENGINE_NEXT`...); `phase` is derived.
+`python benchmarks/structure.py --state` lists the fields and who writes each.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
     python benchmarks/figures.py            # rewrite README.md and docs/*.md from the summary
     python benchmarks/figures.py --check    # exit 1 if any of them is stale (tests/test_figures.py)
     python benchmarks/figures.py --merge F  # merge another summary (a GPU run's $OUT) into ours
+    python benchmarks/figures.py --compare F  # F's figures against the committed ones (no write)
 
 The summary maps a figure's id to {value, machine, date, source}: `value` is the text as quoted
 ("0.714 s"), `source` the results file and the section or command it comes from. Benchmarks
@@ -195,14 +196,48 @@ def merge(into: dict[str, dict[str, str]], other: dict[str, Any]) -> list[str]:
     return changed
 
 
+SCALE = {"ms": 1e-3, "s": 1.0}  # times: lower is better; any other unit (GB/s, x, %): higher
+
+
+def compare(ours: dict[str, dict[str, str]], new: dict[str, Any]) -> list[str]:
+    """A line per figure of `new` that the committed summary has: committed value (its date)
+    -> new value, the ratio, and `REGRESSION?` where a time grew or a rate fell by over 20%
+    (the machines are noisy: a flag to look at, not a verdict)."""
+    lines = []
+    for fid in sorted(new):
+        was, now = ours.get(fid), new[fid]
+        if was is None:
+            lines.append(f"{fid:<52} {'(new)':>24} -> {now['value']}")
+            continue
+        a, b = NUMBER.match(was["value"]), NUMBER.match(str(now["value"]))
+        note = ""
+        if a and b and (a.group(2) in SCALE) == (b.group(2) in SCALE):
+            x = float(a.group(1)) * SCALE.get(a.group(2), 1.0)
+            y = float(b.group(1)) * SCALE.get(b.group(2), 1.0)
+            if x > 0:
+                ratio = y / x
+                worse = ratio > 1.2 if a.group(2) in SCALE else ratio < 1 / 1.2
+                note = f"  x{ratio:.2f}{'  REGRESSION?' if worse else ''}"
+        lines.append(f"{fid:<52} {was['value'] + ' (' + was['date'] + ')':>24} -> "
+                     f"{now['value']}{note}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if a page is stale")
     ap.add_argument("--merge", type=Path, metavar="SUMMARY",
                     help="merge another summary's figures into ours first")
+    ap.add_argument("--compare", type=Path, metavar="SUMMARY",
+                    help="print another summary's figures against ours (writes nothing)")
     args = ap.parse_args(argv)
     try:
         figures = load()
+        if args.compare:
+            if args.compare.exists():
+                print("\n".join(compare(figures, json.loads(args.compare.read_text())
+                                       ["figures"])))
+            return 0
         if args.merge:
             changed = merge(figures, load(args.merge))
             save(figures)

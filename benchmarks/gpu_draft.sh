@@ -29,3 +29,4 @@ echo "=== TP 2 $DEVICES"
 # shellcheck disable=SC2086
 timeout -k 5 300 "$PY" benchmarks/bench_draft.py --model "$CK/target" --draft-model \
     "$CK/draft" --tp 2 $DEVICES --reps "$REPS" 2>&1 | tee "$OUT/draft_tp2.log"
+compare_figures

@@ -38,3 +38,4 @@ echo "=== TP 2 $DEVICES, sigstop"
 timeout -k 5 360 "$PY" benchmarks/bench_hang.py --device cuda --tp 2 $DEVICES --hang sigstop \
     --reps "$REPS" "${MODEL_ARGS[@]}" --out "$OUT/hang_tp2_sigstop.json" 2>&1 |
     tee "$OUT/hang_tp2_sigstop.log"
+compare_figures

@@ -5,6 +5,9 @@
 # NVLink multicast stays off in every process: it can take a shared host's GPUs out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
+# benchmarks that record figures write them here (compare_figures prints them against the
+# committed ones; merge back with benchmarks/figures.py --merge)
+export RECORD_FIGURES=${RECORD_FIGURES:-${OUT:-/tmp/vlaunch-gpu}/summary.json}
 LOGS=${LOGS:-$(mktemp -d)}  # one log per stage; $OUT keeps them together in session.log
 
 stage() {  # stage NAME LIMIT_S COMMAND...: run it under a time limit, log it, note its status
@@ -43,3 +46,9 @@ use_checkout() {  # make this checkout's vlaunch importable without installing a
 tp2_devices() {  # --devices for two ranks: none with two GPUs or more, else both on GPU 0
     if (($(nvidia-smi -L | wc -l) < 2)); then echo "--devices 0,0"; fi
 }
+
+compare_figures() {  # the headline figures this run recorded against the committed ones
+    echo "## figures against the committed summary (benchmarks/results/summary.json)"
+    "$PY" benchmarks/figures.py --compare "$OUT/summary.json"
+}
+

@@ -59,5 +59,6 @@ want listen && stage listen 420 "$PY" benchmarks/bench_listen.py --device cuda -
         grep -E "SIGKILL|exited|swap (done|to)|cutting over|cut over|promoting|drain|engine ready" \
             "$log" | cut -c12-200 | head -n 60
     done
+    compare_figures
 } | tee "$OUT/table.txt"
 rm -rf "$LOGS"

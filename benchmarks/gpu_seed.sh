@@ -78,4 +78,5 @@ stage tests 90 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_seed.py 
     grep -v "^$" "$LOGS/seed.log" 2>/dev/null | tail -n 12
     grep -E "passed|failed|error" "$LOGS/tests.log" 2>/dev/null | tail -n 1
     echo "total $(($(date +%s) - T0))s (checkpoint build excluded)"
+    compare_figures
 } | tee -a "$OUT/summary.txt"

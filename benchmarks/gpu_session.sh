@@ -121,5 +121,6 @@ want restart && stage restart 120 "$PY" benchmarks/bench_gpu_restart.py --model 
     done
     [ -f "$LOGS/smoke.log" ] && grep -E "^(PASS|FAIL)" "$LOGS/smoke.log" | cut -c1-110
     [ -f "$LOGS/tests.log" ] && tail -n 4 "$LOGS/tests.log"
+    compare_figures
 } | tee "$OUT/table.txt"
 rm -rf "$LOGS"

@@ -70,5 +70,6 @@ want tests && stage tests 200 "$PY" -m pytest -m gpu -q -p no:cacheprovider --ti
     done
     [ -f "$LOGS/backend.log" ] && { echo "## backend"; grep '^{' "$LOGS/backend.log"; }
     [ -f "$LOGS/tests.log" ] && tail -n 3 "$LOGS/tests.log"
+    compare_figures
 } | tee "$OUT/table.txt"
 rm -rf "$LOGS"

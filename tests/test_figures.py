@@ -122,3 +122,19 @@ def test_record_figures_merges_into_a_summary(tmp_path: Path, monkeypatch) -> No
                    "x.z": {"value": "2 s", "machine": "m", "date": "2026-12-02", "source": "s.md"}}
     into = {"x.y": {"value": "0 s", "machine": "m", "date": "d", "source": "s.md"}}
     assert figures.merge(into, got) == ["x.y", "x.z"] and into["x.y"]["value"] == "1 s"
+
+
+def test_a_gpu_run_is_printed_against_the_committed_figures() -> None:
+    """gpu_lib.sh's compare_figures: a time that grew or a rate that fell by over 20% is
+    flagged; a figure within 20%, a count and a new id are printed without a flag."""
+    ours = {"a.time": {"value": "0.100 s", "date": "2026-12-01"},
+            "b.ms": {"value": "10.0 ms", "date": "2026-12-01"},
+            "c.rate": {"value": "50 GB/s", "date": "2026-12-01"},
+            "d.count": {"value": "0", "date": "2026-12-01"}}
+    new = {"a.time": {"value": "0.130 s"}, "b.ms": {"value": "0.011 s"},
+           "c.rate": {"value": "30 GB/s"}, "d.count": {"value": "3"}, "e.new": {"value": "1 s"}}
+    lines = {line.split()[0]: line for line in figures.compare(ours, new)}
+    assert "REGRESSION?" in lines["a.time"] and "x1.30" in lines["a.time"]
+    assert "REGRESSION?" not in lines["b.ms"] and "x1.10" in lines["b.ms"]  # 10 ms -> 11 ms
+    assert "REGRESSION?" in lines["c.rate"]
+    assert "(new)" in lines["e.new"] and "REGRESSION?" not in lines["d.count"]

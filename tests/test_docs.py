@@ -566,6 +566,7 @@ INTERNAL = {
     "Started must come first, exactly once": "launcher.core: an executor bug",
     "engine event, but this launcher runs no engine": "launcher.core: an executor bug",
     "no standby was asked for": "launcher.core: an executor bug",
+    "is not in its table": "launcher.core: a move off a state table (model.py), a core bug",
     "a replicated slice has exactly one part": "cache.plan: an invariant of SliceSpec",
     "cannot split shape": "cache.plan: an invariant of SliceSpec, after plan validation",
     "max_bytes must be >= 1, got": "cache.plan: an internal argument",

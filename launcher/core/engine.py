@@ -94,7 +94,7 @@ class EngineDecisions(SupervisorState):
             self._engine_to(EngineState.EXITED)
 
     def _forget_reload(self) -> None:
-        """The planned stop's SIGKILL deadline is over: its engine exited."""
+        """No planned stop's SIGKILL is due: its engine exited, or a stop takes over."""
         self._engine_run.reload_deadline = None
 
     def _engine_retired(self, now: float) -> None:

@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 from ctypes import c_void_p
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from vlaunch.cache.contract import wire
 from vlaunch.cache.contract.errors import DeviceError
@@ -178,6 +178,14 @@ class Slots:
         with self._lock:
             self.taken -= 1
         self._free.release()
+
+
+class Copier(Protocol):
+    """What the rank's server needs of a copier (RankCopier; a test's stand-in)."""
+
+    def start(self, who: str) -> Copy | None: ...
+    def status(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
 
 
 class RankCopier:

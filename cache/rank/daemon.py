@@ -16,7 +16,6 @@ import socket
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,14 +31,14 @@ from vlaunch.cache.contract.errors import (
 from vlaunch.cache.contract.sockdir import check_peer
 from vlaunch.cache.rank.connections import Connections, connection_bound, starved_after
 from vlaunch.cache.rank.layouts import LayoutError, LayoutStore
+from vlaunch.cache.rank.leases import Lease
 from vlaunch.cache.rank.openers import Openers
 from vlaunch.cache.store import artifacts as art
 from vlaunch.cache.store.artifacts import ArtifactStore
 
 if TYPE_CHECKING:
-    from vlaunch.cache.rank.copies import Copy
+    from vlaunch.cache.rank.copies import Copier, Copy
     from vlaunch.cache.rank.parts import (
-        Copier,
         IntegrityHost,
         IntegrityPart,
         SwapHost,
@@ -55,28 +54,6 @@ MAX_HELLOS_TOLD = 256
 
 
 _COPIED = protocol.encode({"ok": True})  # the reply to `copied`, which a thread may send
-
-
-@dataclass
-class Lease:
-    """One connected client and what it has mapped."""
-
-    pid: int
-    conn: socket.socket = field(repr=False, compare=False)
-    client: str = ""
-    mode: str = ""
-    bytes: int = 0
-    since: float = field(default_factory=time.time)
-
-    @property
-    def who(self) -> str:
-        """The client as log lines name it (pid 0: a process in another PID namespace)."""
-        return peers.describe(self.pid, self.client)
-
-    def to_status(self) -> dict[str, Any]:
-        """The lease as `status` shows it (its connection is the rank's own business)."""
-        return {"pid": self.pid, "client": self.client, "mode": self.mode, "bytes": self.bytes,
-                "since": self.since}
 
 
 class CacheServer:

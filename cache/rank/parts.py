@@ -4,9 +4,10 @@ The server (rank/daemon.py) is built once, with its parts (rank/process.py): a p
 back into the server, the integrity (rank/integrity.py) or the swap (rank/swap.py), is made by
 a factory that the server calls with itself, seen as the narrow host the part needs
 (`IntegrityHost`, `SwapHost`); the server holds the part as what it needs of it
-(`IntegrityPart`, `SwapPart`). A copier (rank/copies.py) only answers: `Copier`.
+(`IntegrityPart`, `SwapPart`). A copier only answers: `copies.Copier`.
 
-Only Protocols here, so that neither side imports the other's module.
+Only Protocols here, so that neither side imports the other's module (nor this one the
+server's: the server's clients are in rank/leases.py).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from vlaunch.cache.contract.fingerprint import Fingerprint
-    from vlaunch.cache.rank.copies import Copy
-    from vlaunch.cache.rank.daemon import Lease
+    from vlaunch.cache.rank.copies import Copier
     from vlaunch.cache.rank.layouts import LayoutStore
+    from vlaunch.cache.rank.leases import Lease
     from vlaunch.cache.rank.openers import Openers
     from vlaunch.cache.rank.swapstate import Weights
     from vlaunch.cache.store.identity import Record
@@ -30,15 +31,6 @@ if TYPE_CHECKING:
 
 Reply = tuple[dict[str, Any], list[int]]
 """A request's reply frame and the fds that go with it."""
-
-
-class Copier(Protocol):
-    """What the server needs of the copier that makes copy-mode engines' copies on a GPU
-    (rank.copies.RankCopier)."""
-
-    def start(self, who: str) -> Copy | None: ...
-    def status(self) -> dict[str, int]: ...
-    def close(self) -> None: ...
 
 
 class IntegrityHost(Protocol):

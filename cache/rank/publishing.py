@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import logging
 import weakref
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 from vlaunch.cache.contract import protocol
@@ -22,7 +23,7 @@ from vlaunch.cache.rank.swapstate import Staged, SwapError, status_of, words
 from vlaunch.cache.store.manifest import Manifest
 
 if TYPE_CHECKING:
-    from vlaunch.cache.rank.daemon import Lease
+    from vlaunch.cache.rank.leases import Lease
     from vlaunch.cache.rank.parts import SwapHost
     from vlaunch.cache.store.slabs import Backend
 
@@ -40,10 +41,16 @@ class Swapper(Protocol):
     backend: Backend
     model: str
     threads: int
-    staged: Staged | None
-    busy: bool
     digests: dict[str, str] | None
 
+    @property
+    def staged(self) -> Staged | None: ...
+    @property
+    def busy(self) -> bool: ...
+
+    def hold(self, staged: Staged) -> None: ...
+    def let_go(self, staged: Staged) -> None: ...
+    def occupied(self) -> AbstractContextManager[None]: ...
     def answer(self, answer: str, version: int, fds: list[int] = ..., **fields: Any) -> None: ...
     def allocate(self, sizes: tuple[int, ...], where: str) -> list[Any]: ...
     def room_on_host(self, staged: Staged) -> None: ...
@@ -128,7 +135,7 @@ class Publisher:
         staged.buffers = [s.buffer() for s in staged.slabs]
         staged.manifest = manifest._replace(tensors=tuple(
             t._replace(checksum=None) for t in manifest.tensors))
-        self.swap.staged = staged
+        self.swap.hold(staged)
         weakref.finalize(lease, self._publisher_gone, id(lease))
         log.info("rank %d: pid %d publishes %r (%s, %.2f GB of staging)", self.swap.server.rank,
                  lease.pid, label, staged.mode, manifest.nbytes / 1e9)
@@ -148,21 +155,17 @@ class Publisher:
                             f"{staged.label!r}")
         why = tensors_difference(staged.manifest, f["tensors"])
         if why:
-            self.swap.staged = None
-            staged.release()
+            self.swap.let_go(staged)
             raise SwapError(f"published tensors refused: {why}; publish exactly the shard's "
                             "tensors, with their names, dtypes and shapes")
         loop = asyncio.get_running_loop()
         staged.reply = loop.create_future()
-        self.swap.busy = True
         try:
-            await loop.run_in_executor(None, self._take_published, staged)
+            with self.swap.occupied():
+                await loop.run_in_executor(None, self._take_published, staged)
         except BaseException:
-            self.swap.busy = False
-            self.swap.staged = None
-            staged.release()
+            self.swap.let_go(staged)
             raise
-        self.swap.busy = False
         self.swap.answer("published", 0, label=staged.label, mode=staged.mode,
                     fingerprint=staged.fingerprint, model=staged.model)
         return await staged.reply
@@ -196,8 +199,7 @@ class Publisher:
         """A trainer left (or aborted) before its commit: drop its staging."""
         staged = self.swap.staged
         if staged is not None and staged.owner == owner and staged.reply is None:
-            self.swap.staged = None
-            staged.release()
+            self.swap.let_go(staged)
             log.info("rank %d: the publish of %r was abandoned before its commit",
                      self.swap.server.rank, staged.label)
 

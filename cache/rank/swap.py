@@ -14,10 +14,12 @@ by the same steps. What a swap holds between its steps is in rank/swapstate.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,8 +46,9 @@ from vlaunch.cache.store.manifest import Manifest
 from vlaunch.cache.store.slabs import on_device
 
 if TYPE_CHECKING:
+    from vlaunch.cache.rank.copies import Copier
     from vlaunch.cache.rank.layouts import LayoutStore
-    from vlaunch.cache.rank.parts import Copier, SwapHost
+    from vlaunch.cache.rank.parts import SwapHost
     from vlaunch.cache.store.slabs import Backend
     from vlaunch.cache.store.target import Target
 
@@ -142,6 +145,24 @@ class RankSwap:
                                                     version=version, **fields), list(fds))
         finally:
             wire.close_fds(list(fds))
+
+    def hold(self, staged: Staged) -> None:
+        """Hold `staged` (a trainer's publish_begin) until it is cut over or dropped."""
+        self.staged = staged
+
+    def let_go(self, staged: Staged) -> None:
+        """Drop `staged` (a publish refused or abandoned): nothing is staged any more."""
+        self.staged = None
+        staged.release()
+
+    @contextlib.contextmanager
+    def occupied(self) -> Iterator[None]:
+        """A publish's commit runs in this block: the launcher's swap steps are refused."""
+        self.busy = True
+        try:
+            yield
+        finally:
+            self.busy = False
 
     def _answer_served(self, answer: str, version: int) -> None:
         """Answer with what the rank serves now (its fds to escrow), then its layouts."""

@@ -14,9 +14,9 @@ from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.store.manifest import Manifest
 
 if TYPE_CHECKING:
+    from vlaunch.cache.rank.copies import Copier
     from vlaunch.cache.rank.layouts import LayoutStore
     from vlaunch.cache.rank.openers import Openers
-    from vlaunch.cache.rank.parts import Copier
     from vlaunch.cache.store.identity import Record
 
 

@@ -153,9 +153,12 @@ class StandbyDecisions(SupervisorState):
         self._standby_run.park_due = None
         return [SignalChild("standby", None, signal.SIGTERM)]
 
-    def _hold_standbys(self, *, next_weights: bool, paused: bool) -> None:
-        """How a swap wants the next standbys: parked before their weights, or none at all."""
-        self._standby_run.next_weights, self._standby_run.paused = next_weights, paused
+    def _hold_standbys(self, *, next_weights: bool, paused: bool | None = None) -> None:
+        """How a swap wants the next standbys: parked before their weights, or none at all
+        (`paused` None: as it was)."""
+        run = self._standby_run
+        run.next_weights = next_weights
+        run.paused = run.paused if paused is None else paused
 
     def _count_standby_hang(self) -> None:
         """The parked standby was found hung (hang.py): count it."""

@@ -273,7 +273,7 @@ class SwapDecisions(SupervisorState):
         self._swap_to(S.STARTING)
         self._swap_run.deadline = now + self._swap_run.policy.ready_timeout
         self._swap_run.new_engine = True
-        self._hold_standbys(next_weights=False, paused=self._standby_run.paused)
+        self._hold_standbys(next_weights=False)
         return [Notify({**self._reloading_field(), "STATUS": self._status_line()}),
                 *self._promote_then_drain(now, f"swap to version {sw.target_version}")]
 
@@ -304,7 +304,7 @@ class SwapDecisions(SupervisorState):
         self._swap_to(S.STARTING)
         self._swap_run.deadline = now + self._swap_run.policy.ready_timeout
         self._swap_run.new_engine = True
-        self._hold_standbys(next_weights=False, paused=self._standby_run.paused)
+        self._hold_standbys(next_weights=False)
         if self._engine is None:
             return self._swap_finish(now)
         return [Log("INFO", f"swap to version {sw.target_version}: starting the engine on the "

@@ -111,7 +111,7 @@ def rank(tmp_path: Path) -> Iterator[tuple[Path, MemfdCopier, asyncio.AbstractEv
     os.pwrite(slab, bytes(range(256)) * (SIZE // 256), 0)
     copier = MemfdCopier(slab)
     server = CacheServer(0, Served(MANIFEST, [slab], FINGERPRINT), device="cpu",
-                         copier=copier)  # type: ignore[arg-type]
+                         copier=copier)
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
     path = sockdir / "rank-0.sock"

@@ -604,10 +604,15 @@ class CacheServer:
     def handle_artifact_get(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any],
                                                                            list[int]]:
         """artifact_get: the artifact's bytes (base64), or a miss."""
-        data = self.artifacts.get(f["kind"], f["key"])
+        return self.artifact_reply(f["kind"], f["key"]), []
+
+    def artifact_reply(self, kind: str, key: str) -> dict[str, Any]:
+        """The reply to an `artifact_get` (on the socket, or a seed client's on the seeding
+        port): the artifact's bytes (base64), or a miss."""
+        data = self.artifacts.get(kind, key)
         if data is None:
-            return protocol.error("miss", "no such artifact"), []
-        return {"ok": True, "data": art.encode(data)}, []
+            return protocol.error("miss", "no such artifact")
+        return {"ok": True, "data": art.encode(data)}
 
     def handle_artifact_put(self, lease: Lease, f: dict[str, Any]) -> tuple[dict[str, Any],
                                                                            list[int]]:

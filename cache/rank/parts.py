@@ -4,7 +4,8 @@ The server (rank/daemon.py) is built once, with its parts (rank/process.py): a p
 back into the server, the integrity (rank/integrity.py) or the swap (rank/swap.py), is made by
 a factory that the server calls with itself, seen as the narrow host the part needs
 (`IntegrityHost`, `SwapHost`); the server holds the part as what it needs of it
-(`IntegrityPart`, `SwapPart`). A copier only answers: `copies.Copier`.
+(`IntegrityPart`, `SwapPart`). A copier only answers: `copies.Copier`. The seed source
+(rank/seedsource.py), started beside the server, reads it as a `SeedHost`.
 
 Only Protocols here, so that neither side imports the other's module (nor this one the
 server's: the server's clients are in rank/leases.py).
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from vlaunch.cache.rank.leases import Lease
     from vlaunch.cache.rank.openers import Openers
     from vlaunch.cache.rank.swapstate import Weights
+    from vlaunch.cache.store.artifacts import ArtifactStore
     from vlaunch.cache.store.identity import Record
     from vlaunch.cache.store.manifest import Manifest
     from vlaunch.cache.store.slabs import SlabBytes
@@ -130,3 +132,27 @@ class SwapHost(Protocol):
     def replace_layouts(self, layouts: LayoutStore) -> LayoutStore: ...
     def free_raw(self) -> None: ...
     def install(self, weights: Weights) -> None: ...
+
+
+class SeedHost(Protocol):
+    """What the seed source needs of the server: what it serves, to stream to a new replica."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def fingerprint(self) -> Fingerprint: ...
+    @property
+    def manifest(self) -> Manifest: ...
+    @property
+    def fds(self) -> list[int]: ...
+    @property
+    def artifacts(self) -> ArtifactStore: ...
+    @property
+    def handing_over(self) -> bool: ...
+
+    def reading_raw(self) -> AbstractContextManager[None]: ...
+    def artifact_reply(self, kind: str, key: str) -> dict[str, Any]: ...

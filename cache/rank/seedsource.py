@@ -29,7 +29,7 @@ from vlaunch.cache.contract.errors import ProtocolError, SeedError
 from vlaunch.cache.rank import seedwire
 
 if TYPE_CHECKING:
-    from vlaunch.cache.rank.daemon import CacheServer
+    from vlaunch.cache.rank.parts import SeedHost
 
 log = logging.getLogger("vlaunch.cache.rank.seed")
 MAX_CONNECTIONS = 4 * seedwire.MAX_STREAMS
@@ -47,7 +47,7 @@ class _Peer:
 class SeedSource:
     """Serves one rank's slabs to seeding replicas on a TCP port; needs a token."""
 
-    def __init__(self, server: CacheServer, token: str, *, timeout: float = 30.0) -> None:
+    def __init__(self, server: SeedHost, token: str, *, timeout: float = 30.0) -> None:
         if len(token) < 16:
             raise SeedError("the seed token is shorter than 16 characters; use a long random "
                             "one (openssl rand -hex 32)")
@@ -158,8 +158,7 @@ class SeedSource:
             sent.bytes += await self._range(loop, conn, f["slab"], 0, sizes[f["slab"]],
                                             sent.device, limit=sizes[f["slab"]])
         elif op == "artifact_get":
-            reply, _ = server.handle_artifact_get(None, f)
-            await self._send(loop, conn, reply)
+            await self._send(loop, conn, server.artifact_reply(f["kind"], f["key"]))
         else:
             raise ProtocolError(f"{op} is not a seeding request")
 

@@ -66,7 +66,7 @@ class Staged:
     margin: int = 0
     specs: list[Any] = field(default_factory=list)
     manifest: Manifest | None = None
-    record: Any = None
+    record: Record | None = None
     fingerprint: dict[str, str] = field(default_factory=dict)
     slabs: list[Any] = field(default_factory=list)  # allocated slabs (double, a publish's)
     buffers: list[Any] = field(default_factory=list)  # the staged bytes

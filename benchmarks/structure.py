@@ -4,13 +4,15 @@
 Architecture changes quote these figures before and after (benchmarks/results/structure.md):
 the largest modules, the functions with the most parameters, the route one parameter takes
 through the calls, every VLAUNCH_* variable with the places that read it, and the launcher
-core's state: its fields and which modules write each (`--state` prints only that). The tree is
+core's state: its fields and which modules write each (`--state` prints only that), and how a
+cache rank's server and its parts reach into each other (`--rank`). The tree is
 read as text, except for the variable table's option and field columns: a child process
 imports the tree's click commands and its engine environment (nothing of them runs).
 
     python benchmarks/structure.py                     # all four tables
     python benchmarks/structure.py --repo /other/checkout --walk cache/client/loader.py:load:model
     python benchmarks/structure.py --state             # the core's state and its writers
+    python benchmarks/structure.py --rank              # the rank's server and its parts
 """
 
 from __future__ import annotations
@@ -362,6 +364,58 @@ def core_state(repo: Path) -> list[str]:
             f"{len(writers.get('_engine', ()))} module(s):", *rows]
 
 
+RANK_HOLDERS = ("server", "s", "self.server", "self.swap", "self.swap.server", "openers",
+                "server.openers", "self.server.openers", "self.openers")
+"""The names the rank's modules reach the server, the swap and the openers by."""
+RANK_PARTS = ("integrity", "swap", "copier", "layouts", "openers", "record", "_copies",
+              "_layouts", "_copier")
+"""The server's parts, as attributes, record fields and the factories that make them."""
+
+
+def _mentions_any(node: ast.AST | None) -> bool:
+    return node is not None and any(isinstance(n, ast.Name) and n.id == "Any"
+                                    for n in ast.walk(node))
+
+
+def rank_parts(repo: Path) -> list[str]:
+    """cache/rank/: another object's private attributes read, written or called; attributes
+    of the server, the swap or the openers written from outside their class; parts typed Any."""
+    private, writes, untyped = [], [], []
+    for path in sorted((repo / "cache" / "rank").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        modules = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import)
+                   for a in n.names}
+        for node in ast.walk(tree):
+            where = f"{path.stem}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                    and not node.attr.startswith("__") and node.attr not in (
+                        "_replace", "_asdict", "_fields"):  # a NamedTuple's own API
+                base = ast.unparse(node.value)
+                if base not in ("self", "cls") and base.split(".")[0] not in modules:
+                    private.append(f"{where} {base}.{node.attr}")
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                for t in node.targets:
+                    targets += t.elts if isinstance(t, ast.Tuple) else [t]
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            writes += [f"{where} {ast.unparse(t)}" for t in targets
+                       if isinstance(t, ast.Attribute) and ast.unparse(t.value) in RANK_HOLDERS]
+            if isinstance(node, ast.AnnAssign) and _mentions_any(node.annotation):
+                name = node.target.attr if isinstance(node.target, ast.Attribute) else \
+                    getattr(node.target, "id", "")
+                if name in RANK_PARTS:
+                    untyped.append(f"{where} {ast.unparse(node.target)}")
+            if isinstance(node, ast.FunctionDef) and node.name in RANK_PARTS \
+                    and _mentions_any(node.returns):
+                untyped.append(f"{where} {node.name}() -> Any")
+    return [f"rank: {len(private)} private attribute(s) of another object; {len(writes)} "
+            f"write(s) into the server, the swap or the openers from outside them; "
+            f"{len(untyped)} part(s) typed Any",
+            *(f"  private  {x}" for x in private), *(f"  write    {x}" for x in writes),
+            *(f"  Any      {x}" for x in untyped)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[1])
@@ -369,13 +423,14 @@ def main() -> None:
     ap.add_argument("--least", type=int, default=9, help="parameters that make a list long")
     ap.add_argument("--walk", default="cache/client/loader.py:load:model")
     ap.add_argument("--state", action="store_true", help="only the core's state and writers")
+    ap.add_argument("--rank", action="store_true", help="only the rank's server and its parts")
     args = ap.parse_args()
-    if args.state:
-        print("\n".join(core_state(args.repo)))
+    if args.state or args.rank:
+        print("\n".join(core_state(args.repo) if args.state else rank_parts(args.repo)))
         return
     for block in (sizes(args.repo, args.top), longest(args.repo, args.least),
                   walk(args.repo, args.walk), typed_any(args.repo), environment(args.repo),
-                  core_state(args.repo)):
+                  core_state(args.repo), rank_parts(args.repo)):
         print("\n".join(block), end="\n\n")
 
 

@@ -93,7 +93,7 @@ class CacheServer:
         self.bound = asyncio.Event()  # set once the socket is bound and listening
         self.connections = Connections(rank, connection_bound(os.environ, len(fds)),
                                        starved_after(os.environ))
-        self.swap: SwapPart | None = None  # _close_raw asks for it while the integrity starts
+        self.swap: SwapPart | None = None  # what the integrity may call reads it while built
         # the files, their watch and the digests; then swaps and versions trainers publish
         self.integrity = integrity(self) if integrity is not None else None
         self.swap = swap(self) if swap is not None else None

@@ -119,8 +119,28 @@ def test_a_checkpoint_changing_while_staged_is_refused_and_the_old_one_serves(
         committed = rank.step("commit", version=1, mode=mode, lease_wait_ms=1000)
         assert committed["answer"] == "committed", committed
         assert committed["model"] == str(b) and rank.serves(b), mode
+        rows, cols = manifests(rank)
+        assert rows == cols, mode
         rolled = rank.step("rollback", version=1, status=85, message="test")
         assert rolled["answer"] == "rolled_back" and rank.serves(a), mode
+        back = manifests(rank)
+        assert back[0] == back[1] != rows, mode  # a's checksums again, in both forms
+
+
+def manifests(rank: Rank) -> tuple[Any, Any]:
+    """The rank's manifest in both forms (rows; columns, as engines and seeding ask), as wire
+    dicts: after a cutover or a rollback each is the served checkpoint's, checksums too."""
+    from vlaunch.cache.client.connection import CacheClient
+    from vlaunch.cache.contract.sockdir import socket_path
+    from vlaunch.cache.store import columns
+
+    c = CacheClient(socket_path(rank.sockdir, 0))
+    try:
+        rows = columns.from_wire(c.request({"op": "manifest"})[0]["manifest"]).to_wire()
+        cols = columns.fetch(c).to_wire()
+    finally:
+        c.close()
+    return rows, cols
 
 
 def test_a_refused_prepare_names_the_difference(rank: Rank, tmp_path: Path) -> None:

@@ -503,7 +503,8 @@ class CacheServer:
         self.fingerprint, self.manifest, self.fds, self._release = (
             w.fingerprint, w.manifest, w.fds, w.release)
         self.layouts, self.raw_released, self.copier = w.layouts, w.raw_released, w.copier
-        self.__dict__.pop("manifest_frame", None)  # a cached_property of the old manifest
+        for frame in ("manifest_frame", "manifest_columns_frame"):  # the old manifest's
+            self.__dict__.pop(frame, None)
         # who opened these slabs: new ones (or new bytes), nobody yet; the old weights' stay
         # with them (a rollback brings them back)
         self.openers = w.openers if w.openers is not None else Openers(self.rank)

@@ -630,8 +630,8 @@ backend = get_backend(dev)
 held = {}
 
 
-def rank_fill(layout, threads, chunk):
-    specs = plan_rank(ckpt, LLAMA_PLAN, layout)
+def rank_fill(position, threads, chunk):
+    specs = plan_rank(ckpt, LLAMA_PLAN, position)
     m = pack([(s.name, s.dtype, s.shape) for s in specs], backend="cuda", alignment=256,
              max_slab=64 << 30)
     key = tuple(m.slab_sizes)
@@ -646,7 +646,7 @@ def rank_fill(layout, threads, chunk):
     fill(specs, m, tensors, threads=threads, chunk=chunk)
     rate = m.nbytes / 1e9 / (time.perf_counter() - t)
     if os.environ.get("VLAUNCH_READER") != "register":
-        out.setdefault("staging", {})[f"tp{layout.tp_size} {threads}T {chunk >> 20}M "
+        out.setdefault("staging", {})[f"tp{position.tp_size} {threads}T {chunk >> 20}M "
                                       f"spare {reader.SPARE_BUFFERS}"] = dict(reader.STAGING)
     return rate
 

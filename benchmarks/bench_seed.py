@@ -207,11 +207,11 @@ def measure(model: str, device: str, repeats: int, tcp_repeats: int, logs: Path,
         client.close()
         backend = get_backend(device)
         device = backend.device
-        layout = Position.from_global(0, 1, 1, 1)
+        position = Position.from_global(0, 1, 1, 1)
         out["bytes"] = nbytes
 
         def seeded(how: str) -> tuple[float, float, dict[str, float]]:
-            shard = empty_shard(model, "replicate", layout, backend)
+            shard = empty_shard(model, "replicate", position, backend)
             try:
                 if how == "unix":
                     got = seed_unix(str(sockdir), 0, fingerprint, shard.manifest, shard.tensors,
@@ -225,7 +225,7 @@ def measure(model: str, device: str, repeats: int, tcp_repeats: int, logs: Path,
 
         def disk() -> float:
             start = time.perf_counter()
-            shard = load_shard(model, "replicate", layout, backend)
+            shard = load_shard(model, "replicate", position, backend)
             sync(device)
             seconds = time.perf_counter() - start
             free(shard)

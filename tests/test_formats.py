@@ -209,7 +209,7 @@ def test_a_hook_may_build_packed_fp4_tensors(tmp_path: Path, monkeypatch, slabs:
     write_raw(tmp_path / "m.safetensors", {"x": ("U8", [4], bytes(4))})
     (tmp_path / "fp4hook.py").write_text(
         "import torch\n"
-        "def build(ckpt, layout):\n"
+        "def build(ckpt, position):\n"
         "    raw = torch.arange(24, dtype=torch.uint8).reshape(4, 6)\n"
         "    return {'w': raw.view(torch.float4_e2m1fn_x2), 'e': raw.view(torch.float8_e8m0fnu)}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -365,8 +365,8 @@ def shards(model: Path, plan: str, tp: int, rank: int, **sizes: int) -> dict[str
     from vlaunch.cache.store.plan import Position
     from vlaunch.cache.store.shard import PlainBackend, load_shard
 
-    layout = Position.from_global(rank, tp, 1, sizes.get("dp", 1))
-    return load_shard(str(model), plan, layout, PlainBackend("cpu")).named()
+    position = Position.from_global(rank, tp, 1, sizes.get("dp", 1))
+    return load_shard(str(model), plan, position, PlainBackend("cpu")).named()
 
 
 @pytest.mark.parametrize("method", ["fp8-tensor", "fp8-channel", "fp8-block", "gptq",

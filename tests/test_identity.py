@@ -225,13 +225,13 @@ def test_verify_after_the_load_names_a_tensor_whose_bytes_differ(
     from vlaunch.cache.store.slabs import get_backend
 
     model = _write(tmp_path / "m", llama_tensors())
-    layout = Position(2, 1)
-    shard = load_shard(str(model), "llama", layout, get_backend("cpu"))
-    verify_loaded(str(model), "llama", layout, shard.manifest, shard.tensors, 1, threads=2)
+    position = Position(2, 1)
+    shard = load_shard(str(model), "llama", position, get_backend("cpu"))
+    verify_loaded(str(model), "llama", position, shard.manifest, shard.tensors, 1, threads=2)
     shard.named()["model.layers.0.self_attn.o_proj.weight"][3, 5] += 1  # a bit flip, say
     with caplog.at_level(logging.ERROR, logger="vlaunch.cache"), \
             pytest.raises(VerifyError, match="verify found tensors of rank 1") as err:
-        verify_loaded(str(model), "llama", layout, shard.manifest, shard.tensors, 1, threads=2)
+        verify_loaded(str(model), "llama", position, shard.manifest, shard.tensors, 1, threads=2)
     assert err.value.status == ExitStatus.VERIFY_FAILED
     assert "model.layers.0.self_attn.o_proj.weight" in caplog.text
     assert caplog.text.count("tensor '") == 1

@@ -114,10 +114,10 @@ def layer_of(name: str) -> int | None:
 def test_global_rank_round_trip() -> None:
     seen = []
     for rank in range(8):
-        layout = Position.from_global(rank, tp_size=2, pp_size=2, dp_size=2)
-        assert layout.global_rank == rank and layout.world_size == 8
-        assert Position(**layout.as_dict()) == layout
-        seen.append((layout.dp_rank, layout.pp_rank, layout.tp_rank))
+        position = Position.from_global(rank, tp_size=2, pp_size=2, dp_size=2)
+        assert position.global_rank == rank and position.world_size == 8
+        assert Position(**position.as_dict()) == position
+        seen.append((position.dp_rank, position.pp_rank, position.tp_rank))
     assert seen == sorted(seen)  # data, then pipeline, then tensor; tensor fastest
     assert Position.from_global(5, 2, 2, 2).as_dict() == {
         "tp_size": 2, "tp_rank": 1, "pp_size": 2, "pp_rank": 0, "dp_size": 2, "dp_rank": 1}
@@ -182,22 +182,22 @@ def test_builtin_identities_are_distinct_and_stable() -> None:
                      fused=LLAMA_PLAN.fused).identity == LLAMA_PLAN.identity
 
 
-def _layout(tp: int = 1, dp: int = 1, pp: int = 1) -> dict[str, int]:
+def _position(tp: int = 1, dp: int = 1, pp: int = 1) -> dict[str, int]:
     return Position(tp, 0, pp, 0, dp, 0).as_dict()
 
 
-@pytest.mark.parametrize(("plans", "layout", "alike"), [
-    (("llama", "replicate", "gpt-oss", "llama-ep"), _layout(), True),
-    (("llama", "replicate", "gpt-oss"), _layout(pp=2), True),
-    (("llama", "replicate"), _layout(dp=2), True),
-    (("llama", "replicate"), _layout(tp=2), False),
-    (("llama-ep", "replicate"), _layout(dp=2), False),  # whole experts split over dp ranks
+@pytest.mark.parametrize(("plans", "position", "alike"), [
+    (("llama", "replicate", "gpt-oss", "llama-ep"), _position(), True),
+    (("llama", "replicate", "gpt-oss"), _position(pp=2), True),
+    (("llama", "replicate"), _position(dp=2), True),
+    (("llama", "replicate"), _position(tp=2), False),
+    (("llama-ep", "replicate"), _position(dp=2), False),  # whole experts split over dp ranks
 ])
 def test_rule_plans_that_split_nothing_have_one_fingerprint(
-        plans: tuple[str, ...], layout: dict[str, int], alike: bool) -> None:
+        plans: tuple[str, ...], position: dict[str, int], alike: bool) -> None:
     from vlaunch.cache.contract.fingerprint import plan_field
 
-    fields = {plan_field(BUILTIN_PLANS[name].identity, layout) for name in plans}
+    fields = {plan_field(BUILTIN_PLANS[name].identity, position) for name in plans}
     assert (len(fields) == 1) == alike, fields
 
 
@@ -207,11 +207,11 @@ def test_a_plan_file_that_splits_nothing_matches_a_builtin_and_a_hook_keeps_its_
 
     path = tmp_path / "mine.json"
     path.write_text(json.dumps({"rules": [{"pattern": "q_proj", "dim": 0}]}))
-    assert plan_field(load_plan(str(path)).identity, _layout()) == WHOLE
-    assert plan_field(load_plan(str(path)).identity, _layout(tp=2)).startswith("file:sha256:")
+    assert plan_field(load_plan(str(path)).identity, _position()) == WHOLE
+    assert plan_field(load_plan(str(path)).identity, _position(tp=2)).startswith("file:sha256:")
     path.write_text(json.dumps({"rules": [], "experts": "ep"}))
-    assert plan_field(load_plan(str(path)).identity, _layout(dp=2)).startswith("file:ep:")
-    assert plan_field("hook:pkg.mod:build", _layout()) == "hook:pkg.mod:build"
+    assert plan_field(load_plan(str(path)).identity, _position(dp=2)).startswith("file:ep:")
+    assert plan_field("hook:pkg.mod:build", _position()) == "hook:pkg.mod:build"
 
 
 # --- slices --------------------------------------------------------------------------------
@@ -399,14 +399,14 @@ def test_more_stages_than_layers(tmp_path: Path) -> None:
 def test_pipeline_and_tensor_parallel(tmp_path: Path) -> None:
     ckpt = llama(tmp_path, layers=4)
     for rank in range(8):
-        layout = Position.from_global(rank, tp_size=2, pp_size=2, dp_size=2)
-        specs = {s.name: s for s in plan_rank(ckpt, LLAMA_PLAN, layout)}
+        position = Position.from_global(rank, tp_size=2, pp_size=2, dp_size=2)
+        specs = {s.name: s for s in plan_rank(ckpt, LLAMA_PLAN, position)}
         layers = {layer_of(n) for n in specs} - {None}
-        assert layers == ({0, 1} if layout.pp_rank == 0 else {2, 3})
-        assert ("lm_head.weight" in specs) == (layout.pp_rank == 1)
+        assert layers == ({0, 1} if position.pp_rank == 0 else {2, 3})
+        assert ("lm_head.weight" in specs) == (position.pp_rank == 1)
         q = specs[f"model.layers.{min(layers)}.self_attn.q_proj.weight"]
-        assert (q.shape, q.part) == ((HIDDEN // 2, HIDDEN), layout.tp_rank)
-        peer = Position(**{**layout.as_dict(), "dp_rank": 1 - layout.dp_rank})
+        assert (q.shape, q.part) == ((HIDDEN // 2, HIDDEN), position.tp_rank)
+        peer = Position(**{**position.as_dict(), "dp_rank": 1 - position.dp_rank})
         assert plan_rank(ckpt, LLAMA_PLAN, peer) == list(specs.values())
 
 
@@ -473,15 +473,18 @@ def test_bad_plan_specs(spec: str, match: str) -> None:
 HOOK = '''
 import torch
 
-def build(checkpoint, layout):
-    return {"rank": torch.tensor([layout.tp_rank]), "n": torch.tensor(len(checkpoint.tensors))}
+def build(checkpoint, position):
+    return {"rank": torch.tensor([position.tp_rank]), "n": torch.tensor(len(checkpoint.tensors))}
 
-def bad(checkpoint, layout):
+def bad(checkpoint, position):
     return [1, 2]
+
+def legacy(checkpoint, layout):  # the name older docs gave the argument: hooks get it positionally
+    return {"rank": torch.tensor([layout.tp_rank])}
 
 class Holder:
     @staticmethod
-    def build(checkpoint, layout):
+    def build(checkpoint, position):
         return {}
 
 value = 3
@@ -503,6 +506,7 @@ def test_hook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = plan.build(ckpt, Position(2, 1))
     assert out["rank"].tolist() == [1] and int(out["n"]) == len(ckpt.tensors)
     assert load_hook(f"{mod}:Holder.build")(ckpt, Position(1, 0)) == {}
+    assert load_plan(f"{mod}:legacy").build(ckpt, Position(2, 1))["rank"].tolist() == [1]
     with pytest.raises(PlanError, match="returned list, not a mapping"):
         HookPlan(f"{mod}:bad", load_hook(f"{mod}:bad")).build(ckpt, Position(1, 0))
 

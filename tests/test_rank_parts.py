@@ -21,7 +21,7 @@ from vlaunch.cache.rank.openers import Openers
 from vlaunch.cache.rank.publishing import Publisher
 from vlaunch.cache.rank.served import Served
 from vlaunch.cache.rank.swap import RankSwap
-from vlaunch.cache.rank.swapstate import Weights
+from vlaunch.cache.rank.swapstate import ServedShard
 from vlaunch.cache.store.manifest import pack
 
 MANIFEST = pack([("w", "U8", (4096,))], backend="cpu", alignment=256, max_slab=1 << 20)
@@ -107,7 +107,7 @@ def test_install_switches_every_served_field_at_once() -> None:
     server = _server([])
     before = server.manifest_frame
     layouts, fingerprint = LayoutStore(None, 0), {"checkpoint": "b"}
-    server.install(Weights(1, "/m", "", fingerprint, MANIFEST, [], None, None, layouts, True,
+    server.install(ServedShard(1, "/m", "", fingerprint, MANIFEST, [], None, None, layouts, True,
                            None, None))
     assert (server.fingerprint, server.fds, server.layouts, server.raw_released) == (
         fingerprint, [], layouts, True)

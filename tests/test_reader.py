@@ -54,9 +54,9 @@ def _expected(root: Path) -> dict[str, torch.Tensor]:
     return load_file(str(root / "a.safetensors")) | load_file(str(root / "b.safetensors"))
 
 
-def _load(root: Path, layout: Position, chunk: int, threads: int,
+def _load(root: Path, position: Position, chunk: int, threads: int,
           backend: object) -> dict[str, torch.Tensor]:
-    specs = plan_rank(open_checkpoint(root), LLAMA_PLAN, layout)
+    specs = plan_rank(open_checkpoint(root), LLAMA_PLAN, position)
     manifest = pack([(s.name, s.dtype, s.shape) for s in specs], backend="cpu", alignment=256,
                     max_slab=1 << 30)
     slabs = [backend.allocate(size) for size in manifest.slab_sizes]  # type: ignore[attr-defined]
@@ -71,9 +71,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _check_rank(root: Path, layout: Position, got: dict[str, torch.Tensor]) -> None:
+def _check_rank(root: Path, position: Position, got: dict[str, torch.Tensor]) -> None:
     full = _expected(root)
-    specs = plan_rank(open_checkpoint(root), LLAMA_PLAN, layout)
+    specs = plan_rank(open_checkpoint(root), LLAMA_PLAN, position)
     assert sorted(got) == sorted(s.name for s in specs)
     for spec in specs:
         want = full[spec.name]
@@ -90,13 +90,13 @@ def test_every_rank_matches_a_disk_load(ckpt: Path, tp: int, pp: int, chunk: int
                                         split_read: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLAUNCH_SPLIT_READ", split_read)
     for rank in range(tp * pp):
-        layout = Position.from_global(rank, tp, pp)
-        _check_rank(ckpt, layout, _load(ckpt, layout, chunk, 3, CpuBackend()))
+        position = Position.from_global(rank, tp, pp)
+        _check_rank(ckpt, position, _load(ckpt, position, chunk, 3, CpuBackend()))
 
 
 def test_plain_backend_on_cpu_matches_too(ckpt: Path) -> None:
-    layout = Position.from_global(3, 4, 2)
-    _check_rank(ckpt, layout, _load(ckpt, layout, 200, 2, PlainBackend("cpu")))
+    position = Position.from_global(3, 4, 2)
+    _check_rank(ckpt, position, _load(ckpt, position, 200, 2, PlainBackend("cpu")))
 
 
 def test_narrow_split_is_read_as_spans_of_whole_rows(ckpt: Path) -> None:
@@ -200,8 +200,8 @@ def test_cuda_ranks_match_a_disk_load(ckpt: Path, tp: int, pp: int, reader: str,
     monkeypatch.setenv("VLAUNCH_SPLIT_READ", split_read)
     monkeypatch.setenv("VLAUNCH_READER", reader)
     for rank, chunk in itertools.product(range(tp * pp), (96, 64 << 20)):
-        layout = Position.from_global(rank, tp, pp)
-        _check_rank(ckpt, layout, _load(ckpt, layout, chunk, 4, PlainBackend("cuda")))
+        position = Position.from_global(rank, tp, pp)
+        _check_rank(ckpt, position, _load(ckpt, position, chunk, 4, PlainBackend("cuda")))
 
 
 def test_reader_mode_is_staging_unless_register_is_asked_for(

@@ -120,7 +120,7 @@ def _a_draft_rank_that_exits_is_a_rank_exit(la: Launcher, snap: dict) -> None:
 
 
 def _role_mismatch_both_ways(sockdir: Path, target: Path, draft: Path) -> None:
-    layout = Position.from_global(0, 2, 1, 1)
+    position = Position.from_global(0, 2, 1, 1)
     asks = [("draft", target, "llama", "target"), ("target", draft, "replicate", "draft")]
     for group, model, plan, role in asks:
         client = CacheClient(socket_path(sockdir, 0, group))
@@ -128,7 +128,7 @@ def _role_mismatch_both_ways(sockdir: Path, target: Path, draft: Path) -> None:
             with pytest.raises(FingerprintMismatchError, match=(
                     f"cache role mismatch: this socket serves the {group} model's cache group, "
                     f"the engine asked for the {role} model's")):
-                client.hello(Target(str(model), layout, "cpu", plan, role=role).fingerprint())
+                client.hello(Target(str(model), position, "cpu", plan, role=role).fingerprint())
         finally:
             client.close()
 

@@ -305,7 +305,7 @@ from safetensors.torch import load_file
 SECONDS = 45
 
 
-def build(checkpoint, layout):
+def build(checkpoint, position):
     time.sleep(SECONDS)
     out = {}
     for path in checkpoint.files:

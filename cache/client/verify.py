@@ -50,7 +50,7 @@ def verify_rank(socket: Path, model: str = "", threads: int = 8,
                     "model": f"published {checkpoint['published']}", "tensors": len(held),
                     "changed": [], "mismatches": compare_digests(held, recorded)}
         fp = status["fingerprint"]
-        layout = Position(**{k: int(fp[k]) for k in ("tp_size", "tp_rank", "pp_size", "pp_rank",
+        position = Position(**{k: int(fp[k]) for k in ("tp_size", "tp_rank", "pp_size", "pp_rank",
                                                    "dp_size", "dp_rank")})
         path = model or checkpoint.get("model") or ""
         if not path:
@@ -58,7 +58,7 @@ def verify_rank(socket: Path, model: str = "", threads: int = 8,
                              "pass --model")
         with ThreadPoolExecutor(1) as pool:
             expected = pool.submit(expected_digests, path, checkpoint.get("plan") or DEFAULT_PLAN,
-                                   layout, threads=threads)
+                                   position, threads=threads)
             held = _held(client)
             bad = compare_digests(held, expected.result())
     finally:

@@ -22,7 +22,7 @@ FIELDS = (
 Fingerprint = dict[str, str]
 
 
-def build(*, checkpoint: str, checkpoint_data: str, plan: str, layout: Mapping[str, int],
+def build(*, checkpoint: str, checkpoint_data: str, plan: str, position: Mapping[str, int],
           dtype: str, backend: str, device: Mapping[str, str], kernel_backends: str = "",
           loader: str = "vlaunch", torch_version: str | None = None,
           quantization: Mapping[str, str] | None = None, role: str = "target") -> Fingerprint:
@@ -31,8 +31,8 @@ def build(*, checkpoint: str, checkpoint_data: str, plan: str, layout: Mapping[s
         torch_version = installed_torch_version()
     fields: dict[str, Any] = {
         "protocol": VERSION, "vlaunch": __version__, "checkpoint": checkpoint,
-        "checkpoint_data": checkpoint_data, "plan": plan_field(plan, layout),
-        **{k: layout[k] for k in ("tp_size", "tp_rank", "pp_size", "pp_rank", "dp_size",
+        "checkpoint_data": checkpoint_data, "plan": plan_field(plan, position),
+        **{k: position[k] for k in ("tp_size", "tp_rank", "pp_size", "pp_rank", "dp_size",
                                   "dp_rank")},
         "dtype": dtype, "backend": backend, "device_uuid": device.get("device_uuid", ""),
         "compute_capability": device.get("compute_capability", ""),
@@ -51,14 +51,14 @@ WHOLE = "whole"
 """The plan field of a rank that a rule plan splits nothing for (every tensor whole)."""
 
 
-def plan_field(plan: str, layout: Mapping[str, int]) -> str:
+def plan_field(plan: str, position: Mapping[str, int]) -> str:
     """The fingerprint's plan: a rule plan (built-in, `builtin:...`, or a plan file, `file:...`)
-    that splits nothing at this layout is `whole`, so that two such plans, which hold the same
+    that splits nothing at this position is `whole`, so that two such plans, which hold the same
     bytes, do not disagree (one tensor-parallel rank; one data-parallel rank too if experts are
     placed whole, `ep:`). A hook plan builds its own tensors and keeps its identity."""
-    if not plan.startswith(("builtin:", "file:")) or layout["tp_size"] != 1:
+    if not plan.startswith(("builtin:", "file:")) or position["tp_size"] != 1:
         return plan
-    if ":ep:" in plan and layout["dp_size"] != 1:
+    if ":ep:" in plan and position["dp_size"] != 1:
         return plan
     return WHOLE
 

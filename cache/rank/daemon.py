@@ -45,7 +45,7 @@ if TYPE_CHECKING:
         SwapPart,
     )
     from vlaunch.cache.rank.served import Served
-    from vlaunch.cache.rank.swapstate import Weights
+    from vlaunch.cache.rank.swapstate import ServedShard
 
 log = logging.getLogger("vlaunch.cache")
 FRAME_TIMEOUT = 10.0
@@ -496,7 +496,7 @@ class CacheServer:
         old, self.layouts = self.layouts, layouts
         return old
 
-    def install(self, weights: Weights) -> None:
+    def install(self, weights: ServedShard) -> None:
         """Serve `weights`: every field a request reads switches at once (on the loop's
         thread, or on a thread while `swapping` refuses handoffs)."""
         w = weights

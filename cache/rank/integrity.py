@@ -243,7 +243,7 @@ def slab_digests(manifest: Manifest, slabs: list[SlabBytes], threads: int = 8
         return dict(pool.map(one, manifest.tensors))
 
 
-def verify_loaded(model: str, plan: str, layout: Position, manifest: Manifest,
+def verify_loaded(model: str, plan: str, position: Position, manifest: Manifest,
                   slabs: list[SlabBytes], rank: int, threads: int = 8) -> None:
     """`--verify`: compare every tensor's bytes with the files; VerifyError (79) on a mismatch."""
     from vlaunch.cache.store.plan import HookPlan, load_plan
@@ -254,7 +254,7 @@ def verify_loaded(model: str, plan: str, layout: Position, manifest: Manifest,
         return
     start = time.perf_counter()
     with ThreadPoolExecutor(2) as pool:
-        expected = pool.submit(identity.expected_digests, model, plan, layout, threads=threads)
+        expected = pool.submit(identity.expected_digests, model, plan, position, threads=threads)
         held = pool.submit(slab_digests, manifest, slabs, threads)
         bad = identity.compare_digests(held.result(), expected.result())
     for line in bad[:20]:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from vlaunch.cache.rank.layouts import LayoutStore
     from vlaunch.cache.rank.leases import Lease
     from vlaunch.cache.rank.openers import Openers
-    from vlaunch.cache.rank.swapstate import Weights
+    from vlaunch.cache.rank.swapstate import ServedShard
     from vlaunch.cache.store.artifacts import ArtifactStore
     from vlaunch.cache.store.identity import Record
     from vlaunch.cache.store.manifest import Manifest
@@ -131,7 +131,7 @@ class SwapHost(Protocol):
     def swapping(self) -> AbstractContextManager[None]: ...
     def replace_layouts(self, layouts: LayoutStore) -> LayoutStore: ...
     def free_raw(self) -> None: ...
-    def install(self, weights: Weights) -> None: ...
+    def install(self, weights: ServedShard) -> None: ...
 
 
 class SeedHost(Protocol):

@@ -34,10 +34,10 @@ from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.rank import staging
 from vlaunch.cache.rank.publishing import Publisher, answer_trainer
 from vlaunch.cache.rank.swapstate import (
+    ServedShard,
     Staged,
     StagingMemoryError,
     SwapError,
-    Weights,
     discard,
     status_of,
     words,
@@ -65,7 +65,7 @@ class RankSwap:
                  version: int = 0, label: str = "", checksum: bool | None = None) -> None:
         """`target`: what the rank serves (its plan, position, checkpoint and quantization
         hold for every version it swaps to; only the checkpoint moves)."""
-        self.server, self.plan, self.layout, self.backend = (
+        self.server, self.plan, self.position, self.backend = (
             server, target.plan, target.position, backend)
         self.quantization = target.quantization or None
         self.threads, self.checksum = threads, checksum
@@ -213,7 +213,7 @@ class RankSwap:
             raise PlanError(f"plan {self.plan} builds its tensors in a hook: its weights cannot "
                             "be swapped; restart the caches to load another checkpoint")
         ckpt = open_checkpoint(model)
-        staged.specs = plan_rank(ckpt, plan, self.layout)
+        staged.specs = plan_rank(ckpt, plan, self.position)
         staged.manifest = pack([(s.name, s.dtype, s.shape) for s in staged.specs],
                                backend=self.backend.name, alignment=self.backend.alignment,
                                max_slab=MAX_SLAB)
@@ -351,7 +351,7 @@ class RankSwap:
             raise SwapError(f"cannot keep the served weights for a rollback: the files at "
                             f"{self.model} changed since the rank read them; swap with "
                             "--on-failure stop", ExitStatus.CHECKPOINT_CHANGED)
-        specs = plan_rank(open_checkpoint(self.model), load_plan(self.plan), self.layout)
+        specs = plan_rank(open_checkpoint(self.model), load_plan(self.plan), self.position)
         fill(specs, self.server.manifest, into, threads=self.threads,
              label=f"rank {self.server.rank} keeping the served weights")
 
@@ -407,7 +407,7 @@ class RankSwap:
             for slab in slabs:
                 slab.release()
 
-        self._install(Weights(staged.version, staged.model, staged.label, staged.fingerprint,
+        self._install(ServedShard(staged.version, staged.model, staged.label, staged.fingerprint,
                               staged.manifest, fds, release, buffers,
                               self._layouts(staged.manifest.nbytes), False,
                               self._copier(fds, staged.manifest), staged.record,
@@ -443,7 +443,7 @@ class RankSwap:
             copier = self._copier(fds, staged.manifest)
         previous.fds, previous.release, previous.buffers = [], None, None  # the same slabs
         staged.previous = previous
-        self._install(Weights(staged.version, staged.model, staged.label, staged.fingerprint,
+        self._install(ServedShard(staged.version, staged.model, staged.label, staged.fingerprint,
                               staged.manifest, fds, release, target, server.layouts, False,
                               copier, staged.record, staged.digests))
         staged.buffers = []
@@ -512,7 +512,7 @@ class RankSwap:
             await asyncio.get_running_loop().run_in_executor(
                 None, staging.copy_bytes, target, staged.backup)
         server.layouts.close()
-        self._install(Weights(previous.version, previous.model, previous.label,
+        self._install(ServedShard(previous.version, previous.model, previous.label,
                               previous.fingerprint, previous.manifest, server.fds,
                               server.release_hook, target,
                               self._layouts(previous.manifest.nbytes),
@@ -605,16 +605,16 @@ class RankSwap:
             raise SwapError(f"rank {self.server.rank} has nothing staged for version {version}")
         return staged
 
-    def _capture(self) -> Weights:
+    def _capture(self) -> ServedShard:
         """What the server serves now."""
         s = self.server
         integrity = s.integrity
-        return Weights(self.version, self.model, self.label, s.fingerprint, s.manifest,
+        return ServedShard(self.version, self.model, self.label, s.fingerprint, s.manifest,
                        s.fds, s.release_hook, self.buffers, s.layouts, s.raw_released, s.copier,
                        integrity.record if integrity is not None else None, self.digests,
                        s.openers)
 
-    def _install(self, w: Weights) -> None:
+    def _install(self, w: ServedShard) -> None:
         """Serve `w`: the server's fields switch at once (the loop's thread, or a thread while
         the server refuses handoffs: `swapping`), then the version and the integrity's files."""
         s = self.server

@@ -35,7 +35,7 @@ class StagingMemoryError(VlaunchError):
 
 
 @dataclass
-class Weights:
+class ServedShard:
     """One shard as the rank serves it: everything a cutover switches over."""
 
     version: int
@@ -73,7 +73,7 @@ class Staged:
     free: Callable[[], None] | None = None  # frees host buffers (in place)
     backup: list[Any] | None = None  # in place: the served bytes, for a rollback
     backup_free: Callable[[], None] | None = None
-    previous: Weights | None = None  # what served before the commit
+    previous: ServedShard | None = None  # what served before the commit
     committed: bool = False
     owner: int = 0  # a publish: id() of the trainer's lease
     reply: asyncio.Future[tuple[dict[str, Any], list[int]]] | None = None
@@ -99,7 +99,7 @@ class Staged:
 
 
 
-def discard(w: Weights) -> None:
+def discard(w: ServedShard) -> None:
     """Let go of weights no longer served (mapped clients keep the memory until they exit)."""
     if w.openers is not None:
         w.openers.close()

@@ -307,9 +307,9 @@ def _memo_hit(path: str, memo: dict[str, Any] | None) -> CheckpointIdentity | No
 # ------------------------------------------------------------------------- full digests
 
 
-def expected_digests(model: str, plan_spec: str, layout: Any, *, threads: int = 8
+def expected_digests(model: str, plan_spec: str, position: Any, *, threads: int = 8
                      ) -> dict[str, str]:
-    """blake2b of each tensor slice a rank with `layout` holds, read from the files."""
+    """blake2b of each tensor slice a rank with `position` holds, read from the files."""
     from vlaunch.cache.store.checkpoint import open_checkpoint
     from vlaunch.cache.store.plan import HookPlan, load_plan, plan_rank
     from vlaunch.cache.store.reader import pread_into
@@ -319,7 +319,7 @@ def expected_digests(model: str, plan_spec: str, layout: Any, *, threads: int = 
     if isinstance(plan, HookPlan):
         raise VerifyError(f"plan {plan_spec} builds its tensors in a hook, so its bytes cannot be "
                           "compared with the files; vlaunch verify checks plain shard plans only")
-    specs = plan_rank(ckpt, plan, layout)
+    specs = plan_rank(ckpt, plan, position)
     files = {str(s.source.file) for s in specs}
     fds = {f: os.open(f, os.O_RDONLY | os.O_CLOEXEC) for f in files}
     local = threading.local()

@@ -24,7 +24,7 @@ tensor-parallel ranks; `None` means replicated, and a tensor no rule matches is 
   gate|up dimension half by half.
   `name` is optional (default: the file's stem); a rule without `dim`, or with `"dim": null`,
   replicates; dims are non-negative integers; other keys are refused (they are likely typos);
-- `module:callable`: a hook, `hook(checkpoint, layout) -> Mapping[str, torch.Tensor]`, that
+- `module:callable`: a hook, `hook(checkpoint, position) -> Mapping[str, torch.Tensor]`, that
   builds the rank's own pre-processed tensors (for engines whose weights are not plain slices).
 
 Pipeline stages split the decoder layers (`model.layers.N.`) evenly and in order; when the
@@ -256,11 +256,11 @@ class HookPlan:
         """The plan's identity for the fingerprint."""
         return f"hook:{self.spec}"
 
-    def build(self, checkpoint: Checkpoint, layout: Position) -> dict[str, torch.Tensor]:
+    def build(self, checkpoint: Checkpoint, position: Position) -> dict[str, torch.Tensor]:
         """Call the hook and check that it returned a mapping of names to tensors."""
         import torch
 
-        out = self.fn(checkpoint, layout)
+        out = self.fn(checkpoint, position)
         if not isinstance(out, Mapping):
             raise PlanError(f"plan hook {self.spec} returned {type(out).__name__}, not a "
                             "mapping of names to tensors; fix the hook")
@@ -320,18 +320,18 @@ def load_hook(spec: str) -> PlanHook:
     return obj  # type: ignore[no-any-return]
 
 
-def plan_rank(ckpt: Checkpoint, plan: ShardPlan, layout: Position) -> list[SliceSpec]:
-    """Return the slices rank `layout` holds, in checkpoint order."""
+def plan_rank(ckpt: Checkpoint, plan: ShardPlan, position: Position) -> list[SliceSpec]:
+    """Return the slices rank `position` holds, in checkpoint order."""
     from vlaunch.cache.store.quant import act_order, quantization_config
 
-    stage_of = _stage_filter(ckpt, layout.pp_size)
-    owns = _expert_filter(ckpt, plan, layout)
+    stage_of = _stage_filter(ckpt, position.pp_size)
+    owns = _expert_filter(ckpt, plan, position)
     whole_groups = act_order(quantization_config(ckpt.root))
     rules = _rules_for(plan)
     slices = []
     for entry in ckpt.tensors.values():
-        if stage_of(entry.name) in (None, layout.pp_rank) and owns(entry.name):
-            slices.append(_slice(entry, plan, layout, whole_groups, rules))
+        if stage_of(entry.name) in (None, position.pp_rank) and owns(entry.name):
+            slices.append(_slice(entry, plan, position, whole_groups, rules))
     return slices
 
 
@@ -371,9 +371,10 @@ _QUANT_AUX = re.compile(r"\.(?:weight_scale|weight_scale_inv|weight_zero_point|s
 _GROUPED = re.compile(r"\.(?:scales|qzeros)$")
 
 
-def ep_layout(layout: Position) -> tuple[int, int]:
+def ep_layout(position: Position) -> tuple[int, int]:
     """(ep_size, ep_rank): experts spread over the tp x dp ranks, as vLLM's expert parallelism."""
-    return layout.tp_size * layout.dp_size, layout.dp_rank * layout.tp_size + layout.tp_rank
+    p = position
+    return p.tp_size * p.dp_size, p.dp_rank * p.tp_size + p.tp_rank
 
 
 def expert_range(experts: int, ep_size: int, ep_rank: int) -> range:
@@ -383,12 +384,12 @@ def expert_range(experts: int, ep_size: int, ep_rank: int) -> range:
     return range(start, start + base + (ep_rank < extra))
 
 
-def _expert_filter(ckpt: Checkpoint, plan: ShardPlan, layout: Position) -> Callable[[str], bool]:
-    """Under expert parallelism, whether rank `layout` holds tensor `name`'s expert."""
+def _expert_filter(ckpt: Checkpoint, plan: ShardPlan, position: Position) -> Callable[[str], bool]:
+    """Under expert parallelism, whether rank `position` holds tensor `name`'s expert."""
     if plan.experts != "ep":
         return lambda name: True
     indices = {int(m.group(1)) for name in ckpt.tensors if (m := _EXPERT.search(name))}
-    mine = expert_range(max(indices) + 1 if indices else 0, *ep_layout(layout))
+    mine = expert_range(max(indices) + 1 if indices else 0, *ep_layout(position))
 
     def owns(name: str) -> bool:
         m = _EXPERT.search(name)
@@ -397,19 +398,19 @@ def _expert_filter(ckpt: Checkpoint, plan: ShardPlan, layout: Position) -> Calla
     return owns
 
 
-def _slice(entry: TensorEntry, plan: ShardPlan, layout: Position,
+def _slice(entry: TensorEntry, plan: ShardPlan, position: Position,
            whole_groups: bool = False,
            rules: Callable[[str], tuple[int | None, int]] | None = None) -> SliceSpec:
-    """Return the tensor-parallel (or expert-parallel) slice of `entry` that rank `layout` holds
+    """Return the tensor-parallel (or expert-parallel) slice of `entry` that rank `position` holds
     (`rules`: the plan's rules for a name, as `_rules_for` gives them)."""
     dim, blocks = rules(entry.name) if rules else (plan.split_dim(entry.name),
                                                    plan.blocks(entry.name))
-    parts, part, across = layout.tp_size, layout.tp_rank, "tp size"
+    parts, part, across = position.tp_size, position.tp_rank, "tp size"
     if plan.experts == "ep" and _EXPERT.search(entry.name):
         dim = None  # a whole expert, on the rank that owns it (plan_rank filters)
     elif plan.experts == "ep" and _FUSED_EXPERTS.search(entry.name) and entry.shape:
         dim, blocks = 0, 1  # [E, ...]: a contiguous block of experts per rank
-        (parts, part), across = ep_layout(layout), "ep size (tp x dp)"
+        (parts, part), across = ep_layout(position), "ep size (tp x dp)"
     if dim is not None and _QUANT_AUX.search(entry.name) and (
             dim >= len(entry.shape) or entry.shape[dim] == 1):
         dim = None  # a per-tensor or per-channel scale: it broadcasts along the split dim

@@ -42,7 +42,7 @@ class Shard:
         return views(self.manifest, _as_torch(self.tensors))
 
 
-def load_shard(model: str, plan_spec: str, layout: Position, backend: Backend, *,
+def load_shard(model: str, plan_spec: str, position: Position, backend: Backend, *,
                threads: int = READER_THREADS, label: str = "loading") -> Shard:
     """Plan, allocate and read a rank's shard into fresh slabs of `backend`."""
     from vlaunch.cache.store.reader import fill
@@ -51,15 +51,15 @@ def load_shard(model: str, plan_spec: str, layout: Position, backend: Backend, *
     ckpt = open_checkpoint(model)
     plan = load_plan(plan_spec)
     if isinstance(plan, HookPlan):
-        return _from_hook(ckpt, plan, layout, backend, start)
-    shard, specs = _allocate(ckpt, plan, layout, backend, start)
+        return _from_hook(ckpt, plan, position, backend, start)
+    shard, specs = _allocate(ckpt, plan, position, backend, start)
     shard.prepared = shard.seconds
     fill(specs, shard.manifest, shard.tensors, threads=threads, label=label)
     shard.seconds = time.perf_counter() - start
     return shard
 
 
-def empty_shard(model: str, plan_spec: str, layout: Position, backend: Backend) -> Shard:
+def empty_shard(model: str, plan_spec: str, position: Position, backend: Backend) -> Shard:
     """Plan and allocate a rank's shard without reading any tensor data (to be seeded)."""
     from vlaunch.cache.contract.errors import SeedError
 
@@ -68,12 +68,12 @@ def empty_shard(model: str, plan_spec: str, layout: Position, backend: Backend) 
     if isinstance(plan, HookPlan):
         raise SeedError("seeding does not support hook plans (module:callable); load from "
                         "disk instead")
-    return _allocate(ckpt, plan, layout, backend, time.perf_counter())[0]
+    return _allocate(ckpt, plan, position, backend, time.perf_counter())[0]
 
 
-def _allocate(ckpt: Checkpoint, plan: Any, layout: Position, backend: Backend,
+def _allocate(ckpt: Checkpoint, plan: Any, position: Position, backend: Backend,
               start: float) -> tuple[Shard, list[Any]]:
-    specs = plan_rank(ckpt, plan, layout)
+    specs = plan_rank(ckpt, plan, position)
     manifest = pack([(s.name, s.dtype, s.shape) for s in specs], backend=backend.name,
                     alignment=backend.alignment, max_slab=MAX_SLAB)
     slabs = [backend.allocate(size) for size in manifest.slab_sizes]
@@ -82,12 +82,12 @@ def _allocate(ckpt: Checkpoint, plan: Any, layout: Position, backend: Backend,
                  time.perf_counter() - start), specs
 
 
-def _from_hook(ckpt: Checkpoint, plan: HookPlan, layout: Position, backend: Backend,
+def _from_hook(ckpt: Checkpoint, plan: HookPlan, position: Position, backend: Backend,
                start: float) -> Shard:
     """Let an engine's hook build the rank's tensors, then pack them into slabs."""
     from vlaunch.cache.store.dtypes import from_torch, header_shape
 
-    built = plan.build(ckpt, layout)
+    built = plan.build(ckpt, position)
     items = [(name, from_torch(t.dtype), header_shape(t.dtype, tuple(t.shape)))
              for name, t in built.items()]
     manifest = pack(items, backend=backend.name, alignment=backend.alignment,

@@ -123,7 +123,7 @@ class Target(NamedTuple):
             info = _DEVICE_INFO[self.device] = backend.device_info()
         header, data = checkpoint or identity.identities(self.model, socket=self.socket)
         return fp.build(checkpoint=header, checkpoint_data=self.published or data,
-                        plan=plan or plan_identity(self.plan), layout=self.position.as_dict(),
+                        plan=plan or plan_identity(self.plan), position=self.position.as_dict(),
                         dtype="checkpoint", backend=backend.name, device=info,
                         kernel_backends=self.kernel_backends, loader=self.loader,
                         quantization=quant.fingerprint_fields(self.model,

@@ -91,7 +91,7 @@ def test_a_double_swap_promotes_the_standby_parked_on_the_new_weights_then_drain
     sup, more = history(parked(2, 14.0), sup)
     assert ordered(more) == ["retire", "promote", "drain"]
     assert of(SignalDraining, more) == [SignalDraining(201, TERM)]
-    sup, more = history([EngineReady(15.2)], sup)
+    sup, more = history([EngineReady(15.2), Tick(17.2)], sup)
     assert final(more).status == 0  # done while the old engine may still drain
     sup, more = history([drain_exit(201, 0, 15.5)], sup)
     assert not of(SpawnEngine, more) and sup.snapshot()["drain"]["drained"] == 1

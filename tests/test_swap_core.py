@@ -48,6 +48,14 @@ def answer(kind: str, t: float, version: int = 1, ranks: tuple[int, ...] = (0, 1
     return [SwapStep(r, kind, version, t, **extra) for r in ranks]  # type: ignore[arg-type]
 
 
+def hellos(pid: int, t: float, ok: bool = True, ranks: tuple[int, ...] = (0, 1),
+           why: str = "") -> list[Event]:
+    """Each rank's word that it answered a hello of the engine `pid` (ok: it maps them)."""
+    from vlaunch.launcher.core.events import EngineWeights
+
+    return [EngineWeights(r, pid, ok, why, t) for r in ranks]
+
+
 def steps(actions: list) -> list[str]:
     """The swap steps sent to the ranks, in order."""
     return [a.step for a in of(SwapRanks, actions)]
@@ -77,7 +85,8 @@ def test_double_buffered_stages_and_commits_while_the_old_engine_serves() -> Non
     assert engine_terms(more) == 1 and sup.phase is Phase.RESTARTING  # cut over: the old goes
     sup, more = history([engine_exit(1, 0, 14.0)], sup)
     assert of(SpawnEngine, more) == [SpawnEngine(2)]
-    sup, more = history([Spawned("engine", None, 202, 14.5), EngineReady(15.0)], sup)
+    sup, more = history([Spawned("engine", None, 202, 14.5), EngineReady(15.0), *hellos(202, 15.1)],
+                        sup)
     assert steps(more) == ["finish"] and final(more).status == 0
     swap = sup.snapshot()["swap"]
     assert swap["state"] == "none" and swap["version"] == 1 and swap["model"] == B
@@ -99,7 +108,7 @@ def test_auto_picks_in_place_when_a_device_has_no_room_and_stops_the_engine_firs
     assert steps(more) == ["commit"] and not of(SpawnEngine, more)
     sup, more = history([*answer("committed", 14)], sup)
     assert of(SpawnEngine, more) == [SpawnEngine(2)]
-    sup, more = history([Spawned("engine", None, 202, 15), EngineReady(15)], sup)
+    sup, more = history([Spawned("engine", None, 202, 15), EngineReady(15), Tick(17)], sup)
     assert final(more).status == 0 and sup.snapshot()["swap"]["mode"] == "in-place"
 
 
@@ -117,7 +126,7 @@ def test_in_place_with_a_standby_parks_one_before_its_weights_then_promotes_it()
     assert steps(more) == ["commit"]
     sup, more = history([*answer("committed", 17)], sup)
     assert of(PromoteStandby, more) == [PromoteStandby()] and not of(SpawnEngine, more)
-    sup, more = history([EngineReady(18)], sup)
+    sup, more = history([EngineReady(18), Tick(20)], sup)
     assert final(more).status == 0 and steps(more) == ["finish"]
     assert of(SpawnStandby, more) == [SpawnStandby(3)]  # an ordinary standby again
     assert sup.snapshot()["standby"]["failures"] == 0  # the retired standby was no failure
@@ -141,7 +150,7 @@ def test_double_with_a_standby_waits_for_the_new_one_to_park() -> None:
     assert engine_terms(more) == 1
     sup, more = history([engine_exit(1, 0, 15.0)], sup)
     assert of(PromoteStandby, more) == [PromoteStandby()]
-    sup, more = history([EngineReady(15.2)], sup)
+    sup, more = history([EngineReady(15.2), Tick(17.2)], sup)
     assert final(more).status == 0
 
 
@@ -279,7 +288,7 @@ def test_a_published_version_cuts_over_once_every_rank_committed_it() -> None:
     assert of(SwapRanks, more) == [SwapRanks("commit", 1, mode="double",
                                              policy=SwapPolicy(mode="double"))]
     sup, more = history([*answer("committed", 12), engine_exit(1, 0, 13),
-                         Spawned("engine", None, 202, 13), EngineReady(14)], sup)
+                         Spawned("engine", None, 202, 13), EngineReady(14), Tick(16)], sup)
     assert steps(more) == ["finish"]
     swap = sup.snapshot()["swap"]
     assert swap["label"] == "step-7" and swap["version"] == 1 and swap["model"] == ""
@@ -352,3 +361,34 @@ def test_a_new_engine_a_rank_refused_its_weights_is_no_finished_swap(on_failure:
     assert reply.status == ExitStatus.SWAP_ROLLED_BACK
     assert "not on the new weights from the caches: cache rank 1 refused them (fingerprint " \
            "mismatch: checkpoint_data)" in reply.message
+
+
+def test_a_ready_new_engine_waits_for_every_ranks_word_on_its_hello() -> None:
+    """The ranks tell the launcher of a hello on their ready channels, which can arrive after
+    the engine's READY=1: the swap ends once every swapped rank has spoken (done, or rolled
+    back when one refused), or HELLO_WAIT after the engine was ready (an engine that never
+    asks the caches)."""
+    from vlaunch.launcher.core.swap import HELLO_WAIT
+
+    def ready() -> Any:
+        return history([*SERVING, ask(), *answer("prepared", 11, fits=True),
+                        *answer("staged", 12), *answer("committed", 13), engine_exit(1, 0, 14),
+                        Spawned("engine", None, 202, 14.5), EngineReady(15)])
+
+    sup, actions = ready()
+    assert not final_replies(actions) and "finish" not in steps(actions)
+    sup, more = history(hellos(202, 15.1, ranks=(0,)), sup)
+    assert not final_replies(more)  # rank 1 has not spoken yet
+    sup, more = history(hellos(202, 15.2, ranks=(1,)), sup)
+    assert steps(more) == ["finish"] and final(more).status == 0
+    # a refusal that arrives after READY=1 still rolls the swap back (the race CI met)
+    sup, _ = ready()
+    sup, more = history(hellos(202, 15.3, ok=False, why="fingerprint mismatch: x"), sup)
+    assert "finish" not in steps(more) and engine_terms(more) == 1
+    # no word at all: done once HELLO_WAIT has passed, not before
+    sup, _ = ready()
+    sup, more = history([Tick(15 + HELLO_WAIT / 2)], sup)
+    assert not final_replies(more)
+    sup, more = history([Tick(15 + HELLO_WAIT)], sup)
+    assert steps(more) == ["finish"] and final(more).status == 0
+

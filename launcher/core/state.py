@@ -88,6 +88,7 @@ class SwapRun:
     engine_gone: bool = False  # the old engine exited during the commit
     rollback_sent: bool = False
     new_engine: bool = False  # the engine started on the new weights
+    ready_at: float | None = None  # when the new engine was ready (its hellos are due)
     # engine or standby pid -> rank -> why that rank refused its weights ("": it maps them)
     weights_seen: dict[int, dict[int, str]] = field(default_factory=dict)
 

@@ -47,6 +47,10 @@ CUTTING_OVER = "cutting over"
 the core imports nothing of the wire's)."""
 PUBLISH_WAIT = 120.0
 """Seconds every swapped rank has to commit a published version once the first one did."""
+HELLO_WAIT = 2.0
+"""Seconds a swap's ready new engine waits for every swapped rank's word on its hello (the
+ranks tell it on their ready channels, which can arrive after the engine's READY=1); then
+the swap is done on what was heard (an engine that never asks the caches is not checked)."""
 _ANSWERS = {S.PREPARING: "prepared", S.STAGING: "staged", S.COMMITTING: "committed",
             S.ROLLING_BACK: "rolled_back"}
 """The answer each waiting state expects from every rank."""
@@ -315,6 +319,12 @@ class SwapDecisions(SupervisorState):
         it the new weights (it serves what it loaded elsewhere: the disk)."""
         if self._swap.state is not S.STARTING:
             return []
+        self._swap_run.ready_at = now
+        return self._swap_if_weights_heard(now)
+
+    def _swap_if_weights_heard(self, now: float) -> list[Action]:
+        """The ready new engine's swap ends once every swapped rank answered its hello (or
+        HELLO_WAIT passed): rolled back if one refused it the new weights, else done."""
         refused = self._weights_refused()
         if refused:
             rank, why = refused
@@ -322,6 +332,10 @@ class SwapDecisions(SupervisorState):
                 f"the new engine is ready, but not on the new weights from the caches: cache "
                 f"rank {rank} refused them ({why}), so it serves what it loaded elsewhere (the "
                 "disk)"))
+        engine, run = self._engine, self._swap_run
+        heard = run.weights_seen.get(engine.pid or 0, {}) if engine is not None else {}
+        if set(self._swap_ranks()) - set(heard) and now < (run.ready_at or now) + HELLO_WAIT:
+            return []  # _on_engine_weights or _swap_tick comes back here
         return self._swap_finish(now)
 
     def _weights_refused(self) -> tuple[int, str] | None:
@@ -340,12 +354,16 @@ class SwapDecisions(SupervisorState):
         if e.pid not in ours:
             return []
         run.weights_seen.setdefault(e.pid, {})[e.rank] = "" if e.ok else e.why[:400]
-        if e.ok:
-            return []
-        who = "the standby" if sb is not None and e.pid == sb.pid else "the engine"
-        return [Log("WARNING", f"cache rank {e.rank} refused its weights to {who} (pid "
-                               f"{e.pid}): {e.why[:400]}; it loads them from elsewhere (the "
-                               "disk) or exits")]
+        acts: list[Action] = []
+        if not e.ok:
+            who = "the standby" if sb is not None and e.pid == sb.pid else "the engine"
+            acts.append(Log("WARNING", f"cache rank {e.rank} refused its weights to {who} "
+                                       f"(pid {e.pid}): {e.why[:400]}; it loads them from "
+                                       "elsewhere (the disk) or exits"))
+        if self._swap.state is S.STARTING and run.ready_at is not None and engine is not None \
+                and e.pid == engine.pid:
+            acts += self._swap_if_weights_heard(e.now)
+        return acts
 
     def _swap_finish(self, now: float) -> list[Action]:
         """The new weights serve: the ranks drop the old ones."""
@@ -366,6 +384,7 @@ class SwapDecisions(SupervisorState):
             else sw.label, swaps=sw.swaps + ok, rollbacks=sw.rollbacks + rolled_back,
             last=message)
         self._swap_run.deadline, self._swap_run.waiting = None, set()
+        self._swap_run.ready_at = None
         self._hold_standbys(next_weights=False, paused=False)
         standby = self._spawn_standby(self._now) if ok or rolled_back else []
         return [SwapReply(self._swap_run.request, True, status, message, self._swap.version,
@@ -517,6 +536,8 @@ class SwapDecisions(SupervisorState):
         if sw.state is S.PARKING and (self._standby is None or self._standby.given_up):
             return [Log("WARNING", "standbys were given up: the swap goes on without one"),
                     *self._swap_stop_engine(now)]
+        if sw.state is S.STARTING and self._swap_run.ready_at is not None:
+            return self._swap_if_weights_heard(now)
         if self._swap_run.deadline is None or now < self._swap_run.deadline:
             return []
         self._swap_run.deadline = None

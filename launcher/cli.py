@@ -13,7 +13,7 @@ import click
 
 from vlaunch.cache.contract.cliopt import SourceOption
 from vlaunch.cache.contract.errors import VlaunchError
-from vlaunch.cache.contract.exitcodes import EXIT_TABLE, ExitStatus
+from vlaunch.cache.contract.exitcodes import EXIT_TABLE, ExitStatus, markdown_table
 from vlaunch.cache.contract.launch import DEFAULT_PLAN, READER_THREADS, RankArgs, rank_command
 from vlaunch.cache.contract.logs import setup_logging
 
@@ -38,8 +38,6 @@ def exit_codes(as_json: bool, markdown: bool) -> None:
                                for i in EXIT_TABLE], indent=2))
         return
     if markdown:
-        from vlaunch.cache.contract.exitcodes import markdown_table
-
         click.echo(markdown_table())
         return
     for info in EXIT_TABLE:

@@ -169,7 +169,8 @@ def _opt(name: str, env: str, **kw: Any) -> Callable[[F], F]:
            "[NAME=]unix:PATH; repeatable (NAME: LISTEN_FDNAMES, default http). Under systemd's "
            "vlaunch@.socket its sockets are taken instead.")
 @_opt("--drain-timeout", "DRAIN_TIMEOUT", default=None, type=click.FloatRange(0),
-      help="Seconds an engine replaced on purpose (a swap, SIGHUP, a standby taking over) has "
+      help="Seconds an engine replaced on purpose (a swap, a rollback's new engine, SIGHUP, a "
+           "standby taking over) has "
            "to finish its requests after its SIGTERM, before SIGKILL [default: --stop-timeout].")
 @_opt("--stop-on-engine-success", "STOP_ON_ENGINE_SUCCESS", is_flag=True, default=False,
       help="An engine that exits 0 ends the launcher with 0 instead of being restarted.")

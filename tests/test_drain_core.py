@@ -128,3 +128,28 @@ def test_an_exit_that_arrives_as_the_engines_before_its_retiral_is_the_drains() 
     sup, more = history([engine_exit(1, 0, 10.1)], sup)  # reaped as "engine"
     assert sup.snapshot()["drain"]["draining"] == 0 and not of(SpawnEngine, more)
     assert sup._draining == {} and math.isfinite(sup.config.stop_timeout)
+
+
+def test_a_rollback_drains_the_new_engine_within_the_drain_timeout() -> None:
+    """A ready new engine stopped for a rollback is replaced on purpose: SIGTERM, then
+    SIGKILL after --drain-timeout (not --stop-timeout), then the ranks roll back."""
+    from vlaunch.launcher.core.events import EngineWeights
+
+    from .test_swap_core import steps
+
+    sup, _ = history([*SERVING, ask(), *answer("prepared", 11, fits=True),
+                      *answer("staged", 12), *answer("committed", 13), engine_exit(1, 0, 14),
+                      Spawned("engine", None, 202, 14.5),
+                      EngineWeights(0, 202, True, "", 14.6),
+                      EngineWeights(1, 202, False, "fingerprint mismatch: checkpoint_data",
+                                    14.7)],
+                     listening=True, drain_timeout=5.0, stop_timeout=30.0)
+    sup, more = history([EngineReady(15)], sup)
+    assert engine_terms(more) == 1
+    sup, more = history([Tick(19.9)], sup)
+    assert SignalChild("engine", None, KILL) not in more
+    sup, more = history([Tick(20.0), Tick(20.1)], sup)
+    assert more.count(SignalChild("engine", None, KILL)) == 1
+    assert "ignored SIGTERM for 5 s" in " ".join(logs(more))
+    sup, more = history([engine_exit(2, -9, 20.2)], sup)
+    assert steps(more) == ["rollback"]

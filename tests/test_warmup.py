@@ -146,3 +146,60 @@ def test_warmup_tokens_0_serves_without_a_warm_up(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     assert "warm-up" not in log.read_text()
+
+
+def test_a_standby_parked_before_its_weights_warms_up_on_scratch_and_maps_nothing(
+        launch, tmp_path: Path) -> None:  # noqa: F811
+    """An in-place swap's standby (issue 37): it warms up before it parks, on scratch tensors
+    of the served shapes, with no slab of the cache mapped or open; promoted, it maps the
+    cache's weights and answers as an engine loaded the ordinary way."""
+    model = make_checkpoint(tmp_path / "tiny", hidden=64, layers=2, heads=4, kv_heads=2,
+                            intermediate=128, vocab=256)
+    la = launch(model, tp=1)
+    la.wait_for(lambda s: s["caches_ready"])
+    engine = [sys.executable, "-m", "vlaunch.cache.reference.engine", "--model", str(model),
+              "--socket-dir", str(la.sockdir), "--no-fallback"]
+    log_path = tmp_path / "engines.log"
+    log = log_path.open("ab")
+    first = subprocess.Popen([*engine, "--port-file", str(tmp_path / "port1")], stderr=log)
+    try:
+        expected = eventually(lambda: serving(tmp_path / "port1"), 120, what=log_path.read_text)
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(60) == 0
+
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "standby-notify.sock"))
+    read_end, write_end = os.pipe()
+    port_file = tmp_path / "port2"
+    standby = subprocess.Popen(
+        [*engine, "--port-file", str(port_file)], stderr=log, pass_fds=[read_end],
+        env={**os.environ, **standby_env(read_end), "VLAUNCH_STANDBY_PARK": "before-weights",
+             "NOTIFY_SOCKET": str(tmp_path / "standby-notify.sock")})
+    os.close(read_end)
+    try:
+        notify.settimeout(120)
+        assert b"PARKED=1" in notify.recv(4096)
+        text = log_path.read_text()
+        assert "warming up on scratch weights" in text
+        parked_at = text.index("parked as a standby")
+        assert text.index("warming up on scratch weights") < parked_at
+        assert text.count("warm-up (prefill 8 tokens + 1 decode step)") == 2
+        assert "weights from cache" not in text[text.index("warming up on scratch"):]
+        assert slab_digests([standby.pid]) == {}  # no slab open while parked
+        os.write(write_end, PROMOTE)
+        assert b"READY=1" in notify.recv(4096)
+        s = stats(port_file)
+        assert s["layout"] == "engine"
+        assert all(m["weights_shared"] > 0 and m["weights_own"] == 0 for m in s["memory"])
+        assert generate(port_file) == expected
+        # on the CPU the promoted engine warms up once more (its pass faults the mapped pages
+        # in); on CUDA the scratch warm-up is its only one
+        assert log_path.read_text().count("warm-up (prefill 8 tokens + 1 decode step)") == 3
+    finally:
+        os.close(write_end)
+        notify.close()
+        standby.send_signal(signal.SIGTERM)
+        assert standby.wait(60) == 0
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.wait_exit() == 0

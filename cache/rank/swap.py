@@ -379,15 +379,16 @@ class RankSwap:
         if self.server.handing_over:
             raise SwapError("the cache is handing its slabs over to a copy-release engine")
         start = time.perf_counter()
+        steps = ""
         if staged.mode == "double":
             self._commit_double(staged)
         else:
             await self._wait_unheld(msg["lease_wait_ms"] / 1000, "overwrite them")
-            await self._commit_in_place(staged)
+            steps = await self._commit_in_place(staged, start)
         staged.committed = True
-        log.info("rank %d: serving version %d (%s, %s) after a %.3fs cutover", self.server.rank,
-                 staged.version, staged.label or staged.model, staged.mode,
-                 time.perf_counter() - start)
+        log.info("rank %d: serving version %d (%s, %s) after a %.3fs cutover%s",
+                 self.server.rank, staged.version, staged.label or staged.model, staged.mode,
+                 time.perf_counter() - start, steps)
         self._answer_served("committed", staged.version)
 
     def _commit_double(self, staged: Staged) -> None:
@@ -414,21 +415,25 @@ class RankSwap:
                               staged.digests))
         staged.buffers = []
 
-    async def _commit_in_place(self, staged: Staged) -> None:
+    async def _commit_in_place(self, staged: Staged, start: float) -> str:
         """Nothing maps the served slabs: copy the new bytes into them (in a thread), or, where
         the rank holds none it can write (an engine layout replaced them), free the old
-        device memory first and copy into new slabs: never two copies."""
+        device memory first and copy into new slabs: never two copies. Returns the steps'
+        times, for the cutover's log line."""
         assert staged.manifest is not None
         server = self.server
         previous = self._capture()
         target = self._writable()
+        times = {"waited": time.perf_counter() - start}
         with server.swapping():  # no handoff, no layout request, until the copy is in
+            at = time.perf_counter()
             # the old layouts derive from the old weights; nothing maps them any more
             server.replace_layouts(self._layouts(staged.manifest.nbytes)).close()
             if target is None:
                 server.free_raw()
+            times["freed"] = time.perf_counter() - at
             slabs = await asyncio.get_running_loop().run_in_executor(
-                None, self._copy_in, staged, target)
+                None, self._copy_in, staged, target, times)
         fds, release, copier = server.fds, server.release_hook, server.copier
         if slabs:
             target = [s.buffer() for s in slabs]
@@ -453,17 +458,28 @@ class RankSwap:
         for slab in staged.slabs:  # a published version staged in host slabs
             slab.release()
         staged.slabs = []
+        rate = staged.manifest.nbytes / max(times["copied"], 1e-9) / 1e9
+        return " (" + ", ".join(f"{k} {v:.3f}s" for k, v in times.items()) + \
+            f"; {rate:.1f} GB/s)"
 
-    def _copy_in(self, staged: Staged, target: list[Any] | None) -> list[Any]:
-        """The staged bytes into `target`, or into new slabs (returned) where it is None."""
+    def _copy_in(self, staged: Staged, target: list[Any] | None,
+                 times: dict[str, float]) -> list[Any]:
+        """The staged bytes into `target`, or into new slabs (returned) where it is None;
+        each step's seconds go into `times`."""
         assert staged.manifest is not None
         slabs: list[Any] = []
+        at = time.perf_counter()
         if target is None:
             slabs = self.allocate(staged.manifest.slab_sizes, "on the device")
             target = [s.buffer() for s in slabs]
+            times["allocated"] = time.perf_counter() - at
+            at = time.perf_counter()
         staging.copy_bytes(target, staged.buffers)
+        times["copied"] = time.perf_counter() - at
+        at = time.perf_counter()
         for slab in slabs:
             slab.seal()
+        times["sealed"] = time.perf_counter() - at
         return slabs
 
     def finish(self, msg: dict[str, Any]) -> None:

@@ -191,8 +191,12 @@ class Engine:
             self.stats["layout"] = state.layout
             stats = gather_stats(state)
             self.record_memory(state, log_it=True)  # as loaded
-            # an early standby is promoted already: what it warms up, it keeps
-            self.warm_up(state, free=standby and not early and not self.opts.standby_keep_memory)
+            if early and state.scratch_warmup is not None and state.device != "cpu":
+                # warmed up on scratch before it parked: the weights need no pass on CUDA
+                self.stats["warmup"] = state.scratch_warmup.to_dict()
+            else:  # an early standby is promoted already: what it warms up, it keeps
+                self.warm_up(state,
+                             free=standby and not early and not self.opts.standby_keep_memory)
             if standby and not early:  # weights mapped and warm on every rank: park until promoted
                 self.park(fd)
             if late:  # what it accepts from now on is served: no 503 while it gets ready

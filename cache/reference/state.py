@@ -30,3 +30,4 @@ class RankState:
     speculative_tokens: int = 4
     weights_split: tuple[int, int] | None = None  # bytes (shared, own): memory.py
     memory_logged: Any = None  # the RankMemory this rank last logged (memory.py)
+    scratch_warmup: Any = None  # the WarmupReport of a warm-up on scratch weights (warmup.py)

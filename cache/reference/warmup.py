@@ -8,6 +8,14 @@ decode step (the reference engine recomputes the sequence for each token, so bot
 `TPLlama.forward` with `last_only`, at lengths n and n + 1). It writes nothing into the
 weights: in share mode they are the cache's read-only mappings.
 
+A standby that parks before its weights (an in-place swap's: the slabs are overwritten
+between its park and its promotion) warms up before it parks on **scratch tensors** of the
+served shapes (`scratch_weights`): zeros, one tensor per distinct shape, which every layer
+shares, so it costs one layer, the embedding and nothing per layer more (about 1.5 GB for a
+Llama-3-8B rank). The kernels, handles and allocator blocks a first pass pays for are the
+same whatever the bytes, so once promoted it maps the new weights and serves with no second
+warm-up on CUDA (on the CPU it still runs one: there the pass faults the mapped pages in).
+
 A parked standby then gives back what it need not keep: the blocks torch's caching allocator
 kept after the passes (`torch.cuda.empty_cache`; on the CPU, glibc's free heap with
 `malloc_trim`), since that memory sits idle beside the serving engine until the promotion.
@@ -30,6 +38,9 @@ from vlaunch.cache.client.layout import release_cached
 from vlaunch.cache.reference.memory import RankMemory, own_memory
 
 if TYPE_CHECKING:
+    import torch
+
+    from vlaunch.cache.reference.config import ModelConfig
     from vlaunch.cache.reference.state import RankState
 
 Decode = Callable[["RankState", list[int], int], list[int]]
@@ -104,6 +115,37 @@ def warm_up(state: RankState, n_tokens: int, decode: Decode, *, free: bool) -> W
                           (uss_before, uss_warm, me.memory_full_info().uss))
     log.info("%s", report.line())
     return report
+
+
+def scratch_weights(cfg: ModelConfig, tp_size: int, device: str, dtype: torch.dtype
+                    ) -> dict[str, torch.Tensor]:
+    """The engine layout's tensors of one rank, as zeros of `dtype`, every tensor of a shape
+    the same one (layers share them): what a warm-up needs, at one layer's cost."""
+    import torch
+
+    from vlaunch.cache.reference.refmodel import engine_shapes
+
+    lm_head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    shared: dict[tuple[int, ...], torch.Tensor] = {}
+    out = {}
+    for name, shape in engine_shapes(cfg, tp_size, lm_head).items():
+        if shape not in shared:
+            shared[shape] = torch.zeros(shape, dtype=dtype, device=device)
+        out[name] = shared[shape]
+    return out
+
+
+def served_dtype(model: str) -> torch.dtype:
+    """The dtype of the checkpoint's embedding (the served shard's: a swap keeps dtypes), read
+    from its safetensors header."""
+    import torch
+
+    from vlaunch.cache.store.checkpoint import open_checkpoint
+    from vlaunch.cache.store.dtypes import is_plain, to_torch
+
+    tensors = open_checkpoint(model).tensors
+    entry = tensors.get("model.embed_tokens.weight") or next(iter(tensors.values()))
+    return to_torch(entry.dtype) if is_plain(entry.dtype) else torch.float32
 
 
 def give_back(device: str) -> None:

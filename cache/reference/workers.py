@@ -110,7 +110,9 @@ def start_rank(opts: EngineOptions, rank: int, cfg: ModelConfig, store: Any,
     if opts.tp_size > 1:
         dist.init_process_group(group_backend(opts, rank), store=store, rank=rank,
                                 world_size=opts.tp_size, timeout=GROUP_TIMEOUT)
-    if before_load is not None:
+    scratch = None
+    if before_load is not None:  # an in-place swap's standby: warm up before it parks
+        scratch = warm_up_on_scratch(opts, rank, cfg, device)
         before_load()
     start = time.perf_counter()
     loaded = load_weights(opts, rank, device, cfg)
@@ -131,7 +133,34 @@ def start_rank(opts: EngineOptions, rank: int, cfg: ModelConfig, store: Any,
     return RankState(rank=rank, tp_size=opts.tp_size, device=device,
                      comm_device=device if device.startswith("cuda") else "cpu", model=model,
                      weights_ms=ms, source=loaded.source, nbytes=nbytes, layout=loaded.layout,
-                     draft=draft, speculative_tokens=opts.speculative_tokens)
+                     draft=draft, speculative_tokens=opts.speculative_tokens,
+                     scratch_warmup=scratch)
+
+
+def warm_up_on_scratch(opts: EngineOptions, rank: int, cfg: ModelConfig, device: str) -> Any:
+    """The warm-up of a standby that parks before its weights, on scratch weights of the
+    served shapes (warmup.py), every rank at once; its WarmupReport (None: --warmup-tokens
+    0). The scratch goes before it parks; what the passes cached goes too, unless
+    --standby-keep-memory."""
+    from vlaunch.cache.reference.refmodel import SingleRank, TorchDistributed, TPLlama
+    from vlaunch.cache.reference.warmup import (give_back, scratch_weights, served_dtype,
+                                                warm_up)
+
+    if opts.warmup_tokens == 0:
+        return None
+    comm = TorchDistributed() if opts.tp_size > 1 else SingleRank()
+    weights = scratch_weights(cfg, opts.tp_size, device, served_dtype(opts.model))
+    state = RankState(rank=rank, tp_size=opts.tp_size, device=device,
+                      comm_device=device if device.startswith("cuda") else "cpu",
+                      model=TPLlama(weights, cfg, comm), weights_ms=0.0, source="scratch",
+                      nbytes=sum(t.nbytes for t in {id(t): t for t in weights.values()}.values()))
+    log.info("rank %d: warming up on scratch weights (%.2f GB, every layer sharing one "
+             "layer's) before parking", rank, state.nbytes / 1e9)
+    report = warm_up(state, opts.warmup_tokens, decode, free=False)
+    del state, weights
+    if not opts.standby_keep_memory:
+        give_back(device)
+    return report
 
 
 def group_barrier() -> None:

@@ -443,7 +443,8 @@ class SwapDecisions(SupervisorState):
         engine = self._engine
         if engine is not None and self._swap_run.new_engine and engine.state in (
                 EngineState.STARTING, EngineState.READY):
-            return [*actions, *self._engine_sigterm(now + self.config.stop_timeout)]
+            # replaced on purpose: it drains what it holds (--drain-timeout), then goes
+            return [*actions, *self._engine_sigterm(now + self._drain_grace())]
         if engine is not None and engine.state is EngineState.STOPPING:
             return actions  # its exit sends the rollback
         if engine is not None and engine.state is EngineState.BACKOFF:

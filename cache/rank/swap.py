@@ -451,10 +451,9 @@ class RankSwap:
         self._install(ServedShard(staged.version, staged.model, staged.label, staged.fingerprint,
                               staged.manifest, fds, release, target, server.layouts, False,
                               copier, staged.record, staged.digests))
+        # the staging's host memory goes at finish (or rollback), once the new engine serves:
+        # unpinning 17 GB took 1.5 s of the cutover on an H200 host
         staged.buffers = []
-        if staged.free is not None:
-            staged.free()
-            staged.free = None
         for slab in staged.slabs:  # a published version staged in host slabs
             slab.release()
         staged.slabs = []

@@ -160,6 +160,12 @@ def warm_up_on_scratch(opts: EngineOptions, rank: int, cfg: ModelConfig, device:
     del state, weights
     if not opts.standby_keep_memory:
         give_back(device)
+    if device.startswith("cuda"):
+        import torch
+
+        log.info("rank %d: scratch weights dropped%s: torch reserved %.2f GB", rank,
+                 "" if opts.standby_keep_memory else " and the warm-up's cached blocks given "
+                 "back", torch.cuda.memory_reserved(device) / 1e9)
     return report
 
 

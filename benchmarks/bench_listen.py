@@ -3,7 +3,7 @@
 own port against `vlaunch run --listen` (the launcher holds the socket).
 
     python benchmarks/bench_listen.py [--device cpu|cuda] [--tp 1] [--clients 1,8]
-        [--reps 2] [--model DIR [--twin DIR]] [--events kill,double,in-place,sighup]
+        [--reps 2] [--model DIR [--twin DIR]] [--events kill,double,in-place:3,sighup]
         [--modes port,listen] [--out FILE]
 
 For each mode (the engine binds --port itself / the launcher binds it with --listen), each
@@ -13,7 +13,9 @@ event (SIGKILL of the engine's group, a double or an in-place `vlaunch swap` bet
 checkpoints, SIGHUP) happens once the standby is parked; the clients run on until the next
 standby has parked. Per event: refused connections, failed requests (reset, truncated, 5xx),
 the longest wait for one answer (`max_wait_s`), and the added wait (`added_s`: that minus the
-median answer before the event). Prints one JSON line per run and a table; --out writes them.
+median answer before the event), and when the longest wait began after the event's start
+(`worst_began_s`: a swap's event starts with its staging). `EVENT:N` runs that event N times
+(default --reps). Prints one JSON line per run and a table; --out writes them.
 """
 
 from __future__ import annotations
@@ -142,10 +144,10 @@ def measure(la: Launcher, event: str, clients: int, models: list[Path], n: int) 
               what="answers after the event")
     finally:
         c.close()
-    worst = max(w for s, w in c.waits if s + w > t0)
+    at, worst = max(((s, w) for s, w in c.waits if s + w > t0), key=lambda sw: sw[1])
     return {"event": event, "clients": clients, "refused": c.refused, "failed": c.failed,
             "median_before_s": round(before, 4), "max_wait_s": round(worst, 4),
-            "added_s": round(worst - before, 4)}
+            "added_s": round(worst - before, 4), "worst_began_s": round(at - t0, 3)}
 
 
 def main() -> int:
@@ -177,9 +179,10 @@ def main() -> int:
             la = Launcher(args, models[0], work, listen)
             n = 1
             try:
-                for event in args.events.split(","):
+                for item in args.events.split(","):  # EVENT or EVENT:REPS
+                    event, _, reps = item.partition(":")
                     for clients in (int(x) for x in args.clients.split(",")):
-                        for _ in range(args.reps):
+                        for _ in range(int(reps or args.reps)):
                             row = {"listen": listen,
                                    **measure(la, event, clients, models, n)}
                             n += event in ("double", "in-place")
@@ -188,11 +191,11 @@ def main() -> int:
             finally:
                 la.close(f"{args.out}.{'listen' if listen else 'port'}.log" if args.out else "")
     print(f"\n{'mode':<8} {'event':<9} {'clients':>7} {'refused':>8} {'failed':>7} "
-          f"{'max wait s':>10} {'added s':>8}")
+          f"{'max wait s':>10} {'added s':>8} {'began s':>8}")
     for r in rows:
         print(f"{'listen' if r['listen'] else 'port':<8} {r['event']:<9} {r['clients']:>7} "
               f"{r['refused']:>8} {r['failed']:>7} {r['max_wait_s']:>10.3f} "
-              f"{r['added_s']:>8.3f}")
+              f"{r['added_s']:>8.3f} {r['worst_began_s']:>8.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps({"device": args.device, "tp": args.tp,
                                               "rows": rows}, indent=2) + "\n")

@@ -159,3 +159,30 @@ def test_a_rank_logs_its_memory_again_once_a_figure_moved_64_mib() -> None:
                  first)
     cpu = RankMemory(0, GiB, 0, 0, 0, 0, None)  # the CPU: no device figure, no torch figures
     assert not moved(cpu, cpu)
+
+
+def test_the_request_path_reads_the_samplers_device_figure_never_nvml(monkeypatch) -> None:
+    """NVML waits while another process pins host memory (a rank staging an in-place swap:
+    0.2-0.44 s a query on an H200), so after a request the engine's device figure is a
+    sampler thread's; the load's and warm-up's lines still ask NVML themselves."""
+    import time
+
+    from vlaunch.cache.reference import memory
+
+    calls: list[str] = []
+
+    def query(device: str) -> int:
+        calls.append(device)
+        return 1000 + len(calls)
+
+    monkeypatch.setattr(memory, "process_device_bytes", query)
+    monkeypatch.setattr(memory, "SAMPLE_S", 0.05)
+    monkeypatch.setattr(memory, "_samplers", {})
+    first = memory._sampled("cuda:7")
+    assert first == 1001 and calls == ["cuda:7"]
+    assert memory._sampled("cuda:7") == first  # no query of its own
+    deadline = time.monotonic() + 30
+    while memory._sampled("cuda:7") == first and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert memory._sampled("cuda:7") > first  # the thread took newer ones
+    assert set(calls) == {"cuda:7"}

@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vlaunch.cache")
 
+_RELEASER = ThreadPoolExecutor(1, thread_name_prefix="vlaunch-swap-free")
+"""Where a finished swap's host buffers are freed (unpinning 34 GB takes seconds)."""
 POLL = 0.05
 """Seconds between two looks at the leases while an in-place commit waits for them to end."""
 
@@ -79,6 +82,7 @@ class RankSwap:
         self.digests: dict[str, str] | None = None
         self.staged: Staged | None = None
         self.busy = False
+        self.releasing: Future[None] | None = None  # finish's freeing, on a thread
         self.aborted = False  # the launcher aborted the swap whose step runs now
         self._tasks: set[asyncio.Task[None]] = set()
         self.publisher = Publisher(self)  # the trainers' requests (rank/publishing.py)
@@ -123,6 +127,8 @@ class RankSwap:
             return
         self.busy, self.aborted = True, False
         try:
+            if self.releasing is not None:  # the last swap's host memory, still being freed
+                await asyncio.wrap_future(self.releasing)
             await getattr(self, step)(msg)
         except VlaunchError as exc:
             status = exc.code if isinstance(exc, SwapError) else exc.status
@@ -302,8 +308,11 @@ class RankSwap:
         return slabs
 
     def room_on_host(self, staged: Staged) -> None:
-        """StagingMemoryError unless the host has room for an in-place swap's buffers."""
+        """StagingMemoryError unless the host has room for an in-place swap's buffers (once
+        the last swap's are freed)."""
         assert staged.manifest is not None
+        if self.releasing is not None:
+            self.releasing.result()
         need = staged.manifest.nbytes * (2 if staged.keep else 1) + staged.margin
         free = staging.available_host_bytes()
         if need > free:
@@ -490,7 +499,9 @@ class RankSwap:
         previous = staged.previous
         if previous is not None and staged.mode == "double":
             discard(previous)
-        staged.release()
+        # host buffers (in place: the staging and the kept copy, pinned on a GPU rank) go in a
+        # thread: unpinning 34 GB takes seconds the loop must not wait; the next step waits
+        self.releasing = _RELEASER.submit(staged.release)
         answer_trainer(staged, {"ok": True, "version": staged.version,
                                       "mode": staged.mode})
         log.info("rank %d: version %d serves; the old weights are dropped", self.server.rank,

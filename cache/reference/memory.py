@@ -101,8 +101,9 @@ def weight_split(tensors: Iterable[torch.Tensor], device: str) -> tuple[int, int
 
 
 def rank_memory(rank: int, split: tuple[int, int], device: str,
-                kv_cache: int = 0) -> RankMemory:
-    """The rank's memory now; `split` from weight_split (weights do not move once loaded)."""
+                kv_cache: int = 0, *, fresh: bool = True) -> RankMemory:
+    """The rank's memory now; `split` from weight_split (weights do not move once loaded).
+    `fresh`: ask NVML now; else its figure from the sampler thread (at most SAMPLE_S old)."""
     allocated = reserved = 0
     device_bytes = None
     if device.startswith("cuda"):
@@ -110,8 +111,41 @@ def rank_memory(rank: int, split: tuple[int, int], device: str,
 
         allocated = torch.cuda.memory_allocated(device)
         reserved = torch.cuda.memory_reserved(device)
-        device_bytes = process_device_bytes(device)
+        device_bytes = process_device_bytes(device) if fresh else _sampled(device)
     return RankMemory(rank, split[0], split[1], allocated, reserved, kv_cache, device_bytes)
+
+
+SAMPLE_S = 1.0
+"""Seconds between two NVML samples of the process's device memory on the request path. NVML
+waits while another process on the GPU pins or unpins host memory: 0.2-0.44 s per query while
+a cache rank pinned 17 GB on an H200 (benchmarks/probe_staging_stall.py), so a request never
+asks it; a thread does."""
+_samplers: dict[str, _Sampler] = {}
+
+
+class _Sampler:
+    """A daemon thread that keeps the process's NVML device figure for one device."""
+
+    def __init__(self, device: str) -> None:
+        import threading
+
+        self.device, self.value = device, process_device_bytes(device)
+        threading.Thread(target=self._run, name="vlaunch-nvml", daemon=True).start()
+
+    def _run(self) -> None:
+        import time
+
+        while True:
+            time.sleep(SAMPLE_S)
+            self.value = process_device_bytes(self.device)
+
+
+def _sampled(device: str) -> int | None:
+    """The device figure the sampler thread holds (its first one is taken here)."""
+    sampler = _samplers.get(device)
+    if sampler is None:
+        sampler = _samplers[device] = _Sampler(device)
+    return sampler.value
 
 
 def _torch_segments(device: str) -> list[tuple[int, int]]:
@@ -151,14 +185,14 @@ def process_device_bytes(device: str) -> int | None:
     return NVML.process_bytes(os.getpid(), f"GPU-{uuid}")
 
 
-def own_memory(state: RankState) -> RankMemory:
-    """This rank's memory now."""
+def own_memory(state: RankState, *, fresh: bool = True) -> RankMemory:
+    """This rank's memory now (`fresh`: rank_memory's)."""
     if state.weights_split is None:  # where the weights are does not change once loaded
         tensors = list(state.model.weights.values())
         if state.draft is not None:
             tensors += list(state.draft.weights.values())
         state.weights_split = weight_split(tensors, state.device)
-    return rank_memory(state.rank, state.weights_split, state.device)
+    return rank_memory(state.rank, state.weights_split, state.device, fresh=fresh)
 
 
 def moved(now: RankMemory, then: RankMemory | None) -> bool:
@@ -175,11 +209,12 @@ def moved(now: RankMemory, then: RankMemory | None) -> bool:
 def gather_memory(state: RankState, *, log_it: bool = False) -> list[RankMemory]:
     """Every rank's memory, on every rank: each rank calls this at the same point (an
     all-gather at tp > 1). Each rank logs its own line when `log_it`, and whenever its figures
-    moved by LOG_STEP since its last line (the first request's activations, for one)."""
+    moved by LOG_STEP since its last line (the first request's activations, for one). After a
+    request (not `log_it`) the device figure is the sampler's, never a query of its own."""
     import torch
     import torch.distributed as dist
 
-    mine = own_memory(state)
+    mine = own_memory(state, fresh=log_it)
     if log_it or moved(mine, state.memory_logged):
         log.info("%s", mine.line())
         state.memory_logged = mine

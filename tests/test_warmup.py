@@ -60,6 +60,39 @@ def stats(port_file: Path) -> dict[str, Any]:
         return json.loads(r.read())
 
 
+def first_engine(la: Any, model: Path, tmp_path: Path) -> tuple[list[str], list[int], Any]:
+    """A first engine against the launcher's cache hands the engine layout back, answers once
+    and stops: the engine command, its answer and the engines' log file."""
+    engine = [sys.executable, "-m", "vlaunch.cache.reference.engine", "--model", str(model),
+              "--socket-dir", str(la.sockdir), "--no-fallback"]
+    log = (tmp_path / "engines.log").open("ab")
+    first = subprocess.Popen([*engine, "--port-file", str(tmp_path / "port1")], stderr=log)
+    try:
+        expected = eventually(lambda: serving(tmp_path / "port1"), 120,
+                              what=lambda: (tmp_path / "engines.log").read_text())
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(60) == 0
+    return engine, expected, log
+
+
+def start_standby(engine: list[str], tmp_path: Path, log: Any, **env: str
+                  ) -> tuple[subprocess.Popen, socket.socket, int, Path]:
+    """A standby of `engine` (its promote pipe and notify socket ours): the process, the
+    notify socket, the pipe's write end and its port file."""
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "standby-notify.sock"))
+    notify.settimeout(120)
+    read_end, write_end = os.pipe()
+    port_file = tmp_path / "port2"
+    standby = subprocess.Popen(
+        [*engine, "--port-file", str(port_file)], stderr=log, pass_fds=[read_end],
+        env={**os.environ, **standby_env(read_end), **env,
+             "NOTIFY_SOCKET": str(tmp_path / "standby-notify.sock")})
+    os.close(read_end)
+    return standby, notify, write_end, port_file
+
+
 def test_dummy_prompt_is_fixed_and_inside_the_vocabulary() -> None:
     assert dummy_prompt(5, 256) == [1, 2, 3, 4, 5]
     assert dummy_prompt(4, 3) == [1, 2, 1, 2]
@@ -84,31 +117,13 @@ def test_a_standby_warms_up_before_parking_and_writes_nothing_to_the_cache(
     la = launch(model, tp=1)  # the cache alone: engines started here, by hand
     snap = la.wait_for(lambda s: s["caches_ready"])
     ranks = [r["pid"] for r in snap["ranks"].values()]
-    engine = [sys.executable, "-m", "vlaunch.cache.reference.engine", "--model", str(model),
-              "--socket-dir", str(la.sockdir), "--no-fallback"]
-    log = (tmp_path / "engines.log").open("ab")
     # a first engine hands the engine layout back to the cache, then stops
-    first = subprocess.Popen([*engine, "--port-file", str(tmp_path / "port1")], stderr=log)
-    try:
-        expected = eventually(lambda: serving(tmp_path / "port1"), 120,
-                              what=lambda: (tmp_path / "engines.log").read_text())
-    finally:
-        first.send_signal(signal.SIGTERM)
-        assert first.wait(60) == 0
+    engine, expected, log = first_engine(la, model, tmp_path)
     before = slab_digests(ranks)
     assert len(before) == 1  # the engine layout (it replaced the raw layout)
 
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(tmp_path / "standby-notify.sock"))
-    read_end, write_end = os.pipe()
-    port_file = tmp_path / "port2"
-    standby = subprocess.Popen(
-        [*engine, "--port-file", str(port_file)], stderr=log, pass_fds=[read_end],
-        env={**os.environ, **standby_env(read_end),
-             "NOTIFY_SOCKET": str(tmp_path / "standby-notify.sock")})
-    os.close(read_end)
+    standby, notify, write_end, port_file = start_standby(engine, tmp_path, log)
     try:
-        notify.settimeout(120)
         assert b"PARKED=1" in notify.recv(4096)
         text = (tmp_path / "engines.log").read_text()
         assert text.count("warm-up (prefill 8 tokens + 1 decode step)") == 2  # both engines
@@ -157,28 +172,11 @@ def test_a_standby_parked_before_its_weights_warms_up_on_scratch_and_maps_nothin
                             intermediate=128, vocab=256)
     la = launch(model, tp=1)
     la.wait_for(lambda s: s["caches_ready"])
-    engine = [sys.executable, "-m", "vlaunch.cache.reference.engine", "--model", str(model),
-              "--socket-dir", str(la.sockdir), "--no-fallback"]
     log_path = tmp_path / "engines.log"
-    log = log_path.open("ab")
-    first = subprocess.Popen([*engine, "--port-file", str(tmp_path / "port1")], stderr=log)
+    engine, expected, log = first_engine(la, model, tmp_path)
+    standby, notify, write_end, port_file = start_standby(
+        engine, tmp_path, log, VLAUNCH_STANDBY_PARK="before-weights")
     try:
-        expected = eventually(lambda: serving(tmp_path / "port1"), 120, what=log_path.read_text)
-    finally:
-        first.send_signal(signal.SIGTERM)
-        assert first.wait(60) == 0
-
-    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    notify.bind(str(tmp_path / "standby-notify.sock"))
-    read_end, write_end = os.pipe()
-    port_file = tmp_path / "port2"
-    standby = subprocess.Popen(
-        [*engine, "--port-file", str(port_file)], stderr=log, pass_fds=[read_end],
-        env={**os.environ, **standby_env(read_end), "VLAUNCH_STANDBY_PARK": "before-weights",
-             "NOTIFY_SOCKET": str(tmp_path / "standby-notify.sock")})
-    os.close(read_end)
-    try:
-        notify.settimeout(120)
         assert b"PARKED=1" in notify.recv(4096)
         text = log_path.read_text()
         assert "warming up on scratch weights" in text

@@ -128,7 +128,8 @@ class RankSwap:
         self.busy, self.aborted = True, False
         try:
             if self.releasing is not None:  # the last swap's host memory, still being freed
-                await asyncio.wrap_future(self.releasing)
+                releasing, self.releasing = self.releasing, None
+                await asyncio.wrap_future(releasing)
             await getattr(self, step)(msg)
         except VlaunchError as exc:
             status = exc.code if isinstance(exc, SwapError) else exc.status
@@ -312,7 +313,8 @@ class RankSwap:
         the last swap's are freed)."""
         assert staged.manifest is not None
         if self.releasing is not None:
-            self.releasing.result()
+            releasing, self.releasing = self.releasing, None
+            releasing.result()
         need = staged.manifest.nbytes * (2 if staged.keep else 1) + staged.margin
         free = staging.available_host_bytes()
         if need > free:

@@ -111,7 +111,11 @@ def rank_memory(rank: int, split: tuple[int, int], device: str,
 
         allocated = torch.cuda.memory_allocated(device)
         reserved = torch.cuda.memory_reserved(device)
-        device_bytes = process_device_bytes(device) if fresh else _sampled(device)
+        if fresh:
+            device_bytes = process_device_bytes(device)
+            _seed(device, device_bytes)
+        else:
+            device_bytes = _sampled(device)
     return RankMemory(rank, split[0], split[1], allocated, reserved, kv_cache, device_bytes)
 
 
@@ -126,11 +130,17 @@ _samplers: dict[str, _Sampler] = {}
 class _Sampler:
     """A daemon thread that keeps the process's NVML device figure for one device."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, value: int | None) -> None:
+        self.device, self.value, self.started = device, value, False
+
+    def start(self) -> _Sampler:
+        """Sample from now on (once)."""
         import threading
 
-        self.device, self.value = device, process_device_bytes(device)
-        threading.Thread(target=self._run, name="vlaunch-nvml", daemon=True).start()
+        if not self.started:
+            self.started = True
+            threading.Thread(target=self._run, name="vlaunch-nvml", daemon=True).start()
+        return self
 
     def _run(self) -> None:
         import time
@@ -140,12 +150,22 @@ class _Sampler:
             self.value = process_device_bytes(self.device)
 
 
-def _sampled(device: str) -> int | None:
-    """The device figure the sampler thread holds (its first one is taken here)."""
+def _seed(device: str, value: int | None) -> None:
+    """A fresh figure: the sampler's from now on (the request path reads it)."""
     sampler = _samplers.get(device)
     if sampler is None:
-        sampler = _samplers[device] = _Sampler(device)
-    return sampler.value
+        _samplers[device] = _Sampler(device, value)
+    else:
+        sampler.value = value
+
+
+def _sampled(device: str) -> int | None:
+    """The device figure the sampler thread holds: seeded by the last fresh figure (the
+    load's line), else taken here once."""
+    sampler = _samplers.get(device)
+    if sampler is None:
+        sampler = _samplers[device] = _Sampler(device, process_device_bytes(device))
+    return sampler.start().value
 
 
 def _torch_segments(device: str) -> list[tuple[int, int]]:

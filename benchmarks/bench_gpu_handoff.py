@@ -133,6 +133,8 @@ elif kind == "profile":
                       "client.connection", "store.manifest", "contract.protocol",
                       "store.target")}
     mods["wire_client"] = importlib.import_module("vlaunch.cache.contract.connection")
+    with contextlib.suppress(ImportError):  # since issue 38; before, Target.fingerprint
+        mods["fingerprints"] = importlib.import_module("vlaunch.cache.store.fingerprints")
     out["lazy_imports_s"] = perf() - t0  # inside load() in a real run; pre-imported here
     stats = collections.OrderedDict()  # label -> [calls, inclusive, exclusive]
     stack = []
@@ -166,6 +168,9 @@ elif kind == "profile":
 
     C, SC, M = mods["client"], mods["slabs_cuda"], mods["manifest"]
     wrap(mods["target"].Target, "fingerprint", "fingerprint: Target.fingerprint (own code)")
+    if "fingerprints" in mods:
+        wrap(mods["fingerprints"], "fingerprint",
+             "fingerprint: fingerprints.fingerprint (own code)")
     wrap(mods["checkpoint"], "checkpoint_identity",
          "fingerprint: checkpoint identity (raw headers + sha256)")
     wrap(mods["checkpoint"], "open_checkpoint", "fingerprint: open_checkpoint (validates all)")

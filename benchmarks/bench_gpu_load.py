@@ -125,6 +125,7 @@ elif spec["what"] == "fp":  # what the engine's fingerprint costs, step by step,
     import cProfile, io, pstats
     marks = [("start", time.perf_counter())]
     def mark(name): marks.append((name, time.perf_counter()))
+    from vlaunch.cache.store import fingerprints as F
     from vlaunch.cache.store import target as W
     from vlaunch.cache.store.slabs import backend_for
     from vlaunch.cache.contract.sockdir import socket_path
@@ -141,9 +142,9 @@ elif spec["what"] == "fp":  # what the engine's fingerprint costs, step by step,
     sock = socket_path(spec["sock"], 0)
     identity.identities(spec["model"], identity.memo_path(sock)); mark("identities")
     quant.fingerprint_fields(spec["model"], None); mark("quantization")
-    W.plan_identity("llama"); mark("plan")
-    W.Target(spec["model"], Position.from_global(0, 1, 1, 1), dev, "llama", "", "vlaunch",
-             socket=sock).fingerprint(); mark("whole_again")
+    F.plan_identity("llama"); mark("plan")
+    F.fingerprint(W.Target(spec["model"], Position.from_global(0, 1, 1, 1), dev, "llama", "",
+                           "vlaunch", socket=sock)); mark("whole_again")
     out["ms"] = {b[0]: (b[1] - a[1]) * 1e3 for a, b in zip(marks, marks[1:])}
 elif spec["what"] == "race":  # copy mode's destination allocation against the slab import
     import threading

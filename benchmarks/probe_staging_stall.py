@@ -3,10 +3,10 @@
     python benchmarks/probe_staging_stall.py [--gib 16]
 
 A "serving" child process runs what a decode step does, back to back: a small host-to-device
-copy, a few bf16 matmuls, a device-to-host copy of the result, synchronized; then the
-reference engine's per-request memory figure (NVML's per-process query) and
-torch.cuda.mem_get_info; it records each one's latency. Meanwhile this process takes the staging's steps one after another (each alone,
-a pause between them): pinned host memory by cudaHostAlloc, pinned by malloc +
+copy, a few bf16 matmuls, a device-to-host copy of the result, synchronized; then the reference
+engine's per-request memory figure (NVML's per-process query) and torch.cuda.mem_get_info; it
+records each one's latency. Meanwhile this process takes the staging's steps one after another
+(each alone, a pause between them): pinned host memory by cudaHostAlloc, pinned by malloc +
 cudaHostRegister (the reader's setting), pageable host memory, a host fill of the pinned
 buffers, a device-to-host copy of a served-sized device buffer into them (the rollback copy),
 and a host-to-device copy back (the cutover). Prints, per step, the serving loop's median and
@@ -70,7 +70,7 @@ def main() -> None:
     time.sleep(8)  # the child's CUDA start
     marks: list[tuple[str, float, float]] = []
 
-    def step(name: str, fn) -> None:  # noqa: ANN001
+    def step(name: str, fn) -> None:
         t0 = perf()
         fn()
         torch.cuda.synchronize()

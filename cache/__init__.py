@@ -19,8 +19,9 @@ from vlaunch.cache.contract.version import __version__
 
 # Equal to the table in docs/integrations.md ("The Python API"); tests/test_docs_python.py
 # keeps the two the same.
-__all__ = ["CacheClient", "PublishError", "Published", "Target", "Weights", "__version__",
-           "cached_nbytes", "hand_back", "layout_nbytes", "load", "publish", "release_cached"]
+__all__ = ["CacheClient", "Outcome", "PublishError", "Published", "Target", "Weights",
+           "__version__", "cached_nbytes", "fingerprint", "hand_back", "layout_nbytes", "load",
+           "publish", "release_cached"]
 
 
 def __getattr__(name: str) -> Any:
@@ -28,10 +29,18 @@ def __getattr__(name: str) -> Any:
         from vlaunch.cache.client import loader
 
         return getattr(loader, name)
+    if name == "Outcome":
+        from vlaunch.cache.client.weights import Outcome
+
+        return Outcome
     if name == "Target":
         from vlaunch.cache.store.target import Target
 
         return Target
+    if name == "fingerprint":
+        from vlaunch.cache.store.fingerprints import fingerprint
+
+        return fingerprint
     if name in ("hand_back", "layout_nbytes", "release_cached"):
         from vlaunch.cache.client import layout
 

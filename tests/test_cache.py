@@ -28,6 +28,7 @@ from vlaunch.cache.contract.errors import (
 )
 from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.contract.sockdir import socket_path
+from vlaunch.cache.store.fingerprints import fingerprint
 from vlaunch.cache.store.plan import LLAMA_PLAN, Position
 from vlaunch.cache.store.target import Target
 
@@ -117,7 +118,7 @@ def test_manifest_checksums_match_the_file_bytes(llama_ckpt: Path, one_cache) ->
 
 
 def test_every_fingerprint_field_mismatch_is_reported(llama_ckpt: Path, one_cache) -> None:
-    engine = Target(str(llama_ckpt), Position(1, 0), "cpu").fingerprint()
+    engine = fingerprint(Target(str(llama_ckpt), Position(1, 0), "cpu"))
     client = CacheClient(socket_path(one_cache.socket_dir, 0))
     assert client.hello(engine) == engine
     for field in fp.FIELDS:
@@ -287,7 +288,7 @@ def test_a_copy_release_engine_that_fails_its_hello_leaves_the_cache_serving(
     with pytest.raises(CacheUnavailableError, match="nothing to verify"):  # vlaunch verify
         other.request({"op": "digest", "start": 0, "count": 10})
     other.close()
-    bad = Target(str(llama_ckpt), Position.from_global(0, 1, 1, 1), "cpu").fingerprint()
+    bad = fingerprint(Target(str(llama_ckpt), Position.from_global(0, 1, 1, 1), "cpu"))
     with pytest.raises(FingerprintMismatchError):
         taker.hello({**bad, "checkpoint": "another checkpoint"})
     taker.close()
@@ -333,7 +334,7 @@ def test_share_tensors_survive_sigkill_of_the_cache(llama_ckpt: Path, sockdir: P
 
 def test_32_concurrent_clients(llama_ckpt: Path, one_cache) -> None:
     ref = load_file(str(sorted(llama_ckpt.glob("*.safetensors"))[0]))
-    engine = Target(str(llama_ckpt), Position(1, 0), "cpu").fingerprint()
+    engine = fingerprint(Target(str(llama_ckpt), Position(1, 0), "cpu"))
     errors: list[BaseException] = []
     barrier = threading.Barrier(32)
     clients: list[CacheClient] = []

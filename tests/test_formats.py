@@ -17,6 +17,7 @@ from vlaunch.cache.contract.exitcodes import ExitStatus
 from vlaunch.cache.store import dtypes
 from vlaunch.cache.store.checkpoint import open_checkpoint
 from vlaunch.cache.store.dtypes import DTYPES
+from vlaunch.cache.store.fingerprints import fingerprint
 
 from .conftest import spawn_cache
 
@@ -243,16 +244,16 @@ def test_the_fingerprint_carries_the_quantization_config_and_method(tmp_path: Pa
 
     gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}
     model = quantized_dir(tmp_path / "m", gptq)
-    cache = Target(str(model), Position(1, 0), "cpu").fingerprint()
+    cache = fingerprint(Target(str(model), Position(1, 0), "cpu"))
     assert cache["quantization"] == "gptq" and cache["quantization_config"].startswith("sha256:")
-    assert fp.compare(cache, Target(str(model), Position(1, 0), "cpu").fingerprint()) == []
-    engine = Target(str(model), Position(1, 0), "cpu", quantization="gptq_marlin").fingerprint()
+    assert fp.compare(cache, fingerprint(Target(str(model), Position(1, 0), "cpu"))) == []
+    engine = fingerprint(Target(str(model), Position(1, 0), "cpu", quantization="gptq_marlin"))
     assert fp.compare(cache, engine) == [("quantization", "gptq", "gptq_marlin")]
     (model / "config.json").write_text(json.dumps({"quantization_config": {**gptq,
                                                                            "desc_act": True}}))
-    engine = Target(str(model), Position(1, 0), "cpu").fingerprint()
+    engine = fingerprint(Target(str(model), Position(1, 0), "cpu"))
     assert [m[0] for m in fp.compare(cache, engine)] == ["quantization_config"]
-    plain = Target(str(quantized_dir(tmp_path / "p", None)), Position(1, 0), "cpu").fingerprint()
+    plain = fingerprint(Target(str(quantized_dir(tmp_path / "p", None)), Position(1, 0), "cpu"))
     assert (plain["quantization_config"], plain["quantization"]) == ("none", "none")
 
 
@@ -269,10 +270,10 @@ def test_kernel_backends_auto_detects_libraries_and_selection_variables(tmp_path
     assert "HOME" not in found and kernels.resolve("flashinfer=0.2", env) == "flashinfer=0.2"
     model = quantized_dir(tmp_path / "m", None)
     monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "FLASH_ATTN")
-    cache = Target(str(model), Position(1, 0), "cpu", kernel_backends="auto").fingerprint()
+    cache = fingerprint(Target(str(model), Position(1, 0), "cpu", kernel_backends="auto"))
     assert "VLLM_ATTENTION_BACKEND=FLASH_ATTN" in cache["kernel_backends"]
     monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "FLASHINFER")
-    engine = Target(str(model), Position(1, 0), "cpu", kernel_backends="auto").fingerprint()
+    engine = fingerprint(Target(str(model), Position(1, 0), "cpu", kernel_backends="auto"))
     assert [m[0] for m in fp.compare(cache, engine)] == ["kernel_backends"]
 
 

@@ -87,8 +87,8 @@ def test_a_share_handoff_from_a_cpu_rank_stays_on_the_light_path(
 def test_the_light_plan_identity_is_the_plans_own() -> None:
     """The engine's fingerprint takes a built-in plan's identity from builtin_plans.py without
     building the plan; the cache's comes from the plan: they must agree for every plan."""
+    from vlaunch.cache.store.fingerprints import plan_identity
     from vlaunch.cache.store.plan import BUILTIN_PLANS
-    from vlaunch.cache.store.target import plan_identity
 
     for name, plan in BUILTIN_PLANS.items():
         assert plan_identity(name) == plan.identity, name

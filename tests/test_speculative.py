@@ -21,6 +21,7 @@ from vlaunch.cache.contract.sockdir import socket_path
 from vlaunch.cache.reference.config import ModelConfig
 from vlaunch.cache.reference.refmodel import TPLlama, greedy, make_checkpoint
 from vlaunch.cache.reference.speculative import DraftMismatchError, speculative_greedy
+from vlaunch.cache.store.fingerprints import fingerprint
 from vlaunch.cache.store.plan import Position
 from vlaunch.cache.store.target import Target
 
@@ -128,7 +129,7 @@ def _role_mismatch_both_ways(sockdir: Path, target: Path, draft: Path) -> None:
             with pytest.raises(FingerprintMismatchError, match=(
                     f"cache role mismatch: this socket serves the {group} model's cache group, "
                     f"the engine asked for the {role} model's")):
-                client.hello(Target(str(model), position, "cpu", plan, role=role).fingerprint())
+                client.hello(fingerprint(Target(str(model), position, "cpu", plan, role=role)))
         finally:
             client.close()
 

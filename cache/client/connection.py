@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vlaunch.cache.client import requests
 from vlaunch.cache.client.leases import WATCHER, Lease
 from vlaunch.cache.client.mapping import (
     Opened,
@@ -41,7 +42,6 @@ log = logging.getLogger("vlaunch.cache.client.connection")
 SPIN_FOR_COPY = 0.1
 """Seconds an engine polls for the reply that its copy is done before it sleeps on it: more
 than a GPU rank's copy of the largest shard takes."""
-MANIFEST = columns.REQUEST
 
 
 def _untraced(step: str) -> None:
@@ -86,7 +86,7 @@ class CacheClient(Connection):
 
     def manifest(self) -> Manifest:
         """The validated manifest of the rank (its columns form: checked in bulk)."""
-        return columns.fetch(self)
+        return requests.manifest(self)
 
     def map(self, manifest: Manifest, *, mode: str = "share", device: str = "cpu",
             layout: str = "") -> dict[str, torch.Tensor]:
@@ -132,7 +132,7 @@ class CacheClient(Connection):
         with self._lock, self._owing():
             trace("start")
             self._ask({"op": "open", "mode": mode})
-            self._ask(MANIFEST)
+            self._ask(requests.MANIFEST)
             if mode == "share":
                 self._ask(self.hello_request(fingerprint()))
             trace("asked")
@@ -241,21 +241,15 @@ class CacheClient(Connection):
 
     def artifact_get(self, kind: str, key: str) -> bytes | None:
         """An artifact's bytes, or None when the cache does not hold it."""
-        from vlaunch.cache.store import artifacts
-
-        return artifacts.fetch(self, kind, key)
+        return requests.artifact_get(self, kind, key)
 
     def artifact_put(self, kind: str, key: str, data: bytes) -> None:
         """Hand an artifact to the cache (checked here first: name and size)."""
-        from vlaunch.cache.store import artifacts
-
-        artifacts.put(self, kind, key, data)
+        requests.artifact_put(self, kind, key, data)
 
     def artifact_list(self) -> list[Held]:
         """(kind, key, size) of every artifact the cache holds."""
-        from vlaunch.cache.store import artifacts
-
-        return artifacts.listing(self)
+        return requests.artifact_list(self)
 
     def watch(self) -> None:
         """Warn once when the cache process goes away (one watcher thread serves every lease)."""

@@ -30,6 +30,7 @@ from vlaunch.cache.contract.errors import (
     VlaunchError,
 )
 from vlaunch.cache.store import collector
+from vlaunch.cache.store.fingerprints import fingerprint
 from vlaunch.cache.store.identity import CheckpointIdentity
 from vlaunch.cache.store.manifest import Manifest, TensorRecord, pack, views
 from vlaunch.cache.store.slabs import backend_for
@@ -106,7 +107,7 @@ def _handoff(client: CacheClient, target: Target, checked: dict[str, str], mode:
     recorded: one request at a time."""
     key = el.layout_key(checked)
     try:
-        base = target.fingerprint()
+        base = fingerprint(target)
     except (ModelNotFoundError, CheckpointError, OSError):
         manifest, copy = _checked_manifest(client, target, checked)
         return copy, client.map(manifest, mode=mode, device=target.device, layout=key)
@@ -213,7 +214,7 @@ def _raw_fingerprint(client: CacheClient, target: Target, recorded: Any) -> fp.F
     once the engine layout exists), its identity as recorded in the layout's fingerprint
     (`recorded`), which was built from what the cache read; else the error stands."""
     try:
-        return target.fingerprint()
+        return fingerprint(target)
     except (ModelNotFoundError, CheckpointError, OSError) as exc:
         if not isinstance(recorded, dict):
             raise LayoutMissError(f"the cache at {client.path} holds no engine layout with "
@@ -221,7 +222,7 @@ def _raw_fingerprint(client: CacheClient, target: Target, recorded: Any) -> fp.F
                                   ) from None
         log.warning("checkpoint %s cannot be read (%s); matching the engine layout on the "
                     "checkpoint identity the cache recorded when it read it", target.model, exc)
-        return target.fingerprint(CheckpointIdentity(str(recorded.get("checkpoint", "")),
+        return fingerprint(target, CheckpointIdentity(str(recorded.get("checkpoint", "")),
                                                      str(recorded.get("checkpoint_data", ""))))
 
 

@@ -17,7 +17,7 @@ from vlaunch.cache.contract.errors import (
     FingerprintMismatchError,
 )
 from vlaunch.cache.contract.protocol import MODES
-from vlaunch.cache.store import collector
+from vlaunch.cache.store import collector, fingerprints
 from vlaunch.cache.store.target import Target, as_target
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ def cached_nbytes(target: Target | str | None = None, **given: Unpack[TargetArgs
     except CacheUnavailableError:
         return 0
     try:
-        client.hello(target.fingerprint())
+        client.hello(fingerprints.fingerprint(target))
         return client.manifest().nbytes
     except (CacheUnavailableError, FingerprintMismatchError, CacheBrokenError):
         return 0
@@ -129,7 +129,8 @@ def _from_cache(target: Target, mode: str, timeout: float) -> Weights:
     client = CacheClient(target.socket, timeout=timeout)  # may wait for the cache: GC stays on
     try:
         with collector.paused():  # a collection pass would cost more than the handoff
-            tensors = client.handoff(target.fingerprint, mode=mode, device=target.device)
+            tensors = client.handoff(lambda: fingerprints.fingerprint(target), mode=mode,
+                                     device=target.device)
             connection.trace("handed")
     except BaseException:
         client.close()

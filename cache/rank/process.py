@@ -25,6 +25,7 @@ from vlaunch.cache.rank.connections import raise_nofile_limit
 from vlaunch.cache.rank.failures import out_of_memory
 from vlaunch.cache.rank.served import Served
 from vlaunch.cache.store import collector
+from vlaunch.cache.store.fingerprints import fingerprint
 from vlaunch.cache.store.identity import CheckpointIdentity
 from vlaunch.cache.store.manifest import Manifest
 from vlaunch.cache.store.ranks import Position
@@ -204,7 +205,7 @@ def _fingerprint(opts: RankArgs, target: Target, shard: Shard) -> fp.Fingerprint
     from vlaunch.cache.rank.integrity import data_identity
 
     read = CheckpointIdentity(shard.checkpoint.identity, data_identity(opts.model, shard))
-    return target.fingerprint(read, shard.plan_identity)
+    return fingerprint(target, read, shard.plan_identity)
 
 
 def _target(opts: RankArgs, socket: Path) -> Target:

@@ -114,9 +114,9 @@ def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifes
               slabs: list[SlabBytes], device: str, *, timeout: float = TIMEOUT,
               role: str = "target") -> Seeded:
     """Copy the source rank's slabs (mapped from its fds) into `slabs`."""
+    from vlaunch.cache.client import requests
     from vlaunch.cache.contract.connection import Connection
     from vlaunch.cache.contract.sockdir import socket_path
-    from vlaunch.cache.store import artifacts, columns
 
     start = time.perf_counter()
     laps = _Laps()
@@ -128,7 +128,7 @@ def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifes
     try:
         laps.lap("connect")
         check_fingerprint(client.status()["fingerprint"], ours)
-        source = columns.fetch(client)
+        source = requests.manifest(client)
         check_layout(source, manifest)
         # share: we map the source read-only while we copy (a copy mode would have a GPU
         # source make a copy of its own for us first)
@@ -143,8 +143,8 @@ def seed_unix(directory: str, rank: int, ours: fp.Fingerprint, manifest: Manifes
         mapped.clear()  # unmaps: we no longer depend on the source
         laps.lap("unmap")
         moved = sum(laps.phases[k] for k in ("map", "copy", "unmap"))
-        held = [Artifact(k, h, artifacts.fetch(client, k, h) or b"") for k, h, _ in
-                artifacts.listing(client)]
+        held = [Artifact(k, h, requests.artifact_get(client, k, h) or b"") for k, h, _ in
+                requests.artifact_list(client)]
         laps.lap("artifacts")
     except (VlaunchError, OSError) as exc:
         if isinstance(exc, SeedError):

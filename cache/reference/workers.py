@@ -143,8 +143,7 @@ def warm_up_on_scratch(opts: EngineOptions, rank: int, cfg: ModelConfig, device:
     0). The scratch goes before it parks; what the passes cached goes too, unless
     --standby-keep-memory."""
     from vlaunch.cache.reference.refmodel import SingleRank, TorchDistributed, TPLlama
-    from vlaunch.cache.reference.warmup import (give_back, scratch_weights, served_dtype,
-                                                warm_up)
+    from vlaunch.cache.reference.warmup import give_back, scratch_weights, served_dtype, warm_up
 
     if opts.warmup_tokens == 0:
         return None

@@ -25,13 +25,10 @@ import tempfile
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
-from vlaunch.cache.contract.errors import ArtifactError, CacheBrokenError
+from vlaunch.cache.contract.errors import ArtifactError
 from vlaunch.cache.contract.protocol import MAX_ARTIFACT
-
-if TYPE_CHECKING:
-    from vlaunch.cache.contract.connection import Connection
 
 log = logging.getLogger("vlaunch.cache.store.artifacts")
 MAX_COUNT = 64
@@ -75,33 +72,6 @@ class Held(NamedTuple):
     kind: str
     key: str
     size: int
-
-
-def fetch(conn: Connection, kind: str, key: str) -> bytes | None:
-    """The artifact's bytes from the rank at the other end of `conn`; None when it does not
-    hold it."""
-    ((reply, fds),) = conn.exchange([{"op": "artifact_get", "kind": kind, "key": key}])
-    if reply.get("error") == "miss":
-        return None
-    reply, _ = conn.checked(reply, fds)
-    if not isinstance(reply.get("data"), str):
-        raise CacheBrokenError(f"cache at {conn.path} sent an artifact without data")
-    return decode(reply["data"])
-
-
-def put(conn: Connection, kind: str, key: str, data: bytes) -> None:
-    """Hand an artifact to the rank at the other end of `conn` (checked here first)."""
-    check_name(kind, key)
-    check_size(kind, len(data))
-    conn.request({"op": "artifact_put", "kind": kind, "key": key, "data": encode(data)})
-
-
-def listing(conn: Connection) -> list[Held]:
-    """Every artifact the rank at the other end of `conn` holds."""
-    rows = conn.request({"op": "artifact_list"})[0].get("artifacts")
-    if not isinstance(rows, list) or len(rows) > 4096:
-        raise CacheBrokenError(f"cache at {conn.path} sent a bad artifact list")
-    return [Held(str(k), str(h), int(n)) for k, h, n in rows]
 
 
 class ArtifactStore:

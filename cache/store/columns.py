@@ -41,8 +41,6 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from vlaunch.cache.contract.connection import Connection
-
 FORM = "columns"
 _WIDE = ("offset", "nbytes", "checksum")  # i8[N] each, then dims and strides (i8[D])
 
@@ -130,16 +128,6 @@ def to_json(manifest: Manifest) -> dict[str, Any]:
     """The columns form inside a JSON frame: the tail in base64 (the launcher's escrow)."""
     head, tail = encode(manifest)
     return {**head, "tail": base64.b64encode(tail).decode()}
-
-
-REQUEST = {"op": "manifest", "form": FORM}
-"""The manifest request in this form: checked and viewed in bulk."""
-
-
-def fetch(conn: Connection) -> Manifest:
-    """The validated manifest of the rank at the other end of `conn`."""
-    reply = conn.request(REQUEST)[0]
-    return from_wire(reply["manifest"], reply.get("tail"))
 
 
 def from_wire(obj: Any, tail: Any = None) -> Manifest:

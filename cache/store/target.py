@@ -1,4 +1,4 @@
-"""What an engine rank wants from its cache, resolved once: `Target`, and its fingerprint.
+"""What an engine rank wants from its cache, resolved once: `Target`.
 
     target = Target.resolve(model, rank=r, tensor_parallel_size=tp)   # or Target(...)
     weights = vlaunch.cache.load(target)
@@ -6,8 +6,8 @@
 `resolve` fills what its caller leaves out from the environment `vlaunch run` gives its
 engine (EngineEnv), then from the defaults; the socket, the fingerprint, the disk fallback and
 the engine layout calls all read that one value. An integration builds a Target from its
-engine's config and calls `load` (docs/integrations.md). Both ends fingerprint a Target: an
-engine from the files it would read, a cache rank from what it read (`fingerprint`).
+engine's config and calls `load` (docs/integrations.md). A Target is a plain value: its
+fingerprint, which reads files and asks the driver, is store/fingerprints.py's.
 """
 
 from __future__ import annotations
@@ -16,14 +16,11 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from vlaunch.cache.contract import fingerprint as fp
 from vlaunch.cache.contract import settings
 from vlaunch.cache.contract.engine_env import DEFAULT_PLAN, EngineEnv
 from vlaunch.cache.contract.errors import UsageError
 from vlaunch.cache.contract.roles import DRAFT, TARGET
 from vlaunch.cache.contract.sockdir import default_socket_dir, socket_path
-from vlaunch.cache.store import identity
-from vlaunch.cache.store.builtin_plans import builtin_identity
 from vlaunch.cache.store.ranks import Position
 
 if TYPE_CHECKING:
@@ -51,7 +48,6 @@ if TYPE_CHECKING:
 ARGS = ("model", "rank", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
         "socket_dir", "device", "plan", "kernel_backends", "loader", "quantization", "role")
 """The keyword arguments that name a target (TargetArgs' keys)."""
-_DEVICE_INFO: dict[str, dict[str, str]] = {}  # device -> its fingerprint fields, per process
 
 
 class Target(NamedTuple):
@@ -107,29 +103,6 @@ class Target(NamedTuple):
         """The global rank."""
         return self.position.global_rank
 
-    def fingerprint(self, checkpoint: identity.CheckpointIdentity | None = None,
-                    plan: str = "") -> fp.Fingerprint:
-        """The fingerprint of a cache that serves this target: of the files at `model` (or
-        the identity memo of the rank at `socket`), unless `checkpoint` says whose (what a
-        rank read, what an engine layout recorded); `plan`: the plan's identity when known
-        (a rank's shard has it), else that of the spec. A published version's identity stands
-        for the files' data (docs/swap.md)."""
-        from vlaunch.cache.store import quant
-        from vlaunch.cache.store.slabs import backend_for
-
-        backend = backend_for(self.device)
-        info = _DEVICE_INFO.get(self.device)
-        if info is None:
-            info = _DEVICE_INFO[self.device] = backend.device_info()
-        header, data = checkpoint or identity.identities(self.model, socket=self.socket)
-        return fp.build(checkpoint=header, checkpoint_data=self.published or data,
-                        plan=plan or plan_identity(self.plan), position=self.position.as_dict(),
-                        dtype="checkpoint", backend=backend.name, device=info,
-                        kernel_backends=self.kernel_backends, loader=self.loader,
-                        quantization=quant.fingerprint_fields(self.model,
-                                                              self.quantization or None),
-                        role=self.role)
-
 
 def as_target(target: Target | str | None, given: TargetArgs) -> Target:
     """`target` itself, or the Target resolved from a model (or none) and `given`."""
@@ -153,14 +126,3 @@ def visible_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def plan_identity(spec: str) -> str:
-    """The identity of plan `spec` as the fingerprint carries it; a built-in plan's is computed
-    from its rules' text (plan.py, which compiles them and reads plan files, is not imported)."""
-    found = builtin_identity(spec)
-    if found:
-        return found
-    from vlaunch.cache.store.plan import load_plan
-
-    return load_plan(spec).identity

@@ -128,12 +128,17 @@ def test_the_contract_stands_alone_and_the_cache_never_imports_the_launcher() ->
 
 def test_the_rank_side_never_imports_the_engines_client() -> None:
     """A cache rank serves engines; when it is a client itself (seeding from another rank) it
-    speaks the protocol through contract/connection.py, not the engine's client."""
+    speaks the protocol through contract/connection.py and asks as every client does
+    (client/requests.py, which imports nothing else of the client), not through the engine's
+    CacheClient."""
+    shared = "vlaunch.cache.client.requests"
     found = {name: sorted(m for m in imports(path, name, True)
-                          if m.startswith("vlaunch.cache.client"))
+                          if m.startswith("vlaunch.cache.client") and m != shared)
              for name, path in sources() if name.startswith("vlaunch.cache.rank")}
     assert len(found) > 5, found
     assert not {k: v for k, v in found.items() if v}, found
+    path = dict(sources())[shared]
+    assert not [m for m in imports(path, shared, True) if m.startswith("vlaunch.cache.client")]
 
 
 def test_the_import_graph_has_no_cycle() -> None:

@@ -137,7 +137,7 @@ def manifests(rank: Rank) -> tuple[Any, Any]:
     c = CacheClient(socket_path(rank.sockdir, 0))
     try:
         rows = columns.from_wire(c.request({"op": "manifest"})[0]["manifest"]).to_wire()
-        cols = columns.fetch(c).to_wire()
+        cols = c.manifest().to_wire()
     finally:
         c.close()
     return rows, cols

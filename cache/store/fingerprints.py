@@ -29,14 +29,14 @@ def fingerprint(target: Target, checkpoint: identity.CheckpointIdentity | None =
     from vlaunch.cache.store.slabs import backend_for
 
     header, data = checkpoint or identity.identities(target.model, socket=target.socket)
-    return fp.build(checkpoint=header, checkpoint_data=target.published or data,
-                    plan=plan or plan_identity(target.plan),
+    plan = plan or plan_identity(target.plan)  # every file and driver read first
+    device = device_fields(target.device)
+    quantization = quant.fingerprint_fields(target.model, target.quantization or None)
+    return fp.build(checkpoint=header, checkpoint_data=target.published or data, plan=plan,
                     position=target.position.as_dict(), dtype="checkpoint",
-                    backend=backend_for(target.device).name, device=device_fields(target.device),
+                    backend=backend_for(target.device).name, device=device,
                     kernel_backends=target.kernel_backends, loader=target.loader,
-                    quantization=quant.fingerprint_fields(target.model,
-                                                          target.quantization or None),
-                    role=target.role)
+                    quantization=quantization, role=target.role)
 
 
 @functools.cache

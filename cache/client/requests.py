@@ -2,7 +2,8 @@
 
 Each one is a function of a protocol connection (contract/connection.py), so that an engine's
 CacheClient and a rank seeding from a peer (rank/seed.py) ask the same way. The forms they
-carry are the store's (store/columns.py, store/artifacts.py); only the asking is here.
+carry are the store's (store/columns.py, store/artifacts.py); only the asking is here. The
+artifacts' module is imported on first use: an engine's share handoff does not need it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vlaunch.cache.contract.errors import CacheBrokenError
-from vlaunch.cache.store import artifacts, columns
+from vlaunch.cache.store import columns
 
 if TYPE_CHECKING:
     from vlaunch.cache.contract.connection import Connection
@@ -32,6 +33,8 @@ def manifest(conn: Connection) -> Manifest:
 def artifact_get(conn: Connection, kind: str, key: str) -> bytes | None:
     """The artifact's bytes from the rank at the other end of `conn`; None when it does not
     hold it."""
+    from vlaunch.cache.store import artifacts
+
     ((reply, fds),) = conn.exchange([{"op": "artifact_get", "kind": kind, "key": key}])
     if reply.get("error") == "miss":
         return None
@@ -44,6 +47,8 @@ def artifact_get(conn: Connection, kind: str, key: str) -> bytes | None:
 def artifact_put(conn: Connection, kind: str, key: str, data: bytes) -> None:
     """Hand an artifact to the rank at the other end of `conn` (checked here first: its name
     and size)."""
+    from vlaunch.cache.store import artifacts
+
     artifacts.check_name(kind, key)
     artifacts.check_size(kind, len(data))
     conn.request({"op": "artifact_put", "kind": kind, "key": key,
@@ -52,6 +57,8 @@ def artifact_put(conn: Connection, kind: str, key: str, data: bytes) -> None:
 
 def artifact_list(conn: Connection) -> list[Held]:
     """Every artifact the rank at the other end of `conn` holds: (kind, key, size)."""
+    from vlaunch.cache.store import artifacts
+
     rows = conn.request({"op": "artifact_list"})[0].get("artifacts")
     if not isinstance(rows, list) or len(rows) > MAX_LISTED:
         raise CacheBrokenError(f"cache at {conn.path} sent a bad artifact list")

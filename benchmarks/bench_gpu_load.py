@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchlib import machine_name, record_figures
+
 from vlaunch.cache.contract.engine_env import READER_THREADS
 from vlaunch.cache.contract.progress import recv_ready
 
@@ -472,6 +474,16 @@ def step_handoff(model: Path, device: str, tmp: Path) -> None:
             ">= 80% of D2D"),
            ("copy load() against a fresh process's torch.empty + copy_ (med 3)",
             f"{c * 1e3:.1f} ms", f"allocate + copy {ct * 1e3:.1f} ms", f"{ct / c:.0%}", "")])
+    # this call's headline figures, printed against the committed ones by the session script
+    # (gpu_lib.sh compare_figures); merging them is a person's choice: summary.json keeps
+    # ranges over many calls under the same ids
+    record_figures({"share.import_load": f"{ms(share, 'total_s'):.1f} ms",
+                    "share.imports": f"{ms(share, 'loader_import_s'):.1f} ms",
+                    "share.load": f"{ms(share, 'seconds'):.1f} ms",
+                    "copy.load": f"{c * 1e3:.1f} ms", "copy.d2d_pct": f"{c_bw / bw:.0%}"},
+                   machine=machine_name(device),
+                   source="bench_gpu_load.py --steps handoff: median of 5 fresh processes, one "
+                          "call")
     for label, runs in (("share", share), ("copy", copy)):
         steps = runs[len(runs) // 2].get("steps_ms", {})
         print(f"{label} load() steps, ms after load() was called (one run): "

@@ -46,7 +46,7 @@ RESULTS: dict[str, Any] = {}
 RACE = ("imp", "alloc", "serial", "alloc_on_thread", "import_on_thread", "vmm_on_thread")
 ARGS: argparse.Namespace
 CHILD = r"""
-import gc, json, sys, time
+import gc, json, os, sys, time
 spec = json.loads(sys.argv[1])
 import torch
 dev = spec["device"]
@@ -217,6 +217,8 @@ else:
                bytes_outside=w.bytes_outside, free_before=free0, free_after=free1,
                allocated_before=alloc0, allocated_after=torch.cuda.memory_allocated(dev),
                checksum=float(sum(x.float().sum().item() for x in list(w.values())[:8])))
+with open("/proc/self/stat") as f:  # field 39: the CPU it last ran on
+    out.update(cpu=int(f.read().rsplit(")", 1)[1].split()[36]), cpus=len(os.sched_getaffinity(0)))
 print("RESULT " + json.dumps(out))
 """
 
@@ -797,6 +799,70 @@ def step_sweep(model: Path, device: str, tmp: Path) -> None:
         print(f"probe, page cache registered: {p}")
 
 
+def _local_cpus(device: str) -> list[int]:
+    """The CPUs the kernel lists as local to the GPU's PCI device (its NUMA node's); every
+    CPU of the process where that cannot be read."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = int(device.partition(":")[2] or 0)
+        bus = pynvml.nvmlDeviceGetPciInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).busId
+        bus = bus.decode() if isinstance(bus, bytes) else bus
+        text = Path(f"/sys/bus/pci/devices/{bus[-12:].lower()}/local_cpulist").read_text()
+    except Exception as exc:  # a probe: say so and use them all
+        print(f"local CPUs unknown ({type(exc).__name__}: {exc}); using every CPU")
+        return sorted(os.sched_getaffinity(0))
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        cpus += range(int(lo), int(hi or lo) + 1)
+    return cpus
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def step_placement(model: Path, device: str, tmp: Path) -> None:
+    """The share handoff by where its process runs: wherever the scheduler puts it, pinned to
+    the CPUs local to the GPU, pinned to one of them (alternated, 7 each): whether the spread
+    between calls and between runs of one call is the CPU a fresh process lands on."""
+    local = _local_cpus(device)
+    proc, _, _ = start_cache(model, tmp / "h", device, 16)
+    try:
+        idle0 = _cpu_seconds(proc.pid)
+        time.sleep(1.0)
+        idle = _cpu_seconds(proc.pid) - idle0
+        spec = {"device": device, "model": str(model), "sock": str(tmp / "h"), "what": "share"}
+        one = str(local[len(local) // 2])
+        variants = {"free": [], "local": ["taskset", "-c", ",".join(map(str, local))],
+                    "one_core": ["taskset", "-c", one]}
+        runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+        child(spec)  # the first fresh process of a call pays the page cache and the driver
+        for _ in range(7):
+            for v, prefix in variants.items():
+                runs[v].append(child(spec, prefix=prefix or None))
+    finally:
+        stop(proc)
+    RESULTS["placement"] = {"local_cpus": local, "nproc": os.cpu_count(),
+                            "rank_idle_cpu_s_per_s": idle, "runs": runs}
+
+    def med(rs: list[dict[str, Any]], key: str) -> float:
+        return statistics.median(r[key] for r in rs) * 1e3
+
+    rows = []
+    for v, rs in runs.items():
+        spread = sorted(round(r["total_s"] * 1e3, 1) for r in rs)
+        rows.append((f"import + share load, {v} (median 7)", f"{med(rs, 'total_s'):.2f} ms",
+                     f"import {med(rs, 'loader_import_s'):.2f} load {med(rs, 'seconds'):.2f}",
+                     f"{spread[0]}-{spread[-1]}", f"cpus {sorted({r['cpu'] for r in rs})}"))
+    table(f"share handoff by placement ({len(local)} CPUs local to {device}: {local[0]}-"
+          f"{local[-1]} of {os.cpu_count()}; the idle rank used {idle:.3f} CPU s/s)", rows)
+
+
 def step_pidns(model: Path, device: str, tmp: Path) -> None:
     """Cache and engine in sibling PID namespaces, sharing only the socket directory."""
     ns = ["unshare", "--pid", "--fork", "--mount-proc"]
@@ -838,7 +904,8 @@ def main() -> None:
     print(f"# {' '.join(sys.argv)}\n# {time.strftime('%Y-%m-%d %H:%M:%S')}")
     steps = {"first": step_first, "warm": step_warm, "handoff": step_handoff,
              "loadparts": step_loadparts,
-             "pidns": step_pidns, "layouts": step_layouts, "sweep": step_sweep}
+             "pidns": step_pidns, "placement": step_placement, "layouts": step_layouts,
+             "sweep": step_sweep}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.steps.split(","):
             d = Path(tmp) / name

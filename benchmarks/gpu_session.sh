@@ -13,6 +13,7 @@
 #   sweep    warm reader by threads and chunk against pinned H2D, plain reads and safetensors
 #   loadparts (not by default) a TP 1 first load taken apart in fresh processes
 #   handoff  import vlaunch.cache + share load() in fresh processes; copy against D2D
+#   placement (not by default) the share handoff by the CPUs its process may run on
 #            (HANDOFF_PARTS=0: without copy mode taken apart, the race and the fingerprint)
 #   tests    pytest -m gpu: every GPU test (see benchmarks/results/ for its time)
 #   imports  what the reference engine imports after torch (the restart floor's make-up)
@@ -49,7 +50,7 @@ setup() {
     "$PY" -m compileall -q cache launcher benchmarks tests >/dev/null
     nvidia-smi -L
     nvidia-smi topo -m 2>/dev/null | head -8
-    lscpu 2>/dev/null | grep -i -E "numa|model name|^cpu\(s\)"
+    lscpu 2>/dev/null | grep -i -E "numa|model name|^cpu\(s\)|per core|per socket"
     "$PY" -c "import sys, torch, vlaunch.cache as v; print(sys.version.split()[0], 'torch',
 torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count(), 'vlaunch',
 v.__version__, v.__file__)"
@@ -95,7 +96,7 @@ if [ "${SMOKE:-0}" = 1 ]; then  # passed in runs 1 and 2; tests/test_slabs_cuda.
 fi
 STAGES=" ${STAGES:-layouts sweep handoff tests imports restart} "  # a subset: STAGES="layouts tests"
 want() { [[ $STAGES == *" $1 "* ]]; }
-needs_ckpt() { local s; for s in layouts cold sweep loadparts handoff restart; do want $s && return; done; return 1; }
+needs_ckpt() { local s; for s in layouts cold sweep loadparts handoff placement restart; do want $s && return; done; return 1; }
 if needs_ckpt && [ ! -f "$CKPT/model.safetensors.index.json" ]; then
     stage ckpt 180 "$PY" -m vlaunch.cache.reference.refmodel "$CKPT" --llama-8b --target-gib 16 \
         --shards 4 --device cuda
@@ -107,6 +108,7 @@ want cold && stage cold 200 "${LOAD[@]}" --steps layouts --cold --layouts "${COL
 want sweep && stage sweep 120 "${LOAD[@]}" --steps sweep --json "$OUT/sweep.json"
 want loadparts && stage loadparts 120 "${LOAD[@]}" --steps loadparts --json "$OUT/loadparts.json"
 want handoff && stage handoff 240 "${LOAD[@]}" --steps handoff --json "$OUT/handoff.json"
+want placement && stage placement 200 "${LOAD[@]}" --steps placement --json "$OUT/placement.json"
 want tests && stage tests "${TESTS_LIMIT:-240}" "$PY" -m pytest -m gpu -q -p no:cacheprovider \
     --timeout 150 -rfE tests
 want imports && stage imports 60 bash -c imports
@@ -116,7 +118,7 @@ want restart && stage restart 120 "$PY" benchmarks/bench_gpu_restart.py --model 
     echo
     echo "# vlaunch GPU session $(date -u +%Y-%m-%dT%H:%M:%SZ), $(($(date +%s) - T0))s in all"
     cat "$OUT/summary.txt"
-    for name in layouts cold sweep loadparts handoff imports restart; do
+    for name in layouts cold sweep loadparts handoff placement imports restart; do
         [ -f "$LOGS/$name.log" ] && sed -n '/^## /,$p' "$LOGS/$name.log"
     done
     [ -f "$LOGS/smoke.log" ] && grep -E "^(PASS|FAIL)" "$LOGS/smoke.log" | cut -c1-110

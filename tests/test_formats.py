@@ -264,9 +264,12 @@ def test_kernel_backends_auto_detects_libraries_and_selection_variables(tmp_path
     from vlaunch.cache.store.plan import Position
     from vlaunch.cache.store.target import Target
 
-    env = {"VLLM_ATTENTION_BACKEND": "FLASHINFER", "VLLM_USE_DEEP_GEMM": "1", "HOME": "/x"}
+    env = {"VLLM_ATTENTION_BACKEND": "FLASHINFER", "VLLM_USE_DEEP_GEMM": "1", "HOME": "/x",
+           "VLLM_MARLIN_USE_ATOMIC_ADD": "1", "VLLM_ATTENTION_BACKEND_X": "1", "VLLM_MXFP4-": "1"}
     found = kernels.detect(env)
     assert "VLLM_ATTENTION_BACKEND=FLASHINFER" in found and "VLLM_USE_DEEP_GEMM=1" in found
+    assert "VLLM_MARLIN_USE_ATOMIC_ADD=1" in found  # a prefix's variables
+    assert "_X=" not in found and "VLLM_MXFP4-" not in found  # full names; identifiers only
     assert "HOME" not in found and kernels.resolve("flashinfer=0.2", env) == "flashinfer=0.2"
     model = quantized_dir(tmp_path / "m", None)
     monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "FLASH_ATTN")

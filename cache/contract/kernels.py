@@ -12,17 +12,23 @@ a fingerprint mismatch on `kernel_backends`. Light: no torch, no engine import.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from importlib import metadata
 
 AUTO = "auto"
 DISTRIBUTIONS = ("flashinfer-python", "flashinfer", "deep-gemm", "triton", "vllm", "sglang")
 """Kernel libraries whose version changes how weights are laid out or tuned."""
-SELECTION = re.compile(r"^(?:VLLM_ATTENTION_BACKEND|VLLM_USE_DEEP_GEMM\w*|VLLM_USE_FLASHINFER\w*|"
-                       r"VLLM_FLASHINFER\w*|VLLM_USE_TRTLLM\w*|VLLM_MXFP4\w*|VLLM_MARLIN\w*|"
-                       r"SGLANG_ATTENTION_BACKEND)$")
-"""The engine's kernel selection variables."""
+SELECTED = ("VLLM_ATTENTION_BACKEND", "SGLANG_ATTENTION_BACKEND")
+"""The engine's kernel selection variables named in full..."""
+SELECTED_PREFIXES = ("VLLM_USE_DEEP_GEMM", "VLLM_USE_FLASHINFER", "VLLM_FLASHINFER",
+                     "VLLM_USE_TRTLLM", "VLLM_MXFP4", "VLLM_MARLIN")
+"""...and by prefix (string tests: a regular expression compiled on an engine's import path
+cost 0.3 ms there)."""
+
+
+def selects(key: str) -> bool:
+    """Whether variable `key` selects the engine's kernels."""
+    return key in SELECTED or (key.startswith(SELECTED_PREFIXES) and key.isidentifier())
 
 
 def detect(env: Mapping[str, str] | None = None) -> str:
@@ -30,7 +36,7 @@ def detect(env: Mapping[str, str] | None = None) -> str:
     variables set, sorted and comma-separated ("" when there are none)."""
     env = os.environ if env is None else env
     parts = [f"{dist}={version}" for dist in DISTRIBUTIONS if (version := _version(dist))]
-    parts += [f"{key}={value}" for key, value in env.items() if SELECTION.match(key)]
+    parts += [f"{key}={value}" for key, value in env.items() if selects(key)]
     return ",".join(sorted(parts))
 
 

@@ -272,6 +272,28 @@ def status(socket_dir: str, url: str, as_json: bool) -> None:
     click.echo(json.dumps(snap, indent=2) if as_json else format_status(snap))
 
 
+@cli.command("troubleshoot")
+@click.argument("lines", nargs=-1)
+@click.option("--markdown", is_flag=True, help="The tables of docs/troubleshooting.md.")
+def troubleshoot(lines: tuple[str, ...], markdown: bool) -> None:
+    """What log lines mean and what to do: LINES given, or a log on stdin (`-` or none).
+
+    Each entry that a line matches is printed once, with the first line that matched it.
+    """
+    from . import troubleshoot as ts
+
+    if markdown:
+        click.echo(ts.markdown(), nl=False)
+        return
+    text = sys.stdin if not lines or lines == ("-",) else lines
+    found = ts.find(text)
+    for entry in found:
+        click.echo("\n".join(ts.describe(entry)))
+    if not found:
+        click.echo("no troubleshooting entry matches; search docs/troubleshooting.md for a few "
+                   "words of the line", err=True)
+
+
 def _exec_rank(args: RankArgs) -> None:
     """`vlaunch cache`: become the rank process (same pid, for systemd); the launcher never
     imports the rank's code, only the contract that names its options."""

@@ -663,6 +663,77 @@ def code_literals() -> list[str]:
     return out
 
 
+# Templates that only build a larger line: a prefix around the error they name (that error's
+# own entry matches the line), or a part the core completes before it logs.
+WRAPPERS = {
+    "swap to version": "rank.swap: `rank R: swap to version V: <the error>`",
+    "exited during the swap to version": "launcher.core.swap: the first half of two messages",
+}
+GENERATED = ("<!-- generated: vlaunch troubleshoot --markdown (from "
+             "launcher/troubleshooting.toml) -->")
+
+
+def code_templates() -> Iterator[tuple[str, str, str]]:
+    """(key, template, where) of every user-facing error and warning string in the code."""
+    for path in sorted(p for d in CODE_DIRS for p in d.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        args = [(a, pct) for n in ast.walk(tree) for a, pct in _message_args(n, path.parent.name)]
+        args += [(a, False) for a in _error_class_messages(tree)]
+        for arg, percent in args:
+            template = _template(arg, percent)
+            key = _key(template) if template is not None else None
+            if key is not None:
+                yield key, template, f"{path.parent.name}/{path.name}:{arg.lineno}"
+
+
+def test_troubleshooting_page_is_rendered_from_its_source() -> None:
+    """docs/troubleshooting.md after its introduction is `vlaunch troubleshoot --markdown`."""
+    from vlaunch.launcher import troubleshoot
+
+    page = (DOCS / "troubleshooting.md").read_text()
+    assert GENERATED in page, "docs/troubleshooting.md lost its generated marker"
+    body = page.split(GENERATED, 1)[1].lstrip("\n")
+    assert body == troubleshoot.markdown(), (
+        "docs/troubleshooting.md is stale: edit launcher/troubleshooting.toml, then put "
+        "`vlaunch troubleshoot --markdown` after the marker")
+
+
+def test_vlaunch_troubleshoot_finds_every_message_as_the_code_prints_it() -> None:
+    """Each user-facing message, its placeholders filled as a log line would have them, is
+    looked up by `vlaunch troubleshoot` (the entry's runs, in order, are in the line)."""
+    from vlaunch.launcher import troubleshoot
+
+    missed = {}
+    for key, template, where in code_templates():
+        if key in INTERNAL or key in WRAPPERS:
+            continue
+        if not troubleshoot.find([template.replace(HOLE, "7")]):
+            missed[key] = where
+    assert not missed, "no entry matches these as printed (launcher/troubleshooting.toml):\n" \
+        + "\n".join(f"  `{k}`  ({w})" for k, w in sorted(missed.items()))
+    assert set(WRAPPERS) <= {k for k, _, _ in code_templates()}, "stale WRAPPERS entries"
+
+
+def test_vlaunch_troubleshoot_reads_a_log_and_prints_each_entry_once() -> None:
+    """The command on a real failure's output: a bad option's line, twice, and one line no
+    entry matches; each entry once, with the line that matched it and the status's name."""
+    bad = subprocess.run([sys.executable, "-m", "vlaunch.launcher.cli", "run", "--model",
+                          "/nonexistent", "--engine-ready", "http", "--", "true"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 64, bad.stderr
+    line = bad.stderr.strip().splitlines()[-1]
+    log = f"{line}\nnothing to see here\n{line}\n"
+    r = subprocess.run([sys.executable, "-m", "vlaunch.launcher.cli", "troubleshoot"],
+                       input=log, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count(line.strip()[:300]) == 1, r.stdout
+    assert "exit 64 (USAGE)" in r.stdout, r.stdout
+    none = subprocess.run([sys.executable, "-m", "vlaunch.launcher.cli", "troubleshoot",
+                           "nothing to see here"], capture_output=True, text=True, timeout=60)
+    assert none.returncode == 0 and not none.stdout
+    assert "no troubleshooting entry matches" in none.stderr
+
+
 def test_troubleshooting_covers_every_message_and_only_real_ones() -> None:
     page = DOCS / "troubleshooting.md"
     keys = [span for t in tables(page) if t[0][0] == "Message"

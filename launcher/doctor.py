@@ -10,7 +10,9 @@ blocks (warnings allowed), HOST_BLOCKED (77) when something does, 64 for a bad c
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -69,6 +71,26 @@ def docker_info() -> tuple[int, str]:
     return done.returncode, text
 
 
+def try_listen(value: str) -> str:
+    """Bind --listen `value` as vlaunch run would, and let it go at once: "" when it can be,
+    else the error (a Unix socket file made here is removed again)."""
+    from vlaunch.cache.contract.errors import VlaunchError
+
+    from .listen import ListenAddress, bind
+
+    try:
+        address = ListenAddress.parse(value)
+        existed = bool(address.path) and os.path.lexists(address.path)
+        sock = bind(address)
+    except VlaunchError as exc:
+        return str(exc)
+    sock.close()
+    if address.path and not existed:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(address.path)
+    return ""
+
+
 def run_checks(o: dict[str, Any], host: dc.Host, directory: Path,
                own_cgroup: Callable[[str, str], Path | None], proc_ours: bool
                ) -> list[dc.Finding]:
@@ -86,7 +108,7 @@ def run_checks(o: dict[str, Any], host: dc.Host, directory: Path,
         dc.socket_dir(directory, lambda d: socket_path(d, world - 1)),
         dg.memory(host, device, o["rank_devices"]), dg.cuda_vmm(host, device),
         dg.persistence(host), dg.nvml_pidns(host), dg.memlock(host, device),
-        dg.docker(host, device)]
+        dg.docker(host, device), dc.listen(o["listen"], try_listen)]
 
 
 def report(findings: list[dc.Finding]) -> dict[str, Any]:
@@ -132,6 +154,7 @@ def format_text(doc: dict[str, Any]) -> str:
               help="Reader threads per rank [default: as vlaunch run].")
 @click.option("--socket-dir", envvar="VLAUNCH_SOCKET_DIR", default="",
               help="The socket directory [default: as vlaunch run].")
+@click.option("--listen", multiple=True, help="As vlaunch run's --listen: can it be bound here?")
 @click.option("--docker", "with_docker", is_flag=True, help="Also check the Docker daemon.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def doctor(as_json: bool, with_docker: bool, **o: Any) -> None:

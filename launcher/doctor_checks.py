@@ -214,3 +214,19 @@ def _lock_holder(path: Path) -> str:
         with contextlib.suppress(OSError):
             os.close(fd)
     return ""
+
+
+def listen(values: tuple[str, ...], try_bind: Callable[[str], str]) -> Finding:
+    """Each --listen address as vlaunch run would bind it (`try_bind`: "" when it can, else
+    the error vlaunch run would exit 64 with, which names the fix)."""
+    if not values:
+        return Finding("listen", SKIPPED, "no --listen given",
+                       "the engine binds its own port (nothing queues across its restarts)")
+    problems = [problem for value in values if (problem := try_bind(value))]
+    data: dict[str, Any] = {"addresses": list(values), "problems": problems}
+    if problems:
+        return Finding("listen", BLOCKER, "; ".join(problems),
+                       "vlaunch run exits 64 before any rank starts",
+                       "each message's own fix (another address, or stop what holds it)", data)
+    return Finding("listen", OK, f"{', '.join(values)}: free, and this user may bind it",
+                   "the launcher binds it once and hands it to every engine", "", data)

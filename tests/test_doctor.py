@@ -208,6 +208,16 @@ def test_docker_variations(tmp_path: Path) -> None:
     assert dg.docker(up, "cuda").severity == dc.WARNING
 
 
+def test_listen_variations() -> None:
+    assert dc.listen((), lambda v: "").severity == dc.SKIPPED
+    ok = dc.listen(("127.0.0.1:8000", "unix:/run/x.sock"), lambda v: "")
+    assert ok.severity == dc.OK and "127.0.0.1:8000, unix:/run/x.sock" in ok.found
+    bad = dc.listen(("a:1", "b:2"),
+                    lambda v: f"vlaunch: --listen {v}: in use" if v == "b:2" else "")
+    assert bad.severity == dc.BLOCKER and bad.found == "vlaunch: --listen b:2: in use"
+    assert "64" in bad.choice and bad.data["problems"] == ["vlaunch: --listen b:2: in use"]
+
+
 def test_the_status_is_77_only_for_a_blocker() -> None:
     warn = dc.Finding("x", dc.WARNING, "f", "c", "fix")
     block = dc.Finding("y", dc.BLOCKER, "f", "c", "fix")
@@ -235,7 +245,7 @@ def test_the_real_command_agrees_with_the_product(tmp_path: Path) -> None:
     checks = {c["check"]: c for c in doc["checks"]}
     assert set(checks) == {"slab_pages", "memfd_seals", "nofile", "cgroup", "proc",
                            "socket_dir", "memory", "cuda_vmm", "persistence", "nvml_pidns",
-                           "memlock", "docker"}
+                           "memlock", "docker", "listen"}
     for c in doc["checks"]:
         assert c["severity"] in (dc.OK, dc.WARNING, dc.BLOCKER, dc.SKIPPED)
         assert c["found"]
@@ -275,3 +285,30 @@ def test_a_blocker_exits_77(tmp_path: Path, make: str) -> None:
     assert rc == 77
     sock = next(c for c in json.loads(out)["checks"] if c["check"] == "socket_dir")
     assert sock["severity"] == dc.BLOCKER and "73" in sock["choice"]
+
+
+def test_listen_addresses_are_bound_as_vlaunch_run_would(tmp_path: Path) -> None:
+    """A port some server holds blocks (77, with vlaunch run's own message); a free port and a
+    Unix path pass, and the socket file doctor made is gone again."""
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    busy = f"127.0.0.1:{held.getsockname()[1]}"
+    path = tmp_path / "engine.sock"
+    try:
+        rc, out = _doctor("--json", "--socket-dir", str(tmp_path / "s"), "--listen", busy,
+                          "--listen", f"unix:{path}")
+        check = next(c for c in json.loads(out)["checks"] if c["check"] == "listen")
+        assert rc == 77 and check["severity"] == dc.BLOCKER
+        assert check["data"]["problems"] == [f"vlaunch: --listen {busy}: the address is already "
+                                             "in use (another server, or a launcher still "
+                                             "running); stop it or pick another"]
+    finally:
+        held.close()
+    rc, out = _doctor("--json", "--socket-dir", str(tmp_path / "s"), "--listen", busy,
+                      "--listen", f"unix:{path}")
+    check = next(c for c in json.loads(out)["checks"] if c["check"] == "listen")
+    assert check["severity"] == dc.OK, check
+    assert not path.exists()

@@ -130,7 +130,7 @@ def describe(found: Found) -> list[str]:
 
 
 def plain(text: str) -> str:
-    """Markdown of an entry as a terminal shows it: links as `text (docs/page.md#anchor)`."""
+    """Markdown of an entry as a terminal shows it: links as `text (docs/<page>.md#<anchor>)`."""
     def link(m: re.Match[str]) -> str:
         target = m.group(2)
         if not target.startswith(("http:", "https:")):

@@ -748,3 +748,27 @@ def test_troubleshooting_covers_every_message_and_only_real_ones() -> None:
     literals = code_literals()
     invented = [k for k in keys if not any(k in lit for lit in literals)]
     assert not invented, f"not in the code: {invented}"
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as mkdocs makes it (toc's default slugify)."""
+    text = re.sub(r"[^\w\s-]", "", re.sub(r"`|\*", "", heading)).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def test_links_into_the_docs_from_outside_them_resolve() -> None:
+    """`docs/PAGE.md#ANCHOR` in the code, the units, the benchmarks' results and the README
+    names a page and a heading that exist (the site's strict build checks only docs/)."""
+    anchors = {p.name: {_slug(line.lstrip("#")) for line in p.read_text().splitlines()
+                        if line.startswith("#")} for p in PAGES}
+    roots = [ROOT / "cache", ROOT / "launcher", ROOT / "units", ROOT / "benchmarks",
+             ROOT / "README.md"]
+    files = [f for r in roots for f in ([r] if r.is_file() else r.rglob("*"))
+             if f.is_file() and f.suffix in (".py", ".md", ".sh", ".toml", ".service",
+                                            ".socket", ".yaml", ".example")]
+    broken = []
+    for f in files:
+        for page, anchor in re.findall(r"docs/([\w.-]+\.md)#([\w-]+)", f.read_text()):
+            if anchor not in anchors.get(page, set()):
+                broken.append(f"{f.relative_to(ROOT)}: docs/{page}#{anchor}")
+    assert not broken, "\n".join(broken)

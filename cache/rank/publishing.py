@@ -1,4 +1,4 @@
-"""A trainer's published versions on one rank (docs/swap.md#pushed-weights).
+"""A trainer's published versions on one rank (docs/swap.md#the-rl-loop-publishing-versions).
 
 A trainer publishes on the rank's socket (cache/client/publish.py; the same peer checks as any
 client): `publish_begin` hands it writable staging slabs shaped as the served shard,

@@ -227,6 +227,7 @@ def test_configuration_reference_lists_the_cache_ranks_options() -> None:
         cell = by_option[p.opts[0]]
         assert cell[1] == (f"`{p.envvar}`" if p.envvar else "—"), p.opts
         assert code_spans(cell[2])[0] == _default(p), (p.opts, cell[2], _default(p))
+        assert cell[3] == p.help, f"{p.opts[0]}: the Meaning is the option's help (launch.py)"
 
 
 def test_configuration_reference_lists_every_setting_as_the_registry_has_it() -> None:

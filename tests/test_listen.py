@@ -409,3 +409,41 @@ def test_a_unix_socket_in_a_directory_others_may_write_is_warned_about(
     with bind(ListenAddress.parse(f"unix:{tmp_path}/own/e.sock")):
         pass
     assert "may be written" not in caplog.text
+
+
+def test_a_drain_answers_a_connection_it_accepted_before_its_request_arrived() -> None:
+    """The reference engine's drain (on the launcher's socket): a keep-alive connection
+    waiting between two requests is closed (its client opens the next one to the next
+    engine), while a connection accepted whose request has not been read yet is answered, not
+    reset: on a busy host a client's request often arrives after its accept (the double
+    swap's failed requests in a CI run of 2026-12-03)."""
+    from types import SimpleNamespace
+
+    from vlaunch.cache.reference.http import _Server, drain
+
+    listener = bind(ListenAddress.parse("127.0.0.1:0"))
+    server = _Server.on_socket(listener)
+    server.engine = SimpleNamespace(ready=True, stopping=False)  # what /health reads
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = listener.getsockname()[1]
+    idle = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    idle.request("GET", "/health")
+    assert idle.getresponse().read() and idle.sock is not None  # kept alive: idle now
+    fresh = socket.create_connection(("127.0.0.1", port), timeout=30)  # accepted, no request
+    eventually(lambda: server.open_connections() == 2, 30, what="both connections accepted")
+    drained: list[int] = []
+    done = threading.Thread(target=lambda: drained.append(drain(server, limit=30)))
+    done.start()
+    # the drain stopped accepting and closed its copy of the socket; what is idle goes next
+    eventually(lambda: server.socket.fileno() == -1, 30, what="the drain")
+    time.sleep(0.3)
+    fresh.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    reply = http.client.HTTPResponse(fresh)
+    reply.begin()
+    assert reply.status == 503  # answered (a draining engine's health is not the next one's)
+    assert json.loads(reply.read()) == {"status": "stopping"}
+    assert idle.sock.recv(1) == b""  # the idle keep-alive connection was ended
+    fresh.close()
+    idle.close()
+    done.join(30)
+    assert drained == [0]

@@ -138,6 +138,9 @@ def drain(server: ThreadingHTTPServer, limit: float = DRAIN_LIMIT) -> int:
     return left
 
 
+NEW, BUSY, IDLE = "new", "busy", "idle"  # no request read yet; one in hand; between two
+
+
 def write_port_file(path: Path, port: int) -> None:
     """Write the port atomically: a reader sees no file or the whole number."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -162,32 +165,35 @@ class _Server(ThreadingHTTPServer):
         return server
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._table: dict[socket.socket, bool] = {}  # open connections: a request in hand?
+        self._table: dict[socket.socket, str] = {}  # open connections: NEW, BUSY or IDLE
         self._lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
-    def _conns(self) -> dict[socket.socket, bool]:
-        """Each open connection, and whether a request on it is being handled."""
+    def _conns(self) -> dict[socket.socket, str]:
+        """Each open connection and its state."""
         return self._table
 
-    def mark(self, conn: socket.socket, busy: bool | None) -> None:
-        """Record a connection busy or idle; None: it closed."""
+    def mark(self, conn: socket.socket, state: str | None) -> None:
+        """Record a connection's state (NEW, BUSY, IDLE); None: it closed."""
         table = self._conns()
         with self._lock:
-            if busy is None:
+            if state is None:
                 table.pop(conn, None)
             else:
-                table[conn] = busy
+                table[conn] = state
 
     def open_connections(self) -> int:
         """Connections not yet closed."""
         return len(self._conns())
 
     def close_idle(self) -> None:
-        """End keep-alive connections that wait for a next request (their reads see EOF)."""
+        """End keep-alive connections that wait for a next request (their reads see EOF). A
+        connection accepted whose first request has not been read yet is not idle: its
+        client has sent, or is sending, a request this engine took from the queue, and
+        answers it (closing it would fail that request on a busy host)."""
         table = self._conns()
         with self._lock:
-            idle = [c for c, busy in table.items() if not busy]
+            idle = [c for c, state in table.items() if state == IDLE]
         for conn in idle:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RD)
@@ -199,7 +205,7 @@ class _Server(ThreadingHTTPServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         """Count the connection from its accept, then serve it in a thread."""
-        self.mark(request, False)
+        self.mark(request, NEW)
         super().process_request(request, client_address)
 
     def shutdown_request(self, request: Any) -> None:
@@ -230,7 +236,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def parse_request(self) -> bool:
-        self.server.mark(self.connection, True)  # a request arrived: a drain waits for it
+        self.server.mark(self.connection, BUSY)  # a request arrived: a drain waits for it
         return super().parse_request()
 
     def handle_one_request(self) -> None:
@@ -240,7 +246,7 @@ class _Handler(BaseHTTPRequestHandler):
             if self.server.draining:
                 self.close_connection = True  # replied: the next request goes to the next engine
             if not self.close_connection:
-                self.server.mark(self.connection, False)
+                self.server.mark(self.connection, IDLE)
 
     def do_GET(self) -> None:
         engine = self.server.engine

@@ -53,6 +53,9 @@ TICK = 0.1
 STATUS_EVERY = 2.0
 HELD_EVERY = 0.5
 PROBE_EVERY = 1.0
+CHANNEL_DRAIN = 5.0
+"""Seconds an exited rank's report channel may take to be read to its end (what it reported
+before it died: artifacts, layouts, releases) before the core hears of the exit."""
 
 
 @dataclass
@@ -63,6 +66,7 @@ class _Running:
     role: events.Role
     rank: int | None
     exited: bool = False
+    channel: asyncio.Future[None] | None = None  # a rank's report reader, until its EOF
 
 
 class Executor:
@@ -165,10 +169,11 @@ class Executor:
         """Queue an event for the core (its `now` is stamped when it is taken)."""
         self.queue.put_nowait(event)
 
-    def _spawn_task(self, coro: Any) -> None:
+    def _spawn_task(self, coro: Any) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _ticker(self) -> None:
         while True:
@@ -255,6 +260,9 @@ class Executor:
         self.draining.pop(running.child.pid, None)
         if running.role == "cache" and running.rank is not None:
             _clear_stale(self.spec, running.rank)
+            if running.channel is not None:  # what it sent before it died, escrowed first
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(running.channel), CHANNEL_DRAIN)
         self.post(events.ChildExited(running.role, running.rank, running.child.pid, status,
                                      0.0))
 
@@ -285,7 +293,7 @@ class Executor:
         if adopt_ours is not None:
             with adopt_ours:
                 self.escrow.hand_over(rank, adopt_ours)
-        self._spawn_task(self._rank_channel(ours, running))
+        running.channel = self._spawn_task(self._rank_channel(ours, running))
 
     async def _rank_channel(self, sock: socket.socket, running: _Running) -> None:
         """Read a rank's reports until it exits: ready, then engine layouts and releases."""

@@ -55,6 +55,7 @@ class Keeper:
         self.argv = argv
         self.parent = os.getppid()
         self.child = 0
+        self.early: set[int] = set()  # signals that came before the command was started
 
     def run(self) -> int:
         """Start the command, wait for it, clean up; returns its raw status (waitstatus)."""
@@ -71,15 +72,28 @@ class Keeper:
         return status  # a waitstatus
 
     def _start(self) -> int:
-        """Fork and exec the command (in the child: die with the keeper, default signals)."""
+        """Fork and exec the command (in the child: die with the keeper, default signals).
+
+        A signal the launcher sent the group before the command existed (a stop that began
+        while a standby starts) reached the keeper alone: the command gets it once started,
+        or it would run on, unstopped, until the stop timeout. Signals are blocked around the
+        fork, so that each one is either such an early one or reaches the command itself."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
+        early = self.early | (signal.sigpending() & set(PASSED_ON))
         pid = os.fork()
         if pid:
+            self.child = pid
+            for sig in sorted(early):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)
             os.closerange(3, _max_fd())  # a standby's promote fd is the engine's alone
             return pid
         try:
             die_with_parent()
             for sig in PASSED_ON:
                 signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)
             env = dict(os.environ)
             if "WATCHDOG_USEC" in env:
                 env["WATCHDOG_PID"] = str(os.getpid())
@@ -108,6 +122,7 @@ class Keeper:
             self._kill_descendants()
             os._exit(128 + signal.SIGKILL)
         if not self.child:
+            self.early.add(signum)  # passed on once the command runs (_start)
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             group = os.getpgid(self.child)

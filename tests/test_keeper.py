@@ -147,3 +147,23 @@ def test_the_keeper_holds_no_fd_of_the_command(tmp_path: Path) -> None:
         os.write(w, b"x")  # the command's death closed the last read end
     os.close(w)
 
+
+
+def test_a_signal_before_the_command_starts_reaches_it() -> None:
+    """A stop that began while a standby was starting: the launcher's SIGTERM to the group came
+    before the keeper had started its command, so only the keeper got it. The command gets
+    it once started (a CI run of 2026-12-03: the new standby parked on, unstopped, and the
+    stop ended in its timeout, 82). Here the keeper receives it before run() forks."""
+    script = (
+        "import os, signal, sys\n"
+        "from vlaunch.launcher.keeper import PASSED_ON, Keeper\n"
+        "k = Keeper([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "for sig in PASSED_ON:\n"
+        "    signal.signal(sig, k._on_signal)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)  # the group's signal: no command yet\n"
+        "status = k.run()\n"
+        "print(os.WIFSIGNALED(status) and os.WTERMSIG(status))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=45, start_new_session=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(int(signal.SIGTERM))  # killed by it, not after 60 s

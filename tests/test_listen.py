@@ -419,10 +419,10 @@ def test_a_drain_answers_a_connection_it_accepted_before_its_request_arrived() -
     swap's failed requests in a CI run of 2026-12-03)."""
     from types import SimpleNamespace
 
-    from vlaunch.cache.reference.http import _Server, drain
+    from vlaunch.cache.reference.http import EngineServer, drain
 
     listener = bind(ListenAddress.parse("127.0.0.1:0"))
-    server = _Server.on_socket(listener)
+    server = EngineServer.on_socket(listener)
     server.engine = SimpleNamespace(ready=True, stopping=False)  # what /health reads
     threading.Thread(target=server.serve_forever, daemon=True).start()
     port = listener.getsockname()[1]

@@ -83,7 +83,7 @@ def start_http(engine: Engine) -> ThreadingHTTPServer:
     taken = passed_socket(who="the reference engine")
     passed = taken.sock if taken is not None else None
     server = _bind((engine.opts.host, engine.opts.port)) if passed is None else \
-        _Server.on_socket(passed)
+        EngineServer.on_socket(passed)
     server.engine = engine
     server.passed = passed is not None
     # polled every 50 ms: the stop's shutdown() waits for the next poll (0.5 s by default)
@@ -101,7 +101,7 @@ def start_http(engine: Engine) -> ThreadingHTTPServer:
     return server
 
 
-def _bind(address: tuple[str, int], patience: float = BIND_PATIENCE) -> _Server:
+def _bind(address: tuple[str, int], patience: float = BIND_PATIENCE) -> EngineServer:
     """The server bound to `address`, retrying while the port is in use for `patience` s.
 
     The engine this one replaces (a promoted standby starts serving the moment it is gone)
@@ -111,7 +111,7 @@ def _bind(address: tuple[str, int], patience: float = BIND_PATIENCE) -> _Server:
     deadline = time.monotonic() + patience
     while True:
         try:
-            return _Server(address, _Handler)
+            return EngineServer(address, _Handler)
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE or not address[1] or time.monotonic() > deadline:
                 raise
@@ -124,7 +124,7 @@ def drain(server: ThreadingHTTPServer, limit: float = DRAIN_LIMIT) -> int:
     """Stop accepting, close this process's copy of the listening socket, close idle
     keep-alive connections and wait (at most `limit` s) until every connection held has had
     its reply; returns how many were still open after the limit."""
-    assert isinstance(server, _Server)
+    assert isinstance(server, EngineServer)
     server.draining = True
     server.shutdown()  # the accept loop ends (socketserver's shutdown: no socket shutdown())
     server.socket.close()  # our copy only: the launcher's socket keeps listening
@@ -148,14 +148,17 @@ def write_port_file(path: Path, port: int) -> None:
     os.replace(tmp, path)
 
 
-class _Server(ThreadingHTTPServer):
+class EngineServer(ThreadingHTTPServer):
+    """The reference engine's HTTP server: counts its connections, so that a drain waits for
+    what it holds (and answers what it accepted)."""
+
     daemon_threads = True
     engine: Engine
     draining = False
     passed = False  # serves the launcher's socket: drains on SIGTERM
 
     @classmethod
-    def on_socket(cls, sock: socket.socket) -> _Server:
+    def on_socket(cls, sock: socket.socket) -> EngineServer:
         """A server on an already listening socket (passed by the launcher)."""
         server = cls(sock.getsockname() if sock.family != socket.AF_UNIX else ("", 0),
                      _Handler, bind_and_activate=False)
@@ -231,7 +234,7 @@ class BadRequest(Exception):
 
 
 class _Handler(BaseHTTPRequestHandler):
-    server: _Server
+    server: EngineServer
     timeout = 30  # a client that stalls mid-request loses its connection, not a thread forever
     protocol_version = "HTTP/1.1"
 

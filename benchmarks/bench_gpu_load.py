@@ -217,8 +217,8 @@ else:
                bytes_outside=w.bytes_outside, free_before=free0, free_after=free1,
                allocated_before=alloc0, allocated_after=torch.cuda.memory_allocated(dev),
                checksum=float(sum(x.float().sum().item() for x in list(w.values())[:8])))
-with open("/proc/self/stat") as f:  # field 39: the CPU it last ran on
-    out.update(cpu=int(f.read().rsplit(")", 1)[1].split()[36]), cpus=len(os.sched_getaffinity(0)))
+import psutil
+out.update(cpu=psutil.Process().cpu_num(), cpus=len(os.sched_getaffinity(0)))  # where it ran
 print("RESULT " + json.dumps(out))
 """
 
@@ -822,8 +822,10 @@ def _local_cpus(device: str) -> list[int]:
 
 def _cpu_seconds(pid: int) -> float:
     """utime + stime of a process, in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def step_placement(model: Path, device: str, tmp: Path) -> None:

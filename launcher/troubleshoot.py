@@ -104,14 +104,15 @@ class Found(NamedTuple):
 
 def find(lines: Iterable[str]) -> list[Found]:
     """Each entry that one of `lines` matches, once, in the order first matched."""
-    table = list(entries())
+    table = [(title, row, columns, messages(row[_key(columns[0])]))
+             for title, row, columns in entries()]  # each cell parsed once, not once a line
     seen: set[int] = set()
     out = []
     for line in lines:
-        for i, (title, row, columns) in enumerate(table):
+        for i, (title, row, columns, cell) in enumerate(table):
             if i in seen:
                 continue
-            for runs in messages(row[_key(columns[0])]):
+            for runs in cell:
                 if _holds(line, runs):
                     seen.add(i)
                     out.append(Found(title, row, columns, " … ".join(runs), line.rstrip("\n")))

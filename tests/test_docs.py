@@ -637,9 +637,8 @@ def _error_class_messages(tree: ast.Module) -> Iterator[ast.expr]:
                     yield node.args[0]
 
 
-def code_messages() -> dict[str, str]:
-    """Key -> where, for every user-facing error and warning string in cache/ and launcher/."""
-    found: dict[str, str] = {}
+def code_templates() -> Iterator[tuple[str, str, str]]:
+    """(key, template, where) of every user-facing error and warning string in the code."""
     for path in sorted(p for d in CODE_DIRS for p in d.rglob("*.py")):
         tree = ast.parse(path.read_text())
         args = [(a, pct) for n in ast.walk(tree) for a, pct in _message_args(n, path.parent.name)]
@@ -648,7 +647,14 @@ def code_messages() -> dict[str, str]:
             template = _template(arg, percent)
             key = _key(template) if template is not None else None
             if key is not None:
-                found.setdefault(key, f"{path.parent.name}/{path.name}:{arg.lineno}")
+                yield key, template, f"{path.parent.name}/{path.name}:{arg.lineno}"
+
+
+def code_messages() -> dict[str, str]:
+    """Key -> where, for every user-facing error and warning string in cache/ and launcher/."""
+    found: dict[str, str] = {}
+    for key, _, where in code_templates():
+        found.setdefault(key, where)
     return found
 
 
@@ -674,19 +680,6 @@ GENERATED = ("<!-- generated: vlaunch troubleshoot --markdown (from "
              "launcher/troubleshooting.toml) -->")
 
 
-def code_templates() -> Iterator[tuple[str, str, str]]:
-    """(key, template, where) of every user-facing error and warning string in the code."""
-    for path in sorted(p for d in CODE_DIRS for p in d.rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        args = [(a, pct) for n in ast.walk(tree) for a, pct in _message_args(n, path.parent.name)]
-        args += [(a, False) for a in _error_class_messages(tree)]
-        for arg, percent in args:
-            template = _template(arg, percent)
-            key = _key(template) if template is not None else None
-            if key is not None:
-                yield key, template, f"{path.parent.name}/{path.name}:{arg.lineno}"
-
-
 def test_troubleshooting_page_is_rendered_from_its_source() -> None:
     """docs/troubleshooting.md after its introduction is `vlaunch troubleshoot --markdown`."""
     from vlaunch.launcher import troubleshoot
@@ -705,14 +698,15 @@ def test_vlaunch_troubleshoot_finds_every_message_as_the_code_prints_it() -> Non
     from vlaunch.launcher import troubleshoot
 
     missed = {}
-    for key, template, where in code_templates():
+    templates = list(code_templates())
+    for key, template, where in templates:
         if key in INTERNAL or key in WRAPPERS:
             continue
         if not troubleshoot.find([template.replace(HOLE, "7")]):
             missed[key] = where
     assert not missed, "no entry matches these as printed (launcher/troubleshooting.toml):\n" \
         + "\n".join(f"  `{k}`  ({w})" for k, w in sorted(missed.items()))
-    assert set(WRAPPERS) <= {k for k, _, _ in code_templates()}, "stale WRAPPERS entries"
+    assert set(WRAPPERS) <= {k for k, _, _ in templates}, "stale WRAPPERS entries"
 
 
 def test_vlaunch_troubleshoot_reads_a_log_and_prints_each_entry_once() -> None:

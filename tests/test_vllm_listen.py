@@ -260,3 +260,106 @@ def test_vllm_standby_under_listen_takes_over_a_killed_engine_with_nothing_refus
     finally:
         client.stop.set()
         la.close()
+
+
+# vLLM's own server class (NoSignalServer, as install() replaces it) on a tiny ASGI app: the
+# drain's connection handling without a model. argv: the uvicorn protocol ("h11", "httptools")
+DRAIN_CHILD = (
+    "import asyncio, logging, sys, uvicorn\n"
+    "from vllm.entrypoints.launchers import launcher\n"
+    "logging.getLogger('vllm.vlaunch').addHandler(logging.StreamHandler(sys.stdout))\n"
+    "logging.getLogger('vllm.vlaunch').setLevel(logging.INFO)\n"
+    "from vlaunch.cache.integrations import vllm_serve\n"
+    "assert vllm_serve.install()\n"
+    "async def app(scope, receive, send):\n"
+    "    if scope['type'] != 'http':\n"
+    "        return\n"
+    "    if scope['path'] == '/slow':\n"
+    "        print('slow', flush=True)\n"
+    "        await asyncio.sleep(1.0)\n"
+    "    await send({'type': 'http.response.start', 'status': 200,\n"
+    "                'headers': [(b'content-length', b'2')]})\n"
+    "    await send({'type': 'http.response.body', 'body': b'ok'})\n"
+    "sock = launcher.create_server_socket(('127.0.0.1', 1))\n"
+    "server = launcher.NoSignalServer(uvicorn.Config(app, lifespan='off', http=sys.argv[1],\n"
+    "                                                log_level='info'))\n"
+    "print('serving', flush=True)\n"
+    "asyncio.run(server.serve(sockets=[sock]))\n")
+
+
+def _send_get(conn: socket.socket, path: str) -> None:
+    conn.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+
+
+def _response(conn: socket.socket) -> http.client.HTTPResponse:
+    r = http.client.HTTPResponse(conn)
+    r.begin()
+    r.read()
+    return r
+
+
+@vllm_test
+@pytest.mark.parametrize("protocol", ["h11", "httptools"])
+def test_vllm_drain_answers_a_connection_it_accepted_before_its_request_arrived(
+        protocol: str, tmp_path: Path) -> None:
+    """SIGTERM to vLLM's server on the passed socket, holding three connections: one idle
+    between two requests (closed), one busy (answered, then closed), and one accepted
+    whose request arrives only after the SIGTERM (on a busy host the request comes after the
+    accept): answered, then closed, where uvicorn's own shutdown closes it unanswered. A
+    connection made after the SIGTERM waits in the backlog for the next engine; the server
+    exits 0."""
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(64)
+    port = lsock.getsockname()[1]
+    env = {**os.environ, "LISTEN_FDS": "1", "LISTEN_FDNAMES": "http"}
+    env.pop("LISTEN_PID", None)
+    log = tmp_path / "server.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", SHIM, str(lsock.fileno()), PYTHON, "-c",
+                                 DRAIN_CHILD, protocol], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, pass_fds=(lsock.fileno(),), cwd=ROOT)
+    conns: list[socket.socket] = []
+
+    def connect() -> socket.socket:
+        conns.append(socket.create_connection(("127.0.0.1", port), timeout=60))
+        return conns[-1]
+
+    try:
+        eventually(lambda: "serving" in log.read_text() and proc.poll() is None, 300,
+                   what=lambda: log.read_text()[-3000:], interval=0.2)
+        idle = connect()
+        _send_get(idle, "/")
+        assert _response(idle).status == 200  # keep-alive: idle now
+        fresh = connect()  # accepted, no request yet
+        busy = connect()  # accepted after `fresh` (in order): its request in hand
+        _send_get(busy, "/slow")
+        eventually(lambda: "slow" in log.read_text().split("serving", 1)[1], 60,
+                   what=lambda: log.read_text()[-3000:])
+        proc.send_signal(signal.SIGTERM)
+        eventually(lambda: "stopped accepting on the launcher's socket" in log.read_text(), 60,
+                   what=lambda: log.read_text()[-3000:])
+        later = connect()  # after the SIGTERM: the backlog, for the next engine
+        _send_get(later, "/")
+        time.sleep(0.5)  # past uvicorn's own shutdown (its loop wakes every 0.1 s)
+        _send_get(fresh, "/")
+        assert _response(fresh).status == 200
+        assert fresh.recv(1) == b""  # then ended (answered at once: before a `close` header)
+        slow = _response(busy)
+        assert slow.status == 200 and busy.recv(1) == b""  # answered, then ended
+        if protocol == "httptools":  # which says so (h11's protocol closes without the header)
+            assert slow.getheader("connection") == "close"
+        assert idle.recv(1) == b""  # the idle keep-alive connection was ended
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
+        lsock.settimeout(5)
+        queued, _ = lsock.accept()  # never accepted by the draining server
+        with queued:
+            queued.settimeout(5)
+            assert queued.recv(100).startswith(b"GET / HTTP/1.1")
+    finally:
+        for conn in conns:
+            conn.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        lsock.close()

@@ -24,7 +24,11 @@ the next engine accepts from too, that sends new connections to an engine on its
 only when it serves the inherited socket, `serve_http`'s server (the module's `NoSignalServer`,
 replaced by a subclass) takes SIGTERM itself: it stops accepting at once (closes its copy of the
 socket: a close, never a `shutdown()`, which would stop the socket listening for every process
-that shares it), then exits uvicorn's loop, whose shutdown lets every open request finish; vLLM
+that shares it), ends the keep-alive connections idle between two requests, answers the requests
+it holds with `Connection: close`, and waits (at most NEW_REQUEST_WAIT) for the first request of
+each connection it accepted that has none yet: uvicorn's own shutdown closes such a connection
+unanswered, which fails a request its client has sent (on a busy host the request arrives after
+the accept). Then it exits uvicorn's loop, whose shutdown lets every open request finish; vLLM
 then shuts its engine down with nothing in flight. A second SIGTERM forces the exit; SIGINT is
 vLLM's.
 """
@@ -48,6 +52,7 @@ log = logging.getLogger("vllm.vlaunch")
 
 SUPPORTED = ("0.32.",)  # vLLM versions whose launcher module this seam was read in
 _LAUNCHER = "vllm.entrypoints.launchers.launcher"
+NEW_REQUEST_WAIT = 2.0  # s a drain waits for the first request of a connection it accepted
 _inherited: socket.socket | None = None  # the passed socket, once vLLM's setup_server took it
 
 
@@ -149,7 +154,7 @@ def _draining_server(base: type) -> type:
     it serves the inherited socket."""
 
     class DrainingServer(base):  # type: ignore[misc, valid-type]
-        """Stops accepting on SIGTERM, then lets uvicorn finish every open request."""
+        """Stops accepting on SIGTERM, answers what it accepted, then lets uvicorn finish."""
 
         _vlaunch_draining = False
 
@@ -173,6 +178,33 @@ def _draining_server(base: type) -> type:
             log.info("vlaunch: SIGTERM: stopped accepting on the launcher's socket; finishing "
                      "%d open connection(s), then vLLM shuts down",
                      len(self.server_state.connections))
+            self._vlaunch_end_started()
             self.should_exit = True
+
+        def _vlaunch_end_started(self) -> list[Any]:
+            """uvicorn's graceful end (`shutdown()` of a protocol: an idle connection closed,
+            a busy one closed once answered) for each connection that has had a request;
+            those that have not (a protocol's `cycle` is None until a request's headers are
+            read) are returned."""
+            ended: set[Any] = self.__dict__.setdefault("_vlaunch_ended", set())
+            fresh = []
+            for conn in list(self.server_state.connections):
+                if getattr(conn, "cycle", True) is None:
+                    fresh.append(conn)
+                elif conn not in ended:  # once: a second shutdown() of a closed h11 one raises
+                    ended.add(conn)
+                    conn.shutdown()
+            return fresh
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            if self._vlaunch_draining:
+                import asyncio
+
+                loop = asyncio.get_running_loop()
+                end = loop.time() + NEW_REQUEST_WAIT
+                while self._vlaunch_end_started() and loop.time() < end and \
+                        not self.force_exit:
+                    await asyncio.sleep(0.01)
+            await super().shutdown(sockets)
 
     return DrainingServer

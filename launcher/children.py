@@ -14,6 +14,8 @@ import psutil
 
 from vlaunch.cache.contract import lifetime
 
+from .keeper import COMMAND_SIGTERM
+
 log = logging.getLogger("vlaunch.launcher")
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -146,6 +148,16 @@ def signal_group(pid: int, sig: int) -> None:
     """Signal a child's process group (it leads its own); a vanished group is fine."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
+
+
+def signal_command(pid: int, sig: int) -> None:
+    """SIGTERM the command the keeper `pid` runs, alone (keeper.COMMAND_SIGTERM); any other
+    signal goes to the group. A vanished keeper is fine."""
+    if sig != signal.SIGTERM:
+        signal_group(pid, sig)
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, COMMAND_SIGTERM)
 
 
 def group_running(pgid: int) -> list[int]:

@@ -189,7 +189,10 @@ class Executor:
         if running is not None:
             if action.sig == signal.SIGKILL and action.role != "cache":
                 self._sample_held(running)  # what the kill takes, counted at its exit
-            self.hooks.signal(running.child.pid, action.sig)
+            if action.command_only:
+                self.hooks.signal_command(running.child.pid, action.sig)
+            else:
+                self.hooks.signal(running.child.pid, action.sig)
 
     async def _retire_engine(self, action: events.RetireEngine) -> None:
         """The engine gives way to its standby: it drains now (its exit is a draining one)."""
@@ -201,12 +204,14 @@ class Executor:
             self._drop_channel("engine_channel")
 
     async def _signal_draining(self, action: events.SignalDraining) -> None:
-        """Signal a draining engine's process group."""
+        """SIGTERM a draining engine's command, SIGKILL its process group."""
         running = self.draining.get(action.pid)
         if running is not None and not running.exited:
             if action.sig == signal.SIGKILL:
                 self._sample_held(running)
-            self.hooks.signal(action.pid, action.sig)
+                self.hooks.signal(action.pid, action.sig)
+            else:
+                self.hooks.signal_command(action.pid, action.sig)
 
     async def _kill_all(self, action: events.KillAll) -> None:
         """SIGKILL every child's process group."""

@@ -27,6 +27,7 @@ from .children import (
     die_with_parent,
     group_running,
     reap_orphans,
+    signal_command,
     signal_group,
     sweep,
 )
@@ -64,6 +65,9 @@ class ProcessHooks(Protocol):
 
     def signal(self, pid: int, sig: int) -> None:
         """Signal a child's process group (a vanished one is fine)."""
+
+    def signal_command(self, pid: int, sig: int) -> None:
+        """Signal the command a kept child runs, alone: not its group (keeper.py)."""
 
     def sweep(self, pids: Iterable[int]) -> list[str]:
         """SIGKILL these groups and every descendant left; names of what was killed."""
@@ -161,6 +165,9 @@ class OsHooks:
 
     def signal(self, pid: int, sig: int) -> None:
         signal_group(pid, sig)
+
+    def signal_command(self, pid: int, sig: int) -> None:
+        signal_command(pid, sig)
 
     def sweep(self, pids: Iterable[int]) -> list[str]:
         return sweep(pids)

@@ -40,6 +40,10 @@ from vlaunch.cache.contract.lifetime import become_subreaper, die_with_parent
 PASSED_ON = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
 """Signals the keeper handles: passed on to an engine outside its group, else left to it."""
+COMMAND_SIGTERM = signal.SIGRTMIN + 1
+"""Sent to the keeper alone: SIGTERM to the command alone, not to its workers (a planned stop:
+the command drains what it holds, then stops its workers itself; children.signal_command)."""
+HANDLED = (*PASSED_ON, COMMAND_SIGTERM)
 TEARDOWN_ROUNDS = 50
 PASS_ENV = "VLAUNCH_LISTEN_PASS"
 """The keeper's fd numbers of the engine's listening sockets, comma-separated (launcher)."""
@@ -62,6 +66,7 @@ class Keeper:
         become_subreaper()
         for sig in PASSED_ON:
             signal.signal(sig, self._on_signal)
+        signal.signal(COMMAND_SIGTERM, self._on_command_sigterm)
         with contextlib.suppress(OSError):  # the launcher's death: see _on_signal
             die_with_parent(signal.SIGTERM)
         if os.getppid() != self.parent:  # it died before the prctl took effect
@@ -77,8 +82,9 @@ class Keeper:
         A signal the launcher sent the group before the command existed (a stop that began
         while a standby starts) reached the keeper alone: the command gets it once started,
         or it would run on, unstopped, until the stop timeout. Signals are blocked around the
-        fork, so that each one is either such an early one or reaches the command itself."""
-        signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
+        fork, so that each one is either such an early one or reaches the command itself (a
+        pending COMMAND_SIGTERM is handled once unblocked, with the command started)."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
         early = self.early | (signal.sigpending() & set(PASSED_ON))
         pid = os.fork()
         if pid:
@@ -86,14 +92,14 @@ class Keeper:
             for sig in sorted(early):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)
             os.closerange(3, _max_fd())  # a standby's promote fd is the engine's alone
             return pid
         try:
             die_with_parent()
-            for sig in PASSED_ON:
+            for sig in HANDLED:
                 signal.signal(sig, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)
             env = dict(os.environ)
             if "WATCHDOG_USEC" in env:
                 env["WATCHDOG_PID"] = str(os.getpid())
@@ -128,6 +134,16 @@ class Keeper:
             group = os.getpgid(self.child)
             if group != os.getpgrp():
                 os.killpg(group, signum)
+
+    def _on_command_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        """SIGTERM to the command alone (or once it runs)."""
+        if os.getppid() != self.parent:
+            self._on_signal(signum, frame)  # the launcher is gone: tear down
+        elif not self.child:
+            self.early.add(signal.SIGTERM)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.child, signal.SIGTERM)
 
     def _kill_descendants(self) -> None:
         """SIGKILL every descendant until none is left (what a killed process had started

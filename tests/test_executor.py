@@ -115,6 +115,9 @@ class FakeHooks:
         if sig in (signal.SIGTERM, signal.SIGKILL) and pid in self.children:
             self.children[pid].exit(-sig)
 
+    def signal_command(self, pid: int, sig: int) -> None:
+        self.signal(pid, sig)  # the fake child is its command
+
     def sweep(self, pids: Any) -> list[str]:
         return []
 

@@ -167,3 +167,33 @@ def test_a_signal_before_the_command_starts_reaches_it() -> None:
                           timeout=45, start_new_session=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(int(signal.SIGTERM))  # killed by it, not after 60 s
+
+
+def test_command_sigterm_reaches_the_command_alone_and_its_workers_die_after_it(
+        tmp_path: Path) -> None:
+    """A planned stop (a drain): COMMAND_SIGTERM to the keeper alone is SIGTERM to the command
+    only; its worker, in the same group, is not signalled (a vLLM engine core would stop at
+    once and fail what the server still answers) and dies with the command's exit."""
+    from vlaunch.launcher.keeper import COMMAND_SIGTERM
+
+    out = tmp_path / "got"
+    proc = keep(sys.executable, "-c", f"""
+import signal, subprocess, sys, time
+w = subprocess.Popen([sys.executable, "-c", '''
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *a: (open({str(out)!r} + ".worker", "w").write("TERM"),
+                                          sys.exit(0)))
+open({str(out)!r} + ".wpid", "w").write(str(__import__("os").getpid()))
+time.sleep(600)
+'''])
+signal.signal(signal.SIGTERM, lambda *a: (open({str(out)!r}, "w").write("TERM"), sys.exit(0)))
+open({str(out)!r} + ".ready", "w").close()
+time.sleep(600)
+""")
+    eventually(lambda: Path(f"{out}.ready").exists() and Path(f"{out}.wpid").exists(), 30,
+               what="the command and its worker")
+    worker = int(Path(f"{out}.wpid").read_text())
+    os.kill(proc.pid, COMMAND_SIGTERM)  # the keeper alone
+    assert proc.wait(30) == 0 and out.read_text() == "TERM"
+    assert not Path(f"{out}.worker").exists()  # never SIGTERMed: SIGKILLed after the command
+    eventually(lambda: gone(worker), 30, what="the worker's end")

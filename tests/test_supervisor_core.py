@@ -447,7 +447,7 @@ def test_during_a_failure_stop_the_first_sigterm_waits_and_the_second_kills() ->
 def test_sighup_restarts_the_engine_outside_the_budget() -> None:
     sup, actions = history([*SERVING, SignalReceived(signal.SIGHUP, 10)], restart_max=0)
     assert actions[-2:] == [Notify({"RELOADING": "1", "STATUS": "restarting engine (SIGHUP)"}),
-                            SignalChild("engine", None, TERM)]
+                            SignalChild("engine", None, TERM, command_only=True)]
     assert sup.phase is Phase.RESTARTING and not sup.engine_ready
     _, rest = history([engine_exit(1, -15, 11), *engine_up(2, 12)], sup)
     assert of(SpawnEngine, rest) == [SpawnEngine(2)]  # at once, no backoff

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import eventually, free_port
@@ -223,12 +224,15 @@ class _Client(threading.Thread):
 
 
 @vllm_test
-def test_vllm_standby_under_listen_takes_over_a_killed_engine_with_nothing_refused(
-        tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("event", ["kill", "sighup"])
+def test_vllm_standby_under_listen_takes_over_with_nothing_refused(
+        event: str, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`vlaunch run --listen 127.0.0.1:PORT --standby -- vllm serve ...`: the serving vLLM
-    and a parked standby both hold the launcher's socket; a client sends completions back to
-    back while the serving vLLM is SIGKILLed; the standby is promoted and serves, and the
-    client never sees a refused connection (it may lose the request the killed engine held)."""
+    and a parked standby both hold the launcher's socket; clients send completions back to
+    back while the serving vLLM is SIGKILLed, or replaced on purpose (SIGHUP to the launcher:
+    the standby is promoted, the old vLLM drains); the standby serves, and no client sees a
+    refused connection. A kill may lose the request the killed engine held (one a client);
+    a SIGHUP loses none."""
     from tests.test_launcher import Launcher
 
     for name, value in {**VLLM_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
@@ -237,28 +241,44 @@ def test_vllm_standby_under_listen_takes_over_a_killed_engine_with_nothing_refus
     engine = _api_server(tiny, "--load-format", "vlaunch", "--port", str(free_port()))
     la = Launcher(tmp_path, tiny, "--plan", "replicate", "--standby", "--listen",
                   f"127.0.0.1:{port}", "--engine-health-url",
-                  f"http://127.0.0.1:{port}/health", tp=TP, engine=engine)
-    client = _Client(port, tiny)
+                  f"http://127.0.0.1:{port}/health", "--drain-timeout", "120", tp=TP,
+                  engine=engine)  # vLLM's own exit takes seconds on 2 shared cores
+    clients = [_Client(port, tiny) for _ in range(1 if event == "kill" else 3)]
     try:
         snap = la.wait_for(lambda s: s["engine_ready"]
                            and (s.get("standby") or {}).get("state") == "parked", timeout=500)
-        client.start()
-        eventually(lambda: client.ok >= 3, 120, what="completions before the kill")
-        standby_pid = snap["standby"]["pid"]
-        os.kill(snap["engine"]["pid"], signal.SIGKILL)
+        for client in clients:
+            client.start()
+        eventually(lambda: all(c.ok >= 3 for c in clients), 120,
+                   what="completions before the event")
+        standby_pid, old_pid = snap["standby"]["pid"], snap["engine"]["pid"]
+        if event == "kill":
+            os.kill(old_pid, signal.SIGKILL)
+        else:
+            la.proc.send_signal(signal.SIGHUP)
         snap = la.wait_for(lambda s: s["engine"]["restarts"] >= 1 and s["engine_ready"],
                            timeout=300)
         assert snap["engine"]["pid"] == standby_pid and snap["standby"]["promotions"] == 1
-        served = client.ok
-        eventually(lambda: client.ok >= served + 3, 120, what="completions after the promotion")
-        client.stop.set()
-        client.join(300)
-        assert client.refused == 0, (client.refused, la.text()[-3000:])
-        assert len(client.failed) <= 1, client.failed  # at most the request the kill took
+        served = [c.ok for c in clients]
+        eventually(lambda: all(c.ok >= n + 3 for c, n in zip(clients, served, strict=True)),
+                   120,
+                   what="completions after the promotion")
+        if event == "sighup":  # the old vLLM drained and exited
+            eventually(lambda: la.status()["drain"]["drained"] == 1, 120,
+                       what=lambda: la.text()[-3000:])
+            assert not psutil.pid_exists(old_pid) or \
+                psutil.Process(old_pid).status() == psutil.STATUS_ZOMBIE
+        for client in clients:
+            client.stop.set()
+            client.join(300)
+        assert [c.refused for c in clients] == [0] * len(clients), la.text()[-3000:]
+        failed = [f for c in clients for f in c.failed]
+        assert len(failed) <= (1 if event == "kill" else 0), failed
         la.proc.send_signal(signal.SIGTERM)
         assert la.wait_exit(120) == 0
     finally:
-        client.stop.set()
+        for client in clients:
+            client.stop.set()
         la.close()
 
 

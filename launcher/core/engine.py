@@ -84,7 +84,8 @@ class EngineDecisions(SupervisorState):
         engine = self._require_engine()
         self._engine_to(EngineState.STOPPING, hangs=engine.hangs + hung)
         self._engine_run.reload_deadline, self._engine_run.settle_due = reload_deadline, None
-        return [SignalChild("engine", None, sig)]
+        planned = reload_deadline is not None and not hung  # it drains: its command alone
+        return [SignalChild("engine", None, sig, command_only=planned)]
 
     def _cancel_restart(self) -> None:
         """No restart is due any more: an engine in backoff counts as exited."""

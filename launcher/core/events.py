@@ -330,11 +330,14 @@ class SpawnEngine:
 
 @dataclass(frozen=True)
 class SignalChild:
-    """Send `sig` to a child's process group (`rank` is None for the engine and the standby)."""
+    """Send `sig` to a child's process group (`rank` is None for the engine and the standby);
+    `command_only`: to the engine's command alone, not its workers (a planned stop's SIGTERM:
+    the command drains, then stops its workers itself; see SignalDraining)."""
 
     role: Role
     rank: int | None
     sig: int
+    command_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -398,7 +401,9 @@ class RetireEngine:
 
 @dataclass(frozen=True)
 class SignalDraining:
-    """Send `sig` to the process group of the draining engine `pid`."""
+    """Send `sig` to the draining engine `pid`: SIGTERM to its command alone (its workers, a
+    vLLM engine core, would stop at once and fail what the command still answers), SIGKILL to
+    its whole process group (systemd's KillMode=mixed)."""
 
     pid: int
     sig: int

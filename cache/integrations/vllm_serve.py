@@ -157,6 +157,7 @@ def _draining_server(base: type) -> type:
         """Stops accepting on SIGTERM, answers what it accepted, then lets uvicorn finish."""
 
         _vlaunch_draining = False
+        _vlaunch_ended: set[Any]  # connections given uvicorn's shutdown() (the drain's)
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
@@ -172,7 +173,7 @@ def _draining_server(base: type) -> type:
             if self._vlaunch_draining:
                 self.force_exit = True
                 return
-            self._vlaunch_draining = True
+            self._vlaunch_draining, self._vlaunch_ended = True, set()
             for server in getattr(self, "servers", ()):
                 server.close()  # this process's copy only; the launcher's stays listening
             log.info("vlaunch: SIGTERM: stopped accepting on the launcher's socket; finishing "
@@ -186,7 +187,7 @@ def _draining_server(base: type) -> type:
             a busy one closed once answered) for each connection that has had a request;
             those that have not (a protocol's `cycle` is None until a request's headers are
             read) are returned."""
-            ended: set[Any] = self.__dict__.setdefault("_vlaunch_ended", set())
+            ended = self._vlaunch_ended
             fresh = []
             for conn in list(self.server_state.connections):
                 if getattr(conn, "cycle", True) is None:
